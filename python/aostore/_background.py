@@ -1,0 +1,110 @@
+"""A writer thread in front of a store, so the engine thread never waits for a put."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from aostore._native import BlockObjectStoreError
+
+
+class _Store(Protocol):
+    def put(
+        self,
+        objects: Sequence[Any],
+        *,
+        retain_keys: Iterable[str] = (),
+        release_keys: Iterable[str] = (),
+    ) -> None: ...
+
+    def get_concatenated(self, keys: Sequence[str]) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+_Update = tuple[list[Any], tuple[str, ...], tuple[str, ...]]
+
+
+class BackgroundBlockObjectStore:
+    """Applies ``put`` calls to ``store`` on one background thread, in call order.
+
+    ``put`` queues the update (blocking while ``max_pending_batches`` are queued) and returns.
+    The first error the writer meets is latched: later updates are skipped, and the next
+    ``put``, ``get_concatenated`` or ``close`` raises ``BlockObjectStoreError`` chained from it.
+    ``get_concatenated`` first waits for every queued put. ``close`` drains the queue, stops
+    the thread, closes ``store`` once and raises any latched error; it is idempotent.
+
+    ``store`` may be any object with ``put``, ``get_concatenated`` and ``close``. With an aostore
+    store the writer holds the GIL only to hand the batch over: copies and bookkeeping run in
+    Rust with the GIL released.
+    """
+
+    def __init__(self, store: _Store, *, max_pending_batches: int) -> None:
+        if isinstance(max_pending_batches, bool) or not isinstance(max_pending_batches, int):
+            raise TypeError("max_pending_batches must be an int")
+        if max_pending_batches < 1:
+            raise ValueError("max_pending_batches must be at least 1")
+        self._store = store
+        self._queue: queue.Queue[_Update | None] = queue.Queue(maxsize=max_pending_batches)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="aostore-writer")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            update = self._queue.get()
+            try:
+                if update is None:
+                    return
+                if self._error is None:
+                    objects, retains, releases = update
+                    self._store.put(objects, retain_keys=retains, release_keys=releases)
+            except BaseException as error:  # latched and re-raised on the caller's thread
+                self._error = error
+            finally:
+                self._queue.task_done()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise BlockObjectStoreError("auxiliary output publication failed") from self._error
+
+    def put(
+        self,
+        objects: Iterable[Any],
+        *,
+        retain_keys: Iterable[str] = (),
+        release_keys: Iterable[str] = (),
+    ) -> None:
+        """Queues one update; a no-op when all three arguments are empty."""
+        batch = list(objects)
+        retains = tuple(retain_keys)
+        releases = tuple(release_keys)
+        if not batch and not retains and not releases:
+            return
+        if self._closed:
+            raise RuntimeError("auxiliary output store is closed")
+        self._raise_if_failed()
+        self._queue.put((batch, retains, releases))
+        self._raise_if_failed()
+
+    def get_concatenated(self, keys: Sequence[str]) -> bytes:
+        """Waits for queued puts, then reads ``keys`` from the store."""
+        self._queue.join()
+        self._raise_if_failed()
+        return self._store.get_concatenated(keys)
+
+    def close(self) -> None:
+        """Drains, stops the writer, closes the store once; raises any latched error."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.join()
+        self._queue.put(None)
+        self._thread.join()
+        self._store.close()
+        self._raise_if_failed()

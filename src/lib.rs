@@ -1,0 +1,16 @@
+//! aostore: the block store behind an LLM engine's auxiliary outputs.
+//!
+//! Fixed-size slots in one arena, reference counts per key, and an O(1) LRU that holds only
+//! evictable (stored, unreferenced) keys. The core has no Python in it; the PyO3 binding lives in
+//! `python` behind the `python` feature.
+
+pub mod arena;
+pub mod error;
+pub mod slab;
+pub mod store;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::StoreError;
+pub use store::{BlockRef, BlockStore, Counters, Stats};

@@ -1,0 +1,352 @@
+//! The key slab: one entry per key the store knows (stored, referenced, or both), a free list
+//! threaded through vacant entries, and the LRU of evictable keys as an intrusive doubly linked
+//! list over the same entries, so insert, unlink and move-to-tail are O(1) and allocation-free.
+
+/// "No entry" in a link field.
+pub const NIL: u32 = u32::MAX;
+/// `Entry::slot` of a key that has no slot in the arena.
+pub const NO_SLOT: u32 = u32::MAX;
+/// `Entry::slot` of a batch key that is being stored by the current put and has no slot yet.
+/// Such a key is in the LRU (when unreferenced) exactly like a stored one, as in vLLM.
+pub const PENDING_SLOT: u32 = u32::MAX - 1;
+/// `Entry::prev` of a vacant entry, so `check` can tell vacant entries from live ones.
+const VACANT: u32 = u32::MAX - 1;
+
+/// What the store knows about one key.
+#[derive(Debug)]
+pub struct Entry {
+    /// The key's text.
+    pub key: Box<str>,
+    /// The low bits of the key's hash: compared before the text, so a probe rarely reads it.
+    pub hash: u32,
+    /// Reference count; an entry with `refs == 0` is stored (or pending).
+    pub refs: u32,
+    /// Arena slot, `NO_SLOT`, or `PENDING_SLOT`.
+    pub slot: u32,
+    /// Scratch for the put in progress (validation counts, batch positions); meaningless between
+    /// calls.
+    pub mark: u32,
+    prev: u32,
+    next: u32,
+}
+
+impl Entry {
+    /// Stored, or being stored by the put in progress.
+    #[inline]
+    pub fn has_slot(&self) -> bool {
+        self.slot != NO_SLOT
+    }
+
+    /// Stored and unreferenced: exactly the entries the LRU holds.
+    #[inline]
+    pub fn is_evictable(&self) -> bool {
+        self.has_slot() && self.refs == 0
+    }
+}
+
+/// Entries in a `Vec`, addressed by `u32` index, with the LRU threaded through them.
+#[derive(Debug, Default)]
+pub struct Slab {
+    entries: Vec<Entry>,
+    free_head: u32,
+    live: usize,
+    lru_head: u32,
+    lru_tail: u32,
+    lru_len: usize,
+}
+
+impl Slab {
+    /// An empty slab with room for `capacity` entries before it reallocates.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            entries: Vec::with_capacity(capacity),
+            free_head: NIL,
+            live: 0,
+            lru_head: NIL,
+            lru_tail: NIL,
+            lru_len: 0,
+        }
+    }
+
+    /// Number of live entries.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    /// Whether no entry is live.
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// Number of entries in the LRU.
+    pub fn lru_len(&self) -> usize {
+        self.lru_len
+    }
+
+    /// Oldest evictable entry, or `NIL`.
+    pub fn lru_head(&self) -> u32 {
+        self.lru_head
+    }
+
+    /// The entry after `idx` in LRU order, or `NIL`.
+    #[inline]
+    pub fn lru_next(&self, idx: u32) -> u32 {
+        self.entries[idx as usize].next
+    }
+
+    /// Creates an entry (unreferenced, no slot, not in the LRU) and returns its index.
+    pub fn insert(&mut self, key: Box<str>, hash: u32) -> u32 {
+        let entry =
+            Entry { key, hash, refs: 0, slot: NO_SLOT, mark: 0, prev: NIL, next: NIL };
+        self.live += 1;
+        if self.free_head == NIL {
+            let idx = u32::try_from(self.entries.len()).expect("more than 2^32 keys");
+            assert!(idx < VACANT, "more than 2^32 keys");
+            self.entries.push(entry);
+            return idx;
+        }
+        let idx = self.free_head;
+        let vacant = &mut self.entries[idx as usize];
+        debug_assert_eq!(vacant.prev, VACANT);
+        self.free_head = vacant.next;
+        *vacant = entry;
+        idx
+    }
+
+    /// Frees an entry that is not in the LRU; returns its key text.
+    pub fn remove(&mut self, idx: u32) -> Box<str> {
+        let free_head = self.free_head;
+        let entry = &mut self.entries[idx as usize];
+        debug_assert_ne!(entry.prev, VACANT, "double free of entry {idx}");
+        debug_assert!(!entry.is_evictable(), "removing entry {idx} while in the LRU");
+        let key = std::mem::take(&mut entry.key);
+        entry.slot = NO_SLOT;
+        entry.refs = 0;
+        entry.prev = VACANT;
+        entry.next = free_head;
+        self.free_head = idx;
+        self.live -= 1;
+        key
+    }
+
+    /// Appends an entry that is not in the LRU at its tail (newest).
+    #[inline]
+    pub fn push_back(&mut self, idx: u32) {
+        let tail = self.lru_tail;
+        {
+            let entry = &mut self.entries[idx as usize];
+            debug_assert!(entry.prev == NIL && entry.next == NIL && self.lru_head != idx);
+            entry.prev = tail;
+            entry.next = NIL;
+        }
+        if tail == NIL {
+            self.lru_head = idx;
+        } else {
+            self.entries[tail as usize].next = idx;
+        }
+        self.lru_tail = idx;
+        self.lru_len += 1;
+    }
+
+    /// Takes an entry out of the LRU.
+    #[inline]
+    pub fn unlink(&mut self, idx: u32) {
+        let (prev, next) = {
+            let entry = &mut self.entries[idx as usize];
+            let links = (entry.prev, entry.next);
+            entry.prev = NIL;
+            entry.next = NIL;
+            links
+        };
+        debug_assert!(prev != NIL || self.lru_head == idx, "entry {idx} is not in the LRU");
+        if prev == NIL {
+            self.lru_head = next;
+        } else {
+            self.entries[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.lru_tail = prev;
+        } else {
+            self.entries[next as usize].prev = prev;
+        }
+        self.lru_len -= 1;
+    }
+
+    /// Moves an entry that is in the LRU to its tail.
+    #[inline]
+    pub fn move_to_back(&mut self, idx: u32) {
+        if self.lru_tail != idx {
+            self.unlink(idx);
+            self.push_back(idx);
+        }
+    }
+
+    /// Iterates the LRU from oldest to newest.
+    pub fn lru_iter(&self) -> impl Iterator<Item = u32> + '_ {
+        let mut cursor = self.lru_head;
+        std::iter::from_fn(move || {
+            if cursor == NIL {
+                return None;
+            }
+            let idx = cursor;
+            cursor = self.entries[idx as usize].next;
+            Some(idx)
+        })
+    }
+
+    /// Iterates the indices of live entries.
+    pub fn live_indices(&self) -> impl Iterator<Item = u32> + '_ {
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, entry)| entry.prev != VACANT)
+            .map(|(idx, _)| idx as u32)
+    }
+
+    /// Verifies the slab's own invariants: the free list, the live count, and that the LRU is a
+    /// well-formed list holding exactly the evictable entries.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut vacant = 0usize;
+        let mut cursor = self.free_head;
+        while cursor != NIL {
+            let entry = self.entries.get(cursor as usize).ok_or("free list leaves the slab")?;
+            if entry.prev != VACANT {
+                return Err(format!("free list: entry {cursor} is live"));
+            }
+            vacant += 1;
+            if vacant > self.entries.len() {
+                return Err("free list has a cycle".into());
+            }
+            cursor = entry.next;
+        }
+        let marked_vacant = self.entries.iter().filter(|e| e.prev == VACANT).count();
+        if vacant != marked_vacant || self.entries.len() - vacant != self.live {
+            return Err(format!(
+                "free list: {vacant} linked, {marked_vacant} vacant, {} live counted for {} entries",
+                self.live,
+                self.entries.len()
+            ));
+        }
+        let mut seen = 0usize;
+        let mut prev = NIL;
+        let mut cursor = self.lru_head;
+        while cursor != NIL {
+            let entry = self.entries.get(cursor as usize).ok_or("LRU leaves the slab")?;
+            if entry.prev == VACANT {
+                return Err(format!("LRU: entry {cursor} is vacant"));
+            }
+            if entry.prev != prev {
+                return Err(format!("LRU: entry {cursor} has a broken back link"));
+            }
+            if !entry.is_evictable() {
+                return Err(format!(
+                    "LRU holds exactly the stored unreferenced keys: {:?} is in it with {} \
+                     references",
+                    entry.key, entry.refs
+                ));
+            }
+            seen += 1;
+            if seen > self.entries.len() {
+                return Err("LRU has a cycle".into());
+            }
+            prev = cursor;
+            cursor = entry.next;
+        }
+        if prev != self.lru_tail || seen != self.lru_len {
+            return Err(format!("LRU: tail or length wrong ({seen} linked, {} counted)", self.lru_len));
+        }
+        let evictable = self
+            .entries
+            .iter()
+            .filter(|e| e.prev != VACANT && e.is_evictable())
+            .count();
+        if evictable != seen {
+            return Err(format!(
+                "LRU holds exactly the stored unreferenced keys: {evictable} evictable, {seen} in \
+                 the LRU"
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl std::ops::Index<u32> for Slab {
+    type Output = Entry;
+
+    #[inline]
+    fn index(&self, idx: u32) -> &Entry {
+        &self.entries[idx as usize]
+    }
+}
+
+impl std::ops::IndexMut<u32> for Slab {
+    #[inline]
+    fn index_mut(&mut self, idx: u32) -> &mut Entry {
+        &mut self.entries[idx as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slab_with(keys: &[&str]) -> (Slab, Vec<u32>) {
+        let mut slab = Slab::with_capacity(4);
+        let idx = keys
+            .iter()
+            .map(|k| {
+                let i = slab.insert((*k).into(), 0);
+                slab[i].slot = 0;
+                i
+            })
+            .collect();
+        (slab, idx)
+    }
+
+    fn order(slab: &Slab) -> Vec<String> {
+        slab.lru_iter().map(|i| slab[i].key.to_string()).collect()
+    }
+
+    #[test]
+    fn lru_push_unlink_move() {
+        let (mut slab, idx) = slab_with(&["a", "b", "c"]);
+        for &i in &idx {
+            slab.push_back(i);
+        }
+        assert_eq!(order(&slab), ["a", "b", "c"]);
+        slab.move_to_back(idx[0]);
+        assert_eq!(order(&slab), ["b", "c", "a"]);
+        slab.unlink(idx[2]);
+        assert_eq!(order(&slab), ["b", "a"]);
+        slab[idx[2]].refs = 1; // referenced: out of the LRU by the invariant
+        slab.validate().unwrap();
+        slab.move_to_back(idx[0]);
+        assert_eq!(order(&slab), ["b", "a"]);
+        slab.unlink(idx[1]);
+        slab.unlink(idx[0]);
+        assert_eq!(slab.lru_len(), 0);
+        assert_eq!(slab.lru_head(), NIL);
+    }
+
+    #[test]
+    fn free_list_reuses_entries() {
+        let (mut slab, idx) = slab_with(&["a", "b"]);
+        slab[idx[0]].slot = NO_SLOT;
+        assert_eq!(&*slab.remove(idx[0]), "a");
+        assert_eq!(slab.len(), 1);
+        let again = slab.insert("c".into(), 0);
+        assert_eq!(again, idx[0]);
+        assert_eq!(slab.len(), 2);
+        slab[again].refs = 1;
+        slab[idx[1]].refs = 1;
+        slab.validate().unwrap();
+        assert_eq!(slab.live_indices().count(), 2);
+    }
+
+    #[test]
+    fn validate_finds_an_evictable_entry_outside_the_lru() {
+        let (slab, _) = slab_with(&["a"]);
+        let err = slab.validate().unwrap_err();
+        assert!(err.contains("LRU holds exactly the stored unreferenced keys"), "{err}");
+    }
+}

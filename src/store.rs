@@ -1,0 +1,683 @@
+//! The store: keys, reference counts, the LRU of evictable keys, and the arena.
+//!
+//! Semantics are SPEC section 2 (`fail-closed`). The one idea that matters for speed: only
+//! evictable keys (stored, unreferenced) are in the LRU, so an evicting put walks victims, never
+//! the keys that running requests hold.
+
+use std::hash::BuildHasher;
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+
+use crate::arena::Arena;
+use crate::error::StoreError;
+use crate::slab::{Slab, NIL, NO_SLOT, PENDING_SLOT};
+
+/// One object of a batch: a key and exactly `object_nbytes` bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockRef<'a> {
+    /// The object's key.
+    pub key: &'a str,
+    /// The object's bytes.
+    pub payload: &'a [u8],
+}
+
+/// Monotonic counters, for `stats()`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Successful `put` calls.
+    pub puts: u64,
+    /// Objects copied into slots.
+    pub objects_written: u64,
+    /// Applied retains (+1 each).
+    pub retains: u64,
+    /// Applied releases (-1 each).
+    pub releases: u64,
+    /// Keys evicted.
+    pub evictions: u64,
+    /// Puts refused with `cannot retain`.
+    pub capacity_errors: u64,
+    /// Arena growths (profile `grow`).
+    pub growths: u64,
+    /// Objects read.
+    pub reads: u64,
+    /// Reads refused because a key was not stored.
+    pub read_misses: u64,
+    /// Payload bytes copied into the arena.
+    pub bytes_written: u64,
+    /// Payload bytes copied out of the arena.
+    pub bytes_read: u64,
+    /// LRU entries visited while choosing victims (the seed's "no rescan" property).
+    pub eviction_visits: u64,
+}
+
+/// A point-in-time view of the store's occupancy and counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stats {
+    /// Slots in the arena.
+    pub capacity: usize,
+    /// Keys stored.
+    pub stored: usize,
+    /// Keys with a reference count above zero (stored or not).
+    pub referenced: usize,
+    /// Keys stored and unreferenced (the LRU's length).
+    pub evictable: usize,
+    /// Slots not holding an object.
+    pub free_slots: usize,
+    /// Bytes per object.
+    pub object_nbytes: usize,
+    /// Counters since construction.
+    pub counters: Counters,
+}
+
+/// Scratch vectors reused by every call, so a put allocates only for new keys' text.
+#[derive(Debug, Default)]
+struct Scratch {
+    hashes: Vec<u32>,
+    /// Unique batch keys in first-occurrence order: (entry, index of the last payload).
+    batch: Vec<(u32, usize)>,
+    retains: Vec<u32>,
+    releases: Vec<u32>,
+    /// Keys whose count reached zero in this call, in release order.
+    released: Vec<u32>,
+    /// Entries created by this call, freed again when validation fails.
+    created: Vec<u32>,
+    victims: Vec<u32>,
+}
+
+/// `Entry::mark` of a key that is not in the current batch.
+const NOT_IN_BATCH: u32 = u32::MAX;
+
+/// A bounded block store with reference counts and O(1) eviction of unreferenced keys.
+#[derive(Debug)]
+pub struct BlockStore {
+    arena: Option<Arena>,
+    object_nbytes: usize,
+    num_slots: usize,
+    index: HashTable<u32>,
+    hasher: DefaultHashBuilder,
+    slab: Slab,
+    /// Slots released by eviction, reused before fresh ones so touched pages are reused.
+    free_slots: Vec<u32>,
+    /// Slots below this were handed out at least once; above it the arena is untouched.
+    next_slot: u32,
+    stored: usize,
+    referenced: usize,
+    counters: Counters,
+    scratch: Scratch,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena").field("num_slots", &self.num_slots()).finish_non_exhaustive()
+    }
+}
+
+/// Largest slot count: slot indices are `u32` and two values are reserved markers.
+pub const MAX_SLOTS: usize = (PENDING_SLOT - 1) as usize;
+
+/// The table hash of a key from the 32 bits kept in its entry: multiplying spreads them over
+/// the 64 bits the table uses, so resizing and removal never re-read the key's text.
+#[inline]
+fn table_hash(hash: u32) -> u64 {
+    u64::from(hash).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl BlockStore {
+    /// A store of `max_bytes / object_nbytes` slots of `object_nbytes` bytes each.
+    pub fn new(max_bytes: usize, object_nbytes: usize) -> Result<Self, StoreError> {
+        if object_nbytes == 0 {
+            return Err(StoreError::ObjectSizeNotPositive);
+        }
+        if max_bytes < object_nbytes {
+            return Err(StoreError::CapacityBelowOneObject);
+        }
+        let num_slots = max_bytes / object_nbytes;
+        if num_slots > MAX_SLOTS {
+            return Err(StoreError::CapacityTooLarge {
+                num_slots: num_slots as u64,
+                object_nbytes: object_nbytes as u64,
+            });
+        }
+        let arena = Arena::new(num_slots, object_nbytes)?;
+        // Sized for a full store so the steady state never rehashes; referenced keys that are
+        // not stored yet may still grow it.
+        let reserve = num_slots.min(1 << 24);
+        Ok(Self {
+            arena: Some(arena),
+            object_nbytes,
+            num_slots,
+            index: HashTable::with_capacity(reserve),
+            hasher: DefaultHashBuilder::default(),
+            slab: Slab::with_capacity(reserve),
+            free_slots: Vec::new(),
+            next_slot: 0,
+            stored: 0,
+            referenced: 0,
+            counters: Counters::default(),
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// Bytes per object.
+    pub fn object_nbytes(&self) -> usize {
+        self.object_nbytes
+    }
+
+    /// Objects the store holds at most.
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    /// Whether `close` was called.
+    pub fn is_closed(&self) -> bool {
+        self.arena.is_none()
+    }
+
+    /// Frees the arena and every key; later calls fail with `Closed`. Idempotent.
+    pub fn close(&mut self) {
+        if self.arena.take().is_some() {
+            self.index = HashTable::new();
+            self.slab = Slab::default();
+            self.free_slots = Vec::new();
+            self.scratch = Scratch::default();
+            self.stored = 0;
+            self.referenced = 0;
+        }
+    }
+
+    #[inline]
+    fn hash_key(&self, key: &str) -> u32 {
+        let full = self.hasher.hash_one(key);
+        (full ^ (full >> 32)) as u32
+    }
+
+    /// The entry of `key`, if the store knows it (stored or referenced).
+    #[inline]
+    fn find(&self, key: &str, hash: u32) -> Option<u32> {
+        let slab = &self.slab;
+        self.index
+            .find(table_hash(hash), |&idx| {
+                let entry = &slab[idx];
+                entry.hash == hash && &*entry.key == key
+            })
+            .copied()
+    }
+
+    /// The entry of `key`, created (unreferenced, without a slot) when missing.
+    fn find_or_insert(&mut self, key: &str, hash: u32, created: &mut Vec<u32>) -> u32 {
+        if let Some(idx) = self.find(key, hash) {
+            return idx;
+        }
+        let idx = self.slab.insert(key.into(), hash);
+        let slab = &self.slab;
+        self.index.insert_unique(table_hash(hash), idx, |&i| table_hash(slab[i].hash));
+        created.push(idx);
+        idx
+    }
+
+    /// Frees an entry that is neither stored nor referenced.
+    fn forget(&mut self, idx: u32) {
+        let hash = self.slab[idx].hash;
+        match self.index.find_entry(table_hash(hash), |&i| i == idx) {
+            Ok(found) => {
+                found.remove();
+            }
+            Err(_) => unreachable!("entry {idx} is not indexed"),
+        }
+        self.slab.remove(idx);
+    }
+
+    /// Stores a batch and applies reference changes, evicting as needed (SPEC section 2).
+    ///
+    /// Validation comes first: a wrong-sized payload or a release below zero returns an error
+    /// and changes nothing.
+    pub fn put(
+        &mut self,
+        objects: &[BlockRef<'_>],
+        retain_keys: &[&str],
+        release_keys: &[&str],
+    ) -> Result<(), StoreError> {
+        if self.arena.is_none() {
+            return Err(StoreError::Closed);
+        }
+        if let Some(bad) = objects.iter().find(|o| o.payload.len() != self.object_nbytes) {
+            return Err(StoreError::PayloadSize {
+                key: bad.key.to_owned(),
+                expected: self.object_nbytes,
+                actual: bad.payload.len(),
+            });
+        }
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let result = self.put_with(&mut scratch, objects, retain_keys, release_keys);
+        scratch.batch.clear();
+        scratch.retains.clear();
+        scratch.releases.clear();
+        scratch.released.clear();
+        scratch.created.clear();
+        scratch.victims.clear();
+        scratch.hashes.clear();
+        self.scratch = scratch;
+        result
+    }
+
+    fn put_with(
+        &mut self,
+        s: &mut Scratch,
+        objects: &[BlockRef<'_>],
+        retain_keys: &[&str],
+        release_keys: &[&str],
+    ) -> Result<(), StoreError> {
+        // Resolve every key to an entry once. Entries created here are unreferenced and have no
+        // slot, so they are invisible until something below gives them a count or a slot.
+        for key in retain_keys {
+            let hash = self.hash_key(key);
+            let idx = self.find_or_insert(key, hash, &mut s.created);
+            s.retains.push(idx);
+        }
+        for key in release_keys {
+            let hash = self.hash_key(key);
+            let idx = self.find_or_insert(key, hash, &mut s.created);
+            s.releases.push(idx);
+        }
+        if let Err(error) = self.validate_releases(s) {
+            for &idx in &s.created {
+                self.forget(idx);
+            }
+            return Err(error);
+        }
+        for object in objects {
+            s.hashes.push(self.hash_key(object.key));
+        }
+        for (position, object) in objects.iter().enumerate() {
+            let idx = self.find_or_insert(object.key, s.hashes[position], &mut s.created);
+            s.batch.push((idx, position));
+        }
+        // Dedupe: the first occurrence fixes the position, the last payload wins.
+        for &(idx, _) in &s.batch {
+            self.slab[idx].mark = NOT_IN_BATCH;
+        }
+        for &idx in &s.releases {
+            self.slab[idx].mark = NOT_IN_BATCH;
+        }
+        let mut unique = 0;
+        for i in 0..s.batch.len() {
+            let (idx, position) = s.batch[i];
+            let mark = self.slab[idx].mark;
+            if mark == NOT_IN_BATCH {
+                self.slab[idx].mark = unique as u32;
+                s.batch[unique] = (idx, position);
+                unique += 1;
+            } else {
+                s.batch[mark as usize].1 = position;
+            }
+        }
+        s.batch.truncate(unique);
+
+        for &idx in &s.retains {
+            self.retain(idx);
+        }
+        for &idx in &s.releases {
+            if self.release(idx) {
+                s.released.push(idx);
+            }
+        }
+        // Unreferenced batch keys go to the tail in batch order; new ones enter as pending.
+        let mut new_keys = 0usize;
+        let mut unreferenced_in_batch = 0usize;
+        for &(idx, _) in &s.batch {
+            let entry = &mut self.slab[idx];
+            let was_stored = entry.has_slot();
+            if !was_stored {
+                entry.slot = PENDING_SLOT;
+                new_keys += 1;
+            }
+            if entry.refs == 0 {
+                unreferenced_in_batch += 1;
+                if was_stored {
+                    self.slab.move_to_back(idx);
+                } else {
+                    self.slab.push_back(idx);
+                }
+            }
+        }
+        // Then released keys, in release order, so a finishing request's tail block (released
+        // first) is the first of them to go. Released keys that are neither stored nor in the
+        // batch are forgotten.
+        let mut released_in_batch = 0usize;
+        let mut released_in_lru = 0usize;
+        for i in 0..s.released.len() {
+            let idx = s.released[i];
+            if self.slab[idx].has_slot() {
+                self.slab.move_to_back(idx);
+                s.released[released_in_lru] = idx;
+                released_in_lru += 1;
+                if self.slab[idx].mark != NOT_IN_BATCH {
+                    released_in_batch += 1;
+                }
+            } else {
+                self.forget(idx);
+            }
+        }
+        s.released.truncate(released_in_lru);
+
+        let need = (self.stored + new_keys).saturating_sub(self.num_slots);
+        if need > 0 {
+            // The LRU now reads: older keys, then the batch's protected keys (unreferenced and
+            // not released here), then the released keys. Victims come from the older keys,
+            // then from the released ones, so the walk touches victims only.
+            let protected = unreferenced_in_batch - released_in_batch;
+            let older = self.slab.lru_len() - protected - released_in_lru;
+            if older + released_in_lru < need {
+                self.counters.capacity_errors += 1;
+                self.roll_back_new_keys(s);
+                return Err(StoreError::CannotRetain { limit: self.num_slots });
+            }
+            let mut cursor = self.slab.lru_head();
+            for _ in 0..need.min(older) {
+                s.victims.push(cursor);
+                cursor = self.slab.lru_next(cursor);
+            }
+            let from_released = need - s.victims.len();
+            s.victims.extend_from_slice(&s.released[..from_released]);
+            self.counters.eviction_visits += need as u64;
+            for &victim in &s.victims {
+                self.evict(victim);
+            }
+        }
+        self.write_new_keys(s, objects);
+        self.counters.puts += 1;
+        Ok(())
+    }
+
+    /// Counts each release against the key's references plus this call's retains; the first
+    /// release below zero is the error. Touches nothing but `mark`.
+    fn validate_releases(&mut self, s: &Scratch) -> Result<(), StoreError> {
+        if s.releases.is_empty() {
+            return Ok(());
+        }
+        for &idx in s.retains.iter().chain(&s.releases) {
+            let entry = &mut self.slab[idx];
+            entry.mark = entry.refs;
+        }
+        for &idx in &s.retains {
+            self.slab[idx].mark += 1;
+        }
+        for &idx in &s.releases {
+            let entry = &mut self.slab[idx];
+            if entry.mark == 0 {
+                return Err(StoreError::NotReferenced { key: entry.key.to_string() });
+            }
+            entry.mark -= 1;
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn retain(&mut self, idx: u32) {
+        let entry = &mut self.slab[idx];
+        entry.refs += 1;
+        if entry.refs == 1 {
+            self.referenced += 1;
+            if entry.has_slot() {
+                self.slab.unlink(idx);
+            }
+        }
+        self.counters.retains += 1;
+    }
+
+    /// Returns whether the count reached zero.
+    #[inline]
+    fn release(&mut self, idx: u32) -> bool {
+        let entry = &mut self.slab[idx];
+        debug_assert!(entry.refs > 0, "validated release below zero");
+        entry.refs -= 1;
+        self.counters.releases += 1;
+        if entry.refs > 0 {
+            return false;
+        }
+        self.referenced -= 1;
+        if entry.has_slot() {
+            self.slab.push_back(idx);
+        }
+        true
+    }
+
+    fn evict(&mut self, idx: u32) {
+        let slot = self.slab[idx].slot;
+        debug_assert!(self.slab[idx].is_evictable());
+        self.slab.unlink(idx);
+        if slot != PENDING_SLOT {
+            self.free_slots.push(slot);
+            self.stored -= 1;
+        }
+        self.slab[idx].slot = NO_SLOT;
+        self.forget(idx);
+        self.counters.evictions += 1;
+    }
+
+    /// A refused put stores none of its new keys; its count changes and LRU moves stay.
+    fn roll_back_new_keys(&mut self, s: &Scratch) {
+        for &(idx, _) in &s.batch {
+            let entry = &self.slab[idx];
+            if entry.slot != PENDING_SLOT {
+                continue;
+            }
+            let unreferenced = entry.refs == 0;
+            if unreferenced {
+                self.slab.unlink(idx);
+            }
+            self.slab[idx].slot = NO_SLOT;
+            if unreferenced {
+                self.forget(idx);
+            }
+        }
+    }
+
+    fn write_new_keys(&mut self, s: &Scratch, objects: &[BlockRef<'_>]) {
+        let arena = self.arena.as_mut().expect("checked open");
+        for &(idx, position) in &s.batch {
+            let entry = &mut self.slab[idx];
+            if entry.slot != PENDING_SLOT {
+                continue;
+            }
+            let slot = match self.free_slots.pop() {
+                Some(slot) => slot,
+                None => {
+                    let slot = self.next_slot;
+                    self.next_slot += 1;
+                    slot
+                }
+            };
+            entry.slot = slot;
+            arena.slot_mut(slot).copy_from_slice(objects[position].payload);
+            self.stored += 1;
+            self.counters.objects_written += 1;
+            self.counters.bytes_written += self.object_nbytes as u64;
+        }
+    }
+
+    /// Copies the payloads of `keys`, in order, into `out` (`keys.len() * object_nbytes` bytes),
+    /// then moves each evictable key to the LRU tail. A missing key fails with `Missing` and
+    /// changes nothing.
+    pub fn get_into(&mut self, keys: &[&str], out: &mut [u8]) -> Result<(), StoreError> {
+        let Some(arena) = self.arena.as_ref() else {
+            return Err(StoreError::Closed);
+        };
+        assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
+        let mut found = std::mem::take(&mut self.scratch.victims);
+        found.clear();
+        for key in keys {
+            let idx = self.find(key, self.hash_key(key)).filter(|&i| {
+                let slot = self.slab[i].slot;
+                slot != NO_SLOT && slot != PENDING_SLOT
+            });
+            match idx {
+                Some(idx) => found.push(idx),
+                None => {
+                    self.counters.read_misses += 1;
+                    self.scratch.victims = found;
+                    return Err(StoreError::Missing {
+                        key: (*key).to_owned(),
+                        used: self.stored,
+                        limit: self.num_slots,
+                        hint: true,
+                    });
+                }
+            }
+        }
+        for (chunk, &idx) in out.chunks_exact_mut(self.object_nbytes).zip(&found) {
+            chunk.copy_from_slice(arena.slot(self.slab[idx].slot));
+        }
+        for &idx in &found {
+            if self.slab[idx].refs == 0 {
+                self.slab.move_to_back(idx);
+            }
+        }
+        self.counters.reads += keys.len() as u64;
+        self.counters.bytes_read += out.len() as u64;
+        found.clear();
+        self.scratch.victims = found;
+        Ok(())
+    }
+
+    /// The payloads of `keys`, concatenated; see `get_into`.
+    pub fn get_concatenated(&mut self, keys: &[&str]) -> Result<Vec<u8>, StoreError> {
+        let mut out = vec![0; keys.len() * self.object_nbytes];
+        self.get_into(keys, &mut out)?;
+        Ok(out)
+    }
+
+    /// Occupancy and counters.
+    pub fn stats(&self) -> Stats {
+        Stats {
+            capacity: self.num_slots,
+            stored: self.stored,
+            referenced: self.referenced,
+            evictable: self.slab.lru_len(),
+            free_slots: self.num_slots - self.stored,
+            object_nbytes: self.object_nbytes,
+            counters: self.counters,
+        }
+    }
+
+    /// Evictable keys, oldest first. For tests and debugging: O(n).
+    pub fn lru_keys(&self) -> Vec<&str> {
+        self.slab.lru_iter().map(|idx| &*self.slab[idx].key).collect()
+    }
+
+    /// Every key with a reference count above zero, with its count, in no particular order.
+    pub fn references(&self) -> Vec<(&str, u32)> {
+        self.slab
+            .live_indices()
+            .map(|idx| &self.slab[idx])
+            .filter(|e| e.refs > 0)
+            .map(|e| (&*e.key, e.refs))
+            .collect()
+    }
+
+    /// Every stored key with its bytes, in no particular order. Touches no LRU position.
+    pub fn objects(&self) -> Vec<(&str, &[u8])> {
+        let Some(arena) = self.arena.as_ref() else {
+            return Vec::new();
+        };
+        self.slab
+            .live_indices()
+            .map(|idx| &self.slab[idx])
+            .filter(|e| e.has_slot())
+            .map(|e| (&*e.key, arena.slot(e.slot)))
+            .collect()
+    }
+
+    /// The reference count of `key` (0 when unknown).
+    pub fn reference_count(&self, key: &str) -> u32 {
+        self.find(key, self.hash_key(key)).map_or(0, |idx| self.slab[idx].refs)
+    }
+
+    /// Whether `key` is stored.
+    pub fn contains(&self, key: &str) -> bool {
+        self.find(key, self.hash_key(key)).is_some_and(|idx| self.slab[idx].has_slot())
+    }
+
+    /// Checks every invariant of SPEC section 11; the error names the broken one.
+    pub fn check(&self) -> Result<(), String> {
+        if self.arena.is_none() {
+            return Ok(());
+        }
+        self.slab.validate()?;
+        let used = self.next_slot as usize;
+        if used > self.num_slots {
+            return Err(format!("slots are in range: {used} handed out, {} exist", self.num_slots));
+        }
+        let mut owner = vec![NIL; used];
+        let mut stored = 0usize;
+        let mut referenced = 0usize;
+        let mut indexed = 0usize;
+        for idx in self.slab.live_indices() {
+            let entry = &self.slab[idx];
+            if self.find(&entry.key, entry.hash) != Some(idx) {
+                return Err(format!("every key has one entry: {:?} is not found by its key", entry.key));
+            }
+            if entry.hash != self.hash_key(&entry.key) {
+                return Err(format!("every key has one entry: {:?} has a stale hash", entry.key));
+            }
+            indexed += 1;
+            if entry.slot == PENDING_SLOT {
+                return Err(format!("no put is in progress: {:?} is pending", entry.key));
+            }
+            if entry.refs > 0 {
+                referenced += 1;
+            }
+            if entry.has_slot() {
+                let slot = entry.slot as usize;
+                if slot >= used {
+                    return Err(format!(
+                        "slots are in range: {:?} has slot {slot} of {used} handed out",
+                        entry.key
+                    ));
+                }
+                if owner[slot] != NIL {
+                    return Err(format!("slots are unique: slot {slot} is held twice"));
+                }
+                owner[slot] = idx;
+                stored += 1;
+            } else if entry.refs == 0 {
+                return Err(format!(
+                    "counts are >= 1 where present: {:?} is neither stored nor referenced",
+                    entry.key
+                ));
+            }
+        }
+        if indexed != self.index.len() {
+            return Err(format!(
+                "every key has one entry: {} indexed, {indexed} live",
+                self.index.len()
+            ));
+        }
+        for &slot in &self.free_slots {
+            let slot = slot as usize;
+            if slot >= used {
+                return Err(format!("the free list is in the used range: slot {slot} of {used}"));
+            }
+            if owner[slot] != NIL {
+                return Err(format!(
+                    "the free list and the stored slots partition the used range: slot {slot} is \
+                     both"
+                ));
+            }
+            owner[slot] = NIL - 1;
+        }
+        if let Some(slot) = owner.iter().position(|&o| o == NIL) {
+            return Err(format!(
+                "the free list and the stored slots partition the used range: slot {slot} is \
+                 neither"
+            ));
+        }
+        if stored != self.stored || referenced != self.referenced {
+            return Err(format!(
+                "counters match contents: stored {stored} vs {}, referenced {referenced} vs {}",
+                self.stored, self.referenced
+            ));
+        }
+        Ok(())
+    }
+}
