@@ -1,0 +1,57 @@
+# One place for the commands that the README, pre-commit habits and CI all use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+WHEEL_DIR := dist
+
+.PHONY: venv build install run test test-rust test-python lint fmt bench clean
+
+$(VENV)/.deps: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "maturin>=1.7,<2" "pytest>=8" "hypothesis>=6.100" "numpy>=1.24" "ruff>=0.6" "mypy>=1.10"
+	touch $@
+
+venv: $(VENV)/.deps
+
+# The product: one cp311-abi3 wheel.
+build: venv
+	rm -rf $(WHEEL_DIR)
+	$(VENV)/bin/maturin build --release --out $(WHEEL_DIR)
+
+# Installs the wheel (not the source tree) into the virtual environment.
+install: build
+	$(PIP) install -q --force-reinstall --no-deps $(WHEEL_DIR)/aostore-*-cp311-abi3-*.whl
+
+# The main job: build, install, run the workload with its defaults.
+run: install
+	$(PY) -m aostore
+
+test-rust:
+	cargo test
+
+# Runs from tests/ so `import aostore` finds the installed wheel, never python/.
+test-python: install
+	cd tests && ../$(PY) -m pytest -q -p no:cacheprovider .
+
+test: test-rust test-python
+
+lint: venv
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features python -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/mypy
+
+fmt: venv
+	cargo fmt
+	$(VENV)/bin/ruff format python tests benches
+	$(VENV)/bin/ruff check --fix python tests benches
+
+bench: install
+	cargo bench --bench store
+
+clean:
+	rm -rf target $(WHEEL_DIR) $(VENV)
