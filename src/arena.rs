@@ -30,13 +30,12 @@ impl Arena {
     }
 
     fn checked_len(num_slots: usize, object_nbytes: usize) -> Result<usize, StoreError> {
-        num_slots
-            .checked_mul(object_nbytes)
-            .filter(|&len| len <= isize::MAX as usize)
-            .ok_or(StoreError::CapacityTooLarge {
+        num_slots.checked_mul(object_nbytes).filter(|&len| len <= isize::MAX as usize).ok_or(
+            StoreError::CapacityTooLarge {
                 num_slots: num_slots as u64,
                 object_nbytes: object_nbytes as u64,
-            })
+            },
+        )
     }
 
     /// Number of slots.
@@ -99,9 +98,8 @@ impl Arena {
         let len = Self::checked_len(num_slots, self.object_nbytes)?;
         // SAFETY: base/len describe our own live mapping; MREMAP_MAYMOVE lets the kernel move it,
         // and we replace `base` with the result before anyone reads it again.
-        let moved = unsafe {
-            libc::mremap(self.base.as_ptr().cast(), self.len, len, libc::MREMAP_MAYMOVE)
-        };
+        let moved =
+            unsafe { libc::mremap(self.base.as_ptr().cast(), self.len, len, libc::MREMAP_MAYMOVE) };
         if moved == libc::MAP_FAILED {
             return Err(StoreError::ArenaUnavailable { bytes: len, errno: last_errno() });
         }
@@ -173,10 +171,7 @@ mod tests {
 
     #[test]
     fn overflowing_size_is_an_error_not_a_crash() {
-        assert!(matches!(
-            Arena::new(usize::MAX / 2, 4),
-            Err(StoreError::CapacityTooLarge { .. })
-        ));
+        assert!(matches!(Arena::new(usize::MAX / 2, 4), Err(StoreError::CapacityTooLarge { .. })));
     }
 
     #[test]

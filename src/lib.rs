@@ -13,4 +13,7 @@ pub mod store;
 mod python;
 
 pub use error::StoreError;
-pub use store::{BlockRef, BlockStore, Counters, Stats};
+pub use store::{
+    BlockRef, BlockStore, Candidates, Counters, Profile, PutReport, RemoveReason, Stats,
+    VictimPolicy,
+};

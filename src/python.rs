@@ -13,7 +13,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::{ffi, intern};
 
 use crate::error::StoreError;
-use crate::store::{BlockRef, BlockStore};
+use crate::store::{BlockRef, BlockStore, Candidates, Profile, RemoveReason, VictimPolicy};
 
 pyo3::create_exception!(
     aostore,
@@ -192,38 +192,185 @@ fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> Vec<&'a str> {
 #[pyclass(module = "aostore._native", subclass, frozen, name = "NativeStore")]
 pub struct NativeStore {
     inner: Mutex<BlockStore>,
+    policy: Option<Py<PyAny>>,
+    /// Set by `close()`; read without the lock so a closed store fails before argument checks.
+    closed: std::sync::atomic::AtomicBool,
+}
+
+thread_local! {
+    /// Stores whose lock this thread holds: a policy callback that calls back into its own store
+    /// gets an error instead of a deadlock.
+    static HELD: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The store lock plus this thread's record of holding it.
+struct Held<'a> {
+    guard: MutexGuard<'a, BlockStore>,
+    address: usize,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        HELD.with(|held| {
+            let mut held = held.borrow_mut();
+            if let Some(at) = held.iter().rposition(|&a| a == self.address) {
+                held.remove(at);
+            }
+        });
+    }
 }
 
 impl NativeStore {
-    fn lock(&self) -> MutexGuard<'_, BlockStore> {
+    fn lock(&self) -> Result<Held<'_>, StoreError> {
+        let address = std::ptr::from_ref(self) as usize;
+        if HELD.with(|held| held.borrow().contains(&address)) {
+            return Err(StoreError::Policy(
+                "a victim policy must not call back into its store".to_owned(),
+            ));
+        }
         // A panic inside the core is a bug; the store's state is still memory-safe to use, and
         // `check()` tells whether it is consistent.
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        let guard = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        HELD.with(|held| held.borrow_mut().push(address));
+        Ok(Held { guard, address })
     }
 
+    fn ensure_open(&self) -> PyResult<()> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(to_py_err(StoreError::Closed));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the store with the GIL released: the lock is only ever taken without the GIL.
     fn with_store<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut BlockStore) -> T + Send,
-    ) -> T {
-        py.detach(|| f(&mut self.lock()))
+    ) -> PyResult<T> {
+        py.detach(|| self.lock().map(|mut held| f(&mut held.guard))).map_err(to_py_err)
+    }
+}
+
+/// vLLM's `ExpertCachePolicy`, called from the core with the GIL re-acquired. The first Python
+/// exception is kept so the put raises it as it was.
+struct PyPolicy<'a> {
+    policy: &'a Py<PyAny>,
+    error: Option<PyErr>,
+}
+
+impl PyPolicy<'_> {
+    fn keep(&mut self, error: PyErr) -> String {
+        let message = error.to_string();
+        self.error.get_or_insert(error);
+        message
+    }
+}
+
+impl VictimPolicy for PyPolicy<'_> {
+    fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String> {
+        let result = Python::attach(|py| {
+            self.policy
+                .bind(py)
+                .call_method1(intern!(py, "on_reference_change"), (key, old, new))
+                .map(drop)
+        });
+        result.map_err(|e| self.keep(e))
+    }
+
+    fn select_victims(
+        &mut self,
+        candidates: &mut Candidates<'_>,
+        count: usize,
+    ) -> Result<Option<Vec<String>>, String> {
+        let result = Python::attach(|py| -> PyResult<Option<Vec<String>>> {
+            let pointer = std::ptr::from_mut(candidates).cast::<Candidates<'static>>();
+            let iterator =
+                Bound::new(py, CandidateKeys { walk: Mutex::new(Some(CandidateWalk(pointer))) })?;
+            let chosen =
+                self.policy.bind(py).call_method1(intern!(py, "select_victims"), (&iterator, count));
+            // The walk borrows the store; it ends with this call whatever the policy kept.
+            *iterator.get().walk.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+            let chosen = chosen?;
+            if chosen.is_none() {
+                return Ok(None);
+            }
+            // Anything but an iterable of str is an invalid selection: the put is refused.
+            let invalid = Ok(Some(Vec::new()));
+            let Ok(items) = chosen.try_iter() else { return invalid };
+            let mut keys = Vec::new();
+            for item in items {
+                let Ok(item) = item else { return invalid };
+                let Ok(text) = item.cast::<PyString>() else { return invalid };
+                let Ok(text) = text.to_str() else { return invalid };
+                keys.push(text.to_owned());
+            }
+            Ok(Some(keys))
+        });
+        result.map_err(|e| self.keep(e))
+    }
+
+    fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String> {
+        let reason = match reason {
+            RemoveReason::Eviction => "eviction",
+            RemoveReason::Rollback => "rollback",
+        };
+        let result = Python::attach(|py| -> PyResult<()> {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item(intern!(py, "reason"), reason)?;
+            let keys = PyList::new(py, keys)?;
+            self.policy
+                .bind(py)
+                .call_method(intern!(py, "on_remove"), (keys,), Some(&kwargs))
+                .map(drop)
+        });
+        result.map_err(|e| self.keep(e))
+    }
+}
+
+/// A raw pointer to the core's candidate walk, valid only during `select_victims`.
+struct CandidateWalk(*mut Candidates<'static>);
+
+// SAFETY: the walk is only dereferenced under the `CandidateKeys` mutex, by the thread that is
+// inside `select_victims` (the only one that can reach the iterator while the walk is live).
+unsafe impl Send for CandidateWalk {}
+
+/// The lazy iterable of eligible keys given to `select_victims`, oldest first.
+#[pyclass(module = "aostore._native", frozen, name = "VictimCandidates")]
+struct CandidateKeys {
+    walk: Mutex<Option<CandidateWalk>>,
+}
+
+#[pymethods]
+impl CandidateKeys {
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyString>>> {
+        let mut walk = self.walk.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(CandidateWalk(pointer)) = walk.as_mut() else {
+            return Err(PyRuntimeError::new_err(
+                "victim candidates are only valid during select_victims()",
+            ));
+        };
+        // SAFETY: the pointer is set only while `select_victims` runs, during which the core
+        // keeps the walk alive and does not touch it; it is cleared before that call returns.
+        let candidates = unsafe { &mut **pointer };
+        Ok(candidates.next().map(|key| PyString::new(py, key)))
     }
 }
 
 #[pymethods]
 impl NativeStore {
     #[new]
-    #[pyo3(signature = (*args, max_bytes, object_nbytes, policy = None, profile = "fail-closed", **kwargs))]
+    #[pyo3(signature = (*, max_bytes, object_nbytes, policy = None, profile = "fail-closed"))]
     fn new(
-        args: &Bound<'_, PyTuple>,
         max_bytes: &Bound<'_, PyAny>,
         object_nbytes: &Bound<'_, PyAny>,
         policy: Option<&Bound<'_, PyAny>>,
         profile: &str,
-        kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        // Subclasses may add constructor keywords of their own; they are theirs to use.
-        let _ = (args, kwargs);
         let object_nbytes = size_arg(object_nbytes, "object_nbytes")?;
         let max_bytes = size_arg(max_bytes, "max_bytes")?;
         if object_nbytes <= 0 {
@@ -232,31 +379,32 @@ impl NativeStore {
         if max_bytes < object_nbytes {
             return Err(to_py_err(StoreError::CapacityBelowOneObject));
         }
-        if profile != "fail-closed" {
-            return Err(PyValueError::new_err(format!(
-                "unknown profile {profile:?}; this build supports \"fail-closed\""
-            )));
-        }
-        if policy.is_some_and(|p| !p.is_none()) {
-            return Err(PyValueError::new_err(
-                "victim policies are not supported by this build; pass policy=None",
-            ));
-        }
+        let profile = match profile {
+            "fail-closed" => Profile::FailClosed,
+            "grow" => Profile::Grow,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown profile {other:?}; expected \"fail-closed\" or \"grow\""
+                )))
+            }
+        };
+        let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
         let to_usize = |v: i128| usize::try_from(v).map_err(|_| too_large(v));
-        let store = BlockStore::new(to_usize(max_bytes)?, to_usize(object_nbytes)?)
-            .map_err(to_py_err)?;
-        Ok(Self { inner: Mutex::new(store) })
+        let store =
+            BlockStore::with_profile(to_usize(max_bytes)?, to_usize(object_nbytes)?, profile)
+                .map_err(to_py_err)?;
+        Ok(Self { inner: Mutex::new(store), policy, closed: false.into() })
     }
 
     /// Bytes per object.
     #[getter]
-    fn object_nbytes(&self, py: Python<'_>) -> usize {
+    fn object_nbytes(&self, py: Python<'_>) -> PyResult<usize> {
         self.with_store(py, |s| s.object_nbytes())
     }
 
     /// Objects the store holds at most.
     #[getter]
-    fn num_slots(&self, py: Python<'_>) -> usize {
+    fn num_slots(&self, py: Python<'_>) -> PyResult<usize> {
         self.with_store(py, |s| s.num_slots())
     }
 
@@ -271,6 +419,7 @@ impl NativeStore {
         retain_keys: Option<&Bound<'_, PyAny>>,
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.ensure_open()?;
         let mut parts = Vec::with_capacity(objects.len().unwrap_or(0));
         for object in objects.try_iter()? {
             parts.push(block_parts(&object?)?);
@@ -286,7 +435,41 @@ impl NativeStore {
             .collect();
         let retains = as_texts(&retains);
         let releases = as_texts(&releases);
-        self.with_store(py, |s| s.put(&blocks, &retains, &releases)).map_err(to_py_err)
+        let mut policy = self.policy.as_ref().map(|policy| PyPolicy { policy, error: None });
+        let result = self.with_store(py, |s| {
+            let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
+            s.put_with_policy(&blocks, &retains, &releases, policy)
+        })?;
+        if let Some(error) = policy.and_then(|p| p.error) {
+            return Err(error);
+        }
+        let report = result.map_err(to_py_err)?;
+        if let Some(num_slots) = report.grown_to {
+            let logger = py.import("logging")?.call_method1("getLogger", ("aostore",))?;
+            logger.call_method1(
+                "warning",
+                (
+                    "auxiliary output store grew to %d slots: every object is referenced",
+                    num_slots,
+                ),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The victim policy given to the constructor, or None.
+    #[getter]
+    fn policy(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.policy.as_ref().map(|p| p.clone_ref(py))
+    }
+
+    /// "fail-closed" or "grow".
+    #[getter]
+    fn profile(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.with_store(py, |s| match s.profile() {
+            Profile::FailClosed => "fail-closed",
+            Profile::Grow => "grow",
+        })
     }
 
     /// The payloads of `keys`, concatenated in order, as `bytes`; a key that is not stored
@@ -296,9 +479,10 @@ impl NativeStore {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        self.ensure_open()?;
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
-        let object_nbytes = self.object_nbytes(py);
+        let object_nbytes = self.object_nbytes(py)?;
         let len = texts
             .len()
             .checked_mul(object_nbytes)
@@ -309,34 +493,32 @@ impl NativeStore {
             // SAFETY: `bytes` is a fresh object of `len` bytes that no one else can see yet; we
             // hold it for the duration of the call.
             let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-            if s.object_nbytes() != object_nbytes {
-                return Err(StoreError::Closed);
-            }
             s.get_into(&texts, out)
-        })
+        })?
         .map_err(to_py_err)?;
         Ok(bytes)
     }
 
     /// Frees the arena; later calls raise `RuntimeError`. Idempotent.
-    fn close(&self, py: Python<'_>) {
-        self.with_store(py, BlockStore::close);
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.closed.store(true, std::sync::atomic::Ordering::Release);
+        self.with_store(py, BlockStore::close)
     }
 
     /// Whether `close()` was called.
     #[getter]
-    fn closed(&self, py: Python<'_>) -> bool {
+    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
         self.with_store(py, |s| s.is_closed())
     }
 
     /// Raises `AssertionError` naming the first broken store invariant.
     fn check(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_store(py, |s| s.check()).map_err(PyAssertionError::new_err)
+        self.with_store(py, |s| s.check())?.map_err(PyAssertionError::new_err)
     }
 
     /// Occupancy and counters as a dict of ints.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.with_store(py, |s| s.stats());
+        let stats = self.with_store(py, |s| s.stats())?;
         let c = stats.counters;
         let dict = PyDict::new(py);
         for (name, value) in [
@@ -375,7 +557,7 @@ impl NativeStore {
                 s.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
                 s.objects().into_iter().map(|(k, p)| (k.to_owned(), p.to_vec())).collect(),
             )
-        });
+        })?;
         let dict = PyDict::new(py);
         let lru = PyList::new(py, lru)?;
         let references = PyDict::new(py);
@@ -411,7 +593,8 @@ fn too_large(value: i128) -> PyErr {
 }
 
 fn new_uninit_bytes(py: Python<'_>, len: usize) -> PyResult<Bound<'_, PyBytes>> {
-    let len = ffi::Py_ssize_t::try_from(len).map_err(|_| PyOverflowError::new_err("read too large"))?;
+    let len =
+        ffi::Py_ssize_t::try_from(len).map_err(|_| PyOverflowError::new_err("read too large"))?;
     // SAFETY: a NULL source asks CPython for an uninitialised bytes object of `len` bytes, which
     // the caller fills completely before anyone else sees it.
     let raw = unsafe { ffi::PyBytes_FromStringAndSize(std::ptr::null(), len) };
@@ -429,6 +612,7 @@ fn bytes_ptr(bytes: &Bound<'_, PyBytes>) -> *mut u8 {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeStore>()?;
     m.add_class::<BlockObject>()?;
+    m.add_class::<CandidateKeys>()?;
     m.add("BlockObjectStoreError", m.py().get_type::<BlockObjectStoreError>())?;
     Ok(())
 }

@@ -78,6 +78,11 @@ impl Slab {
         self.live == 0
     }
 
+    /// Whether `idx` is a live entry.
+    pub fn is_live(&self, idx: u32) -> bool {
+        self.entries.get(idx as usize).is_some_and(|e| e.prev != VACANT)
+    }
+
     /// Number of entries in the LRU.
     pub fn lru_len(&self) -> usize {
         self.lru_len
@@ -96,8 +101,7 @@ impl Slab {
 
     /// Creates an entry (unreferenced, no slot, not in the LRU) and returns its index.
     pub fn insert(&mut self, key: Box<str>, hash: u32) -> u32 {
-        let entry =
-            Entry { key, hash, refs: 0, slot: NO_SLOT, mark: 0, prev: NIL, next: NIL };
+        let entry = Entry { key, hash, refs: 0, slot: NO_SLOT, mark: 0, prev: NIL, next: NIL };
         self.live += 1;
         if self.free_head == NIL {
             let idx = u32::try_from(self.entries.len()).expect("more than 2^32 keys");
@@ -253,13 +257,13 @@ impl Slab {
             cursor = entry.next;
         }
         if prev != self.lru_tail || seen != self.lru_len {
-            return Err(format!("LRU: tail or length wrong ({seen} linked, {} counted)", self.lru_len));
+            return Err(format!(
+                "LRU: tail or length wrong ({seen} linked, {} counted)",
+                self.lru_len
+            ));
         }
-        let evictable = self
-            .entries
-            .iter()
-            .filter(|e| e.prev != VACANT && e.is_evictable())
-            .count();
+        let evictable =
+            self.entries.iter().filter(|e| e.prev != VACANT && e.is_evictable()).count();
         if evictable != seen {
             return Err(format!(
                 "LRU holds exactly the stored unreferenced keys: {evictable} evictable, {seen} in \

@@ -84,6 +84,95 @@ struct Scratch {
     victims: Vec<u32>,
 }
 
+impl Scratch {
+    fn clear(&mut self) {
+        self.hashes.clear();
+        self.batch.clear();
+        self.retains.clear();
+        self.releases.clear();
+        self.released.clear();
+        self.created.clear();
+        self.victims.clear();
+    }
+}
+
+/// Where a put's keys landed in the LRU.
+struct Placement {
+    /// Keys of the batch that were not stored.
+    new_keys: usize,
+    /// Eligible keys older than the batch, at the LRU front.
+    older: usize,
+}
+
+/// What a successful put did beyond the obvious.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PutReport {
+    /// Profile `grow`: the arena grew to this many slots.
+    pub grown_to: Option<usize>,
+}
+
+/// Which contract the store follows when a batch does not fit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    /// Refuse the batch with `CannotRetain` (the default; vLLM main after the seed).
+    FailClosed,
+    /// Evict what is eligible, then grow the arena (vLLM 0.33).
+    Grow,
+}
+
+/// Why keys left the store, for `VictimPolicy::on_remove`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoveReason {
+    /// Evicted to make room.
+    Eviction,
+    /// New keys of a refused put.
+    Rollback,
+}
+
+/// vLLM's `ExpertCachePolicy` contract. An `Err` fails the put with that message; the store
+/// stays consistent.
+pub trait VictimPolicy {
+    /// After each applied retain (+1) or release (-1), in call order.
+    fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String>;
+    /// Exactly `count` distinct keys from `candidates` (eligible keys, oldest first), or `None`.
+    fn select_victims(
+        &mut self,
+        candidates: &mut Candidates<'_>,
+        count: usize,
+    ) -> Result<Option<Vec<String>>, String>;
+    /// After keys were removed.
+    fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String>;
+}
+
+/// A lazy walk of the keys a put may evict, oldest first: the LRU's older keys, then the keys
+/// this put released. The batch's own keys are skipped without being visited.
+pub struct Candidates<'a> {
+    slab: &'a Slab,
+    cursor: u32,
+    older_left: usize,
+    released: &'a [u32],
+    visited: usize,
+}
+
+impl<'a> Iterator for Candidates<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        let idx = if self.older_left > 0 {
+            self.older_left -= 1;
+            let idx = self.cursor;
+            self.cursor = self.slab.lru_next(idx);
+            idx
+        } else {
+            let (&idx, rest) = self.released.split_first()?;
+            self.released = rest;
+            idx
+        };
+        self.visited += 1;
+        Some(&self.slab[idx].key)
+    }
+}
+
 /// `Entry::mark` of a key that is not in the current batch.
 const NOT_IN_BATCH: u32 = u32::MAX;
 
@@ -93,6 +182,7 @@ pub struct BlockStore {
     arena: Option<Arena>,
     object_nbytes: usize,
     num_slots: usize,
+    profile: Profile,
     index: HashTable<u32>,
     hasher: DefaultHashBuilder,
     slab: Slab,
@@ -125,6 +215,15 @@ fn table_hash(hash: u32) -> u64 {
 impl BlockStore {
     /// A store of `max_bytes / object_nbytes` slots of `object_nbytes` bytes each.
     pub fn new(max_bytes: usize, object_nbytes: usize) -> Result<Self, StoreError> {
+        Self::with_profile(max_bytes, object_nbytes, Profile::FailClosed)
+    }
+
+    /// A store following `profile` when a batch does not fit.
+    pub fn with_profile(
+        max_bytes: usize,
+        object_nbytes: usize,
+        profile: Profile,
+    ) -> Result<Self, StoreError> {
         if object_nbytes == 0 {
             return Err(StoreError::ObjectSizeNotPositive);
         }
@@ -146,6 +245,7 @@ impl BlockStore {
             arena: Some(arena),
             object_nbytes,
             num_slots,
+            profile,
             index: HashTable::with_capacity(reserve),
             hasher: DefaultHashBuilder::default(),
             slab: Slab::with_capacity(reserve),
@@ -156,6 +256,11 @@ impl BlockStore {
             counters: Counters::default(),
             scratch: Scratch::default(),
         })
+    }
+
+    /// The store's profile.
+    pub fn profile(&self) -> Profile {
+        self.profile
     }
 
     /// Bytes per object.
@@ -215,8 +320,8 @@ impl BlockStore {
         idx
     }
 
-    /// Frees an entry that is neither stored nor referenced.
-    fn forget(&mut self, idx: u32) {
+    /// Frees an entry that is neither stored nor referenced; returns its key text.
+    fn forget(&mut self, idx: u32) -> Box<str> {
         let hash = self.slab[idx].hash;
         match self.index.find_entry(table_hash(hash), |&i| i == idx) {
             Ok(found) => {
@@ -224,7 +329,7 @@ impl BlockStore {
             }
             Err(_) => unreachable!("entry {idx} is not indexed"),
         }
-        self.slab.remove(idx);
+        self.slab.remove(idx)
     }
 
     /// Stores a batch and applies reference changes, evicting as needed (SPEC section 2).
@@ -236,7 +341,18 @@ impl BlockStore {
         objects: &[BlockRef<'_>],
         retain_keys: &[&str],
         release_keys: &[&str],
-    ) -> Result<(), StoreError> {
+    ) -> Result<PutReport, StoreError> {
+        self.put_with_policy(objects, retain_keys, release_keys, None)
+    }
+
+    /// `put`, with a victim policy consulted for reference changes, victims and removals.
+    pub fn put_with_policy(
+        &mut self,
+        objects: &[BlockRef<'_>],
+        retain_keys: &[&str],
+        release_keys: &[&str],
+        policy: Option<&mut dyn VictimPolicy>,
+    ) -> Result<PutReport, StoreError> {
         if self.arena.is_none() {
             return Err(StoreError::Closed);
         }
@@ -248,25 +364,23 @@ impl BlockStore {
             });
         }
         let mut scratch = std::mem::take(&mut self.scratch);
-        let result = self.put_with(&mut scratch, objects, retain_keys, release_keys);
-        scratch.batch.clear();
-        scratch.retains.clear();
-        scratch.releases.clear();
-        scratch.released.clear();
-        scratch.created.clear();
-        scratch.victims.clear();
-        scratch.hashes.clear();
+        let result = self.put_inner(&mut scratch, objects, retain_keys, release_keys, policy);
+        scratch.clear();
         self.scratch = scratch;
+        if result.is_ok() {
+            self.counters.puts += 1;
+        }
         result
     }
 
-    fn put_with(
+    fn put_inner(
         &mut self,
         s: &mut Scratch,
         objects: &[BlockRef<'_>],
         retain_keys: &[&str],
         release_keys: &[&str],
-    ) -> Result<(), StoreError> {
+        mut policy: Option<&mut dyn VictimPolicy>,
+    ) -> Result<PutReport, StoreError> {
         // Resolve every key to an entry once. Entries created here are unreferenced and have no
         // slot, so they are invisible until something below gives them a count or a slot.
         for key in retain_keys {
@@ -280,19 +394,84 @@ impl BlockStore {
             s.releases.push(idx);
         }
         if let Err(error) = self.validate_releases(s) {
-            for &idx in &s.created {
-                self.forget(idx);
-            }
+            self.forget_orphans(&s.created);
             return Err(error);
         }
-        for object in objects {
-            s.hashes.push(self.hash_key(object.key));
-        }
+        s.hashes.extend(objects.iter().map(|o| self.hash_key(o.key)));
         for (position, object) in objects.iter().enumerate() {
             let idx = self.find_or_insert(object.key, s.hashes[position], &mut s.created);
             s.batch.push((idx, position));
         }
-        // Dedupe: the first occurrence fixes the position, the last payload wins.
+        self.dedupe_batch(s);
+        if self.profile == Profile::Grow {
+            // vLLM 0.33 replaces a re-put object that nothing references: drop its bytes here,
+            // and the batch stores it again below.
+            for &(idx, _) in &s.batch {
+                if self.slab[idx].is_evictable() {
+                    let slot = self.slab[idx].slot;
+                    self.slab.unlink(idx);
+                    self.slab[idx].slot = NO_SLOT;
+                    self.free_slots.push(slot);
+                    self.stored -= 1;
+                }
+            }
+        }
+        for &idx in &s.retains {
+            self.retain(idx);
+        }
+        for &idx in &s.releases {
+            if self.release(idx) {
+                s.released.push(idx);
+            }
+        }
+        if let Some(policy) = policy.as_deref_mut() {
+            if let Err(error) = self.notify_reference_changes(s, policy) {
+                self.forget_orphans(&s.created);
+                self.forget_orphans(&s.released);
+                return Err(error);
+            }
+        }
+        let placed = self.order_batch_and_released(s);
+        let need = (self.stored + placed.new_keys).saturating_sub(self.num_slots);
+        let mut report = PutReport::default();
+        if need > 0 {
+            let eligible = placed.older + s.released.len();
+            if eligible >= need {
+                match policy.as_deref_mut() {
+                    None => self.take_victims(s, placed.older, need),
+                    Some(policy) => {
+                        if let Err(error) = self.ask_victims(s, placed.older, need, policy) {
+                            return Err(self.refuse_batch(s, error, Some(policy)));
+                        }
+                    }
+                }
+            } else if self.profile == Profile::Grow {
+                let num_slots = (self.stored + placed.new_keys).max(self.num_slots * 2);
+                if let Err(error) = self.grow_arena(num_slots) {
+                    return Err(self.refuse_batch(s, error, policy));
+                }
+                report.grown_to = Some(num_slots);
+                self.take_victims(s, placed.older, eligible);
+            } else {
+                let error = StoreError::CannotRetain { limit: self.num_slots };
+                return Err(self.refuse_batch(s, error, policy));
+            }
+        }
+        let removed = self.evict_victims(s, policy.is_some());
+        self.write_new_keys(s, objects);
+        if let Some(policy) = policy {
+            if !removed.is_empty() {
+                let keys: Vec<&str> = removed.iter().map(|k| &**k).collect();
+                policy.on_remove(&keys, RemoveReason::Eviction).map_err(StoreError::Policy)?;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Dedupe: the first occurrence fixes the position, the last payload wins. Afterwards a batch
+    /// entry's `mark` is its position in `s.batch`, and a released key's is `NOT_IN_BATCH` unless
+    /// it is in the batch too.
+    fn dedupe_batch(&mut self, s: &mut Scratch) {
         for &(idx, _) in &s.batch {
             self.slab[idx].mark = NOT_IN_BATCH;
         }
@@ -312,16 +491,21 @@ impl BlockStore {
             }
         }
         s.batch.truncate(unique);
+    }
 
-        for &idx in &s.retains {
-            self.retain(idx);
-        }
-        for &idx in &s.releases {
-            if self.release(idx) {
-                s.released.push(idx);
-            }
-        }
-        // Unreferenced batch keys go to the tail in batch order; new ones enter as pending.
+    /// Whether `idx` is a batch key that this call did not release: such keys are never victims.
+    #[inline]
+    fn is_protected(&self, s: &Scratch, idx: u32) -> bool {
+        let mark = self.slab[idx].mark as usize;
+        // Marks of entries outside this call are stale, so confirm the position.
+        mark < s.batch.len() && s.batch[mark].0 == idx
+    }
+
+    /// Moves unreferenced batch keys to the LRU tail in batch order (new ones enter as pending),
+    /// then released keys in release order, so a finishing request's tail block (released first)
+    /// goes first. Released keys that are neither stored nor in the batch are forgotten, and
+    /// `s.released` keeps only the ones in the LRU.
+    fn order_batch_and_released(&mut self, s: &mut Scratch) -> Placement {
         let mut new_keys = 0usize;
         let mut unreferenced_in_batch = 0usize;
         for &(idx, _) in &s.batch {
@@ -340,53 +524,174 @@ impl BlockStore {
                 }
             }
         }
-        // Then released keys, in release order, so a finishing request's tail block (released
-        // first) is the first of them to go. Released keys that are neither stored nor in the
-        // batch are forgotten.
         let mut released_in_batch = 0usize;
-        let mut released_in_lru = 0usize;
+        let mut kept = 0usize;
         for i in 0..s.released.len() {
             let idx = s.released[i];
             if self.slab[idx].has_slot() {
                 self.slab.move_to_back(idx);
-                s.released[released_in_lru] = idx;
-                released_in_lru += 1;
-                if self.slab[idx].mark != NOT_IN_BATCH {
+                s.released[kept] = idx;
+                kept += 1;
+                if self.is_protected(s, idx) {
                     released_in_batch += 1;
+                    self.slab[idx].mark = NOT_IN_BATCH;
                 }
             } else {
                 self.forget(idx);
             }
         }
-        s.released.truncate(released_in_lru);
+        s.released.truncate(kept);
+        // The LRU now reads: older keys, the batch's protected keys, the released keys.
+        let protected = unreferenced_in_batch - released_in_batch;
+        Placement { new_keys, older: self.slab.lru_len() - protected - kept }
+    }
 
-        let need = (self.stored + new_keys).saturating_sub(self.num_slots);
-        if need > 0 {
-            // The LRU now reads: older keys, then the batch's protected keys (unreferenced and
-            // not released here), then the released keys. Victims come from the older keys,
-            // then from the released ones, so the walk touches victims only.
-            let protected = unreferenced_in_batch - released_in_batch;
-            let older = self.slab.lru_len() - protected - released_in_lru;
-            if older + released_in_lru < need {
-                self.counters.capacity_errors += 1;
-                self.roll_back_new_keys(s);
-                return Err(StoreError::CannotRetain { limit: self.num_slots });
+    /// Victims without a policy: the oldest keys, then released ones. The walk touches victims
+    /// only, however many keys are referenced.
+    fn take_victims(&mut self, s: &mut Scratch, older: usize, count: usize) {
+        let mut cursor = self.slab.lru_head();
+        for _ in 0..count.min(older) {
+            s.victims.push(cursor);
+            cursor = self.slab.lru_next(cursor);
+        }
+        let from_released = count - s.victims.len();
+        s.victims.extend_from_slice(&s.released[..from_released]);
+        self.counters.eviction_visits += count as u64;
+    }
+
+    /// Victims chosen by a policy from a lazy walk of the eligible keys, checked to be exactly
+    /// `count` distinct eligible keys.
+    fn ask_victims(
+        &mut self,
+        s: &mut Scratch,
+        older: usize,
+        count: usize,
+        policy: &mut dyn VictimPolicy,
+    ) -> Result<(), StoreError> {
+        let mut candidates = Candidates {
+            slab: &self.slab,
+            cursor: self.slab.lru_head(),
+            older_left: older,
+            released: &s.released,
+            visited: 0,
+        };
+        let chosen = policy.select_victims(&mut candidates, count);
+        self.counters.eviction_visits += candidates.visited as u64;
+        let refused = StoreError::CannotRetain { limit: self.num_slots };
+        let chosen = chosen.map_err(StoreError::Policy)?.ok_or(refused.clone())?;
+        if chosen.len() != count {
+            return Err(refused);
+        }
+        for key in &chosen {
+            let idx = self.find(key, self.hash_key(key)).ok_or(refused.clone())?;
+            if !self.slab[idx].is_evictable() || self.is_protected(s, idx) {
+                return Err(refused);
             }
-            let mut cursor = self.slab.lru_head();
-            for _ in 0..need.min(older) {
-                s.victims.push(cursor);
-                cursor = self.slab.lru_next(cursor);
-            }
-            let from_released = need - s.victims.len();
-            s.victims.extend_from_slice(&s.released[..from_released]);
-            self.counters.eviction_visits += need as u64;
-            for &victim in &s.victims {
-                self.evict(victim);
+            s.victims.push(idx);
+        }
+        let mut sorted = s.victims.clone();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            s.victims.clear();
+            return Err(refused);
+        }
+        Ok(())
+    }
+
+    /// Evicts `s.victims`; returns their keys when a policy wants to hear of them.
+    fn evict_victims(&mut self, s: &Scratch, keep_keys: bool) -> Vec<Box<str>> {
+        let mut removed = Vec::new();
+        for &victim in &s.victims {
+            let key = self.evict(victim);
+            if keep_keys {
+                removed.push(key);
             }
         }
-        self.write_new_keys(s, objects);
-        self.counters.puts += 1;
+        removed
+    }
+
+    /// A refused put stores none of its new keys; its count changes and LRU moves stay. The
+    /// policy hears of the rolled-back keys when the store refused (not when the policy failed).
+    fn refuse_batch(
+        &mut self,
+        s: &mut Scratch,
+        error: StoreError,
+        policy: Option<&mut dyn VictimPolicy>,
+    ) -> StoreError {
+        if matches!(error, StoreError::CannotRetain { .. }) {
+            self.counters.capacity_errors += 1;
+        }
+        s.victims.clear();
+        let rolled_back: Vec<String> = s
+            .batch
+            .iter()
+            .filter(|&&(idx, _)| self.slab[idx].slot == PENDING_SLOT)
+            .map(|&(idx, _)| self.slab[idx].key.to_string())
+            .collect();
+        self.roll_back_new_keys(s);
+        if let (Some(policy), StoreError::CannotRetain { .. }) = (policy, &error) {
+            if !rolled_back.is_empty() {
+                let keys: Vec<&str> = rolled_back.iter().map(String::as_str).collect();
+                if let Err(message) = policy.on_remove(&keys, RemoveReason::Rollback) {
+                    return StoreError::Policy(message);
+                }
+            }
+        }
+        error
+    }
+
+    fn notify_reference_changes(
+        &self,
+        s: &Scratch,
+        policy: &mut dyn VictimPolicy,
+    ) -> Result<(), StoreError> {
+        // Counts are final now; replay each change in call order with its old and new value.
+        let mut replay: Vec<(u32, i64)> = Vec::with_capacity(s.retains.len() + s.releases.len());
+        for &idx in s.retains.iter().chain(&s.releases) {
+            if !replay.iter().any(|&(i, _)| i == idx) {
+                let entry = &self.slab[idx];
+                let retained = s.retains.iter().filter(|&&i| i == idx).count() as i64;
+                let released = s.releases.iter().filter(|&&i| i == idx).count() as i64;
+                replay.push((idx, i64::from(entry.refs) - retained + released));
+            }
+        }
+        let mut notify = |idx: u32, delta: i64| -> Result<(), StoreError> {
+            let count = &mut replay.iter_mut().find(|(i, _)| *i == idx).expect("replayed").1;
+            let old = *count;
+            *count += delta;
+            policy
+                .on_reference_change(&self.slab[idx].key, old as u32, *count as u32)
+                .map_err(StoreError::Policy)
+        };
+        for &idx in &s.retains {
+            notify(idx, 1)?;
+        }
+        for &idx in &s.releases {
+            notify(idx, -1)?;
+        }
         Ok(())
+    }
+
+    fn grow_arena(&mut self, num_slots: usize) -> Result<(), StoreError> {
+        if num_slots > MAX_SLOTS {
+            return Err(StoreError::CapacityTooLarge {
+                num_slots: num_slots as u64,
+                object_nbytes: self.object_nbytes as u64,
+            });
+        }
+        self.arena.as_mut().expect("checked open").grow(num_slots)?;
+        self.num_slots = num_slots;
+        self.counters.growths += 1;
+        Ok(())
+    }
+
+    /// Forgets entries among `indices` that ended up neither stored nor referenced.
+    fn forget_orphans(&mut self, indices: &[u32]) {
+        for &idx in indices {
+            if self.slab.is_live(idx) && self.slab[idx].refs == 0 && !self.slab[idx].has_slot() {
+                self.forget(idx);
+            }
+        }
     }
 
     /// Counts each release against the key's references plus this call's retains; the first
@@ -442,7 +747,8 @@ impl BlockStore {
         true
     }
 
-    fn evict(&mut self, idx: u32) {
+    /// Removes an evictable key (stored, or pending in this put); returns its text.
+    fn evict(&mut self, idx: u32) -> Box<str> {
         let slot = self.slab[idx].slot;
         debug_assert!(self.slab[idx].is_evictable());
         self.slab.unlink(idx);
@@ -451,11 +757,11 @@ impl BlockStore {
             self.stored -= 1;
         }
         self.slab[idx].slot = NO_SLOT;
-        self.forget(idx);
         self.counters.evictions += 1;
+        self.forget(idx)
     }
 
-    /// A refused put stores none of its new keys; its count changes and LRU moves stay.
+    /// A refused put stores none of its new keys.
     fn roll_back_new_keys(&mut self, s: &Scratch) {
         for &(idx, _) in &s.batch {
             let entry = &self.slab[idx];
@@ -515,12 +821,13 @@ impl BlockStore {
                 Some(idx) => found.push(idx),
                 None => {
                     self.counters.read_misses += 1;
+                    found.clear();
                     self.scratch.victims = found;
                     return Err(StoreError::Missing {
                         key: (*key).to_owned(),
                         used: self.stored,
                         limit: self.num_slots,
-                        hint: true,
+                        hint: self.profile == Profile::FailClosed,
                     });
                 }
             }
@@ -615,7 +922,10 @@ impl BlockStore {
         for idx in self.slab.live_indices() {
             let entry = &self.slab[idx];
             if self.find(&entry.key, entry.hash) != Some(idx) {
-                return Err(format!("every key has one entry: {:?} is not found by its key", entry.key));
+                return Err(format!(
+                    "every key has one entry: {:?} is not found by its key",
+                    entry.key
+                ));
             }
             if entry.hash != self.hash_key(&entry.key) {
                 return Err(format!("every key has one entry: {:?} has a stale hash", entry.key));

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use aostore::{BlockRef, BlockStore, StoreError};
+use aostore::{BlockRef, BlockStore, Profile, StoreError};
 use proptest::prelude::*;
 
 const NBYTES: usize = 2;
@@ -12,6 +12,7 @@ const NBYTES: usize = 2;
 #[derive(Debug, Default)]
 struct Model {
     num_slots: usize,
+    grow: bool,
     objects: HashMap<String, Vec<u8>>,
     refs: HashMap<String, u32>,
     lru: Vec<String>,
@@ -63,6 +64,15 @@ impl Model {
                 None => unique.push((key.clone(), payload.clone())),
             }
         }
+        if self.grow {
+            // vLLM 0.33: before any count changes, a re-put of an unreferenced stored object replaces it.
+            for (key, _) in &unique {
+                if self.lru.contains(key) {
+                    self.lru.retain(|k| k != key);
+                    self.objects.remove(key);
+                }
+            }
+        }
         for key in retains {
             let count = self.refs.entry(key.clone()).or_insert(0);
             *count += 1;
@@ -95,22 +105,18 @@ impl Model {
             }
         }
         let need = (self.objects.len() + new.len()).saturating_sub(self.num_slots);
-        let protected: Vec<&String> = unique
-            .iter()
-            .map(|(k, _)| k)
-            .filter(|k| !released.contains(k))
-            .collect();
-        let eligible: Vec<String> = self
-            .lru
-            .iter()
-            .filter(|k| !protected.contains(k))
-            .cloned()
-            .collect();
-        if eligible.len() < need {
+        let protected: Vec<&String> =
+            unique.iter().map(|(k, _)| k).filter(|k| !released.contains(k)).collect();
+        let eligible: Vec<String> =
+            self.lru.iter().filter(|k| !protected.contains(k)).cloned().collect();
+        if eligible.len() < need && !self.grow {
             self.lru.retain(|k| !new.contains(k));
             return Outcome::CannotRetain;
         }
-        let victims = &eligible[..need];
+        if eligible.len() < need {
+            self.num_slots = (self.objects.len() + new.len()).max(2 * self.num_slots);
+        }
+        let victims = &eligible[..need.min(eligible.len())];
         self.lru.retain(|k| !victims.contains(k));
         for victim in victims {
             self.objects.remove(victim);
@@ -150,11 +156,7 @@ fn outcome(result: Result<(), StoreError>) -> Outcome {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Put {
-        objects: Vec<(u8, u8, bool)>,
-        retains: Vec<u8>,
-        releases: Vec<u8>,
-    },
+    Put { objects: Vec<(u8, u8, bool)>, retains: Vec<u8>, releases: Vec<u8> },
     Get(Vec<u8>),
 }
 
@@ -174,22 +176,12 @@ fn op() -> impl Strategy<Value = Op> {
 fn assert_same(store: &BlockStore, model: &Model) {
     store.check().unwrap();
     let lru: Vec<&str> = store.lru_keys();
-    assert_eq!(
-        lru,
-        model.lru.iter().map(String::as_str).collect::<Vec<_>>(),
-        "LRU order"
-    );
-    let refs: HashMap<String, u32> = store
-        .references()
-        .into_iter()
-        .map(|(k, c)| (k.to_owned(), c))
-        .collect();
+    assert_eq!(lru, model.lru.iter().map(String::as_str).collect::<Vec<_>>(), "LRU order");
+    let refs: HashMap<String, u32> =
+        store.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect();
     assert_eq!(refs, model.refs, "reference counts");
-    let objects: HashMap<String, Vec<u8>> = store
-        .objects()
-        .into_iter()
-        .map(|(k, p)| (k.to_owned(), p.to_vec()))
-        .collect();
+    let objects: HashMap<String, Vec<u8>> =
+        store.objects().into_iter().map(|(k, p)| (k.to_owned(), p.to_vec())).collect();
     assert_eq!(objects, model.objects, "stored objects");
 }
 
@@ -197,9 +189,14 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
-    fn store_matches_model(num_slots in 1usize..6, ops in prop::collection::vec(op(), 1..40)) {
-        let mut store = BlockStore::new(num_slots * NBYTES, NBYTES).unwrap();
-        let mut model = Model { num_slots, ..Model::default() };
+    fn store_matches_model(
+        num_slots in 1usize..6,
+        grow in any::<bool>(),
+        ops in prop::collection::vec(op(), 1..40),
+    ) {
+        let profile = if grow { Profile::Grow } else { Profile::FailClosed };
+        let mut store = BlockStore::with_profile(num_slots * NBYTES, NBYTES, profile).unwrap();
+        let mut model = Model { num_slots, grow, ..Model::default() };
         for op in ops {
             match op {
                 Op::Put { objects, retains, releases } => {
@@ -215,7 +212,7 @@ proptest! {
                         .collect();
                     let r: Vec<&str> = retains.iter().map(String::as_str).collect();
                     let l: Vec<&str> = releases.iter().map(String::as_str).collect();
-                    let got = outcome(store.put(&blocks, &r, &l));
+                    let got = outcome(store.put(&blocks, &r, &l).map(drop));
                     let want = model.put(&objects, &retains, &releases);
                     prop_assert_eq!(got, want);
                 }
@@ -230,6 +227,7 @@ proptest! {
                 }
             }
             assert_same(&store, &model);
+            prop_assert_eq!(store.num_slots(), model.num_slots);
         }
     }
 }
@@ -242,23 +240,13 @@ fn evicting_put_does_not_visit_referenced_keys() {
     let keys: Vec<String> = (0..slots).map(|i| format!("k{i}")).collect();
     let refs: Vec<&str> = keys[..9_000].iter().map(String::as_str).collect();
     store.put(&[], &refs, &[]).unwrap();
-    let blocks: Vec<BlockRef<'_>> = keys
-        .iter()
-        .map(|k| BlockRef {
-            key: k,
-            payload: b"xy",
-        })
-        .collect();
+    let blocks: Vec<BlockRef<'_>> =
+        keys.iter().map(|k| BlockRef { key: k, payload: b"xy" }).collect();
     store.put(&blocks, &[], &[]).unwrap();
     for round in 0..100 {
         let fresh: Vec<String> = (0..64).map(|i| format!("new-{round}-{i}")).collect();
-        let batch: Vec<BlockRef<'_>> = fresh
-            .iter()
-            .map(|k| BlockRef {
-                key: k,
-                payload: b"ab",
-            })
-            .collect();
+        let batch: Vec<BlockRef<'_>> =
+            fresh.iter().map(|k| BlockRef { key: k, payload: b"ab" }).collect();
         let before = store.stats().counters.eviction_visits;
         store.put(&batch, &[], &[]).unwrap();
         let visits = store.stats().counters.eviction_visits - before;
@@ -281,14 +269,8 @@ fn closed_store_refuses_everything() {
 
 #[test]
 fn constructor_rejects_bad_sizes() {
-    assert_eq!(
-        BlockStore::new(4, 0).unwrap_err(),
-        StoreError::ObjectSizeNotPositive
-    );
-    assert_eq!(
-        BlockStore::new(3, 4).unwrap_err(),
-        StoreError::CapacityBelowOneObject
-    );
+    assert_eq!(BlockStore::new(4, 0).unwrap_err(), StoreError::ObjectSizeNotPositive);
+    assert_eq!(BlockStore::new(3, 4).unwrap_err(), StoreError::CapacityBelowOneObject);
     assert!(matches!(
         BlockStore::new(usize::MAX, 1).unwrap_err(),
         StoreError::CapacityTooLarge { .. }
