@@ -287,8 +287,10 @@ impl VictimPolicy for PyPolicy<'_> {
             let pointer = std::ptr::from_mut(candidates).cast::<Candidates<'static>>();
             let iterator =
                 Bound::new(py, CandidateKeys { walk: Mutex::new(Some(CandidateWalk(pointer))) })?;
-            let chosen =
-                self.policy.bind(py).call_method1(intern!(py, "select_victims"), (&iterator, count));
+            let chosen = self
+                .policy
+                .bind(py)
+                .call_method1(intern!(py, "select_victims"), (&iterator, count));
             // The walk borrows the store; it ends with this call whatever the policy kept.
             *iterator.get().walk.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
             let chosen = chosen?;
@@ -448,10 +450,7 @@ impl NativeStore {
             let logger = py.import("logging")?.call_method1("getLogger", ("aostore",))?;
             logger.call_method1(
                 "warning",
-                (
-                    "auxiliary output store grew to %d slots: every object is referenced",
-                    num_slots,
-                ),
+                ("auxiliary output store grew to %d slots: every object is referenced", num_slots),
             )?;
         }
         Ok(())
