@@ -1,0 +1,66 @@
+"""Type stubs for the Rust extension module (kept by hand; checked by mypy.stubtest)."""
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal, final
+
+from typing_extensions import Buffer, disjoint_base
+
+__all__ = ["BlockObject", "BlockObjectStoreError", "NativeStore", "VictimCandidates"]
+
+class BlockObjectStoreError(RuntimeError):
+    """Auxiliary-output storage or retrieval failed."""
+
+@final
+class BlockObject:
+    """One immutable auxiliary-output object: a key and its payload bytes."""
+
+    def __new__(cls, key: str, payload: Buffer) -> BlockObject: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def payload(self) -> Buffer: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __getnewargs__(self) -> tuple[str, Buffer]: ...
+
+@final
+class VictimCandidates(Iterator[str]):
+    """Eligible keys, oldest first; valid only during ``select_victims``."""
+
+    def __iter__(self) -> VictimCandidates: ...
+    def __next__(self) -> str: ...
+
+@disjoint_base
+class NativeStore:
+    """The Rust store; see ``aostore.BlockObjectStore``."""
+
+    def __new__(
+        cls,
+        *,
+        max_bytes: int,
+        object_nbytes: int,
+        policy: Any | None = None,
+        profile: Literal["fail-closed", "grow"] = "fail-closed",
+    ) -> NativeStore: ...
+    @property
+    def object_nbytes(self) -> int: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def policy(self) -> Any | None: ...
+    @property
+    def profile(self) -> Literal["fail-closed", "grow"]: ...
+    def put(
+        self,
+        objects: Iterable[Any],
+        *,
+        retain_keys: Iterable[str] | None = None,
+        release_keys: Iterable[str] | None = None,
+    ) -> None: ...
+    def get_concatenated(self, keys: Iterable[str]) -> bytes: ...
+    def close(self) -> None: ...
+    def check(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    def snapshot(self) -> dict[str, Any]: ...
