@@ -10,7 +10,7 @@ WHEEL_DIR := dist
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "maturin>=1.7,<2" "pytest>=8" "hypothesis>=6.100" "numpy>=1.24" "ruff>=0.6" "mypy>=1.10"
+	$(PIP) install -q "maturin>=1.7,<2" "pytest>=8" "hypothesis>=6.100" "numpy>=1.24" "ruff>=0.6" "mypy>=1.10" "prometheus_client>=0.17" "typing_extensions>=4.15"
 	touch $@
 
 venv: $(VENV)/.deps
@@ -37,13 +37,14 @@ test-python: install
 
 test: test-rust test-python
 
-lint: venv
+lint: install
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
 	$(VENV)/bin/mypy
+	cd tests && ../$(PY) -m mypy.stubtest aostore --ignore-missing-stub
 
 fmt: venv
 	cargo fmt

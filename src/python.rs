@@ -144,6 +144,24 @@ fn payload<'py>(key: &Bound<'py, PyAny>, value: Bound<'py, PyAny>) -> PyResult<P
     Ok(Payload::Buffer(buffer))
 }
 
+/// A C-contiguous readable buffer (bytes fast path), kept exported while in use.
+fn readable_buffer<'py>(value: &Bound<'py, PyAny>, what: &str) -> PyResult<Payload<'py>> {
+    if let Ok(bytes) = value.cast::<PyBytes>() {
+        return Ok(Payload::Bytes(bytes.clone()));
+    }
+    let not_a_buffer = || {
+        PyTypeError::new_err(format!(
+            "{what} must be a C-contiguous buffer, not {}",
+            type_name(value)
+        ))
+    };
+    let buffer = PyUntypedBuffer::get(value).map_err(|_| not_a_buffer())?;
+    if !buffer.is_c_contiguous() {
+        return Err(not_a_buffer());
+    }
+    Ok(Payload::Buffer(buffer))
+}
+
 /// The key and payload of one object of a batch: our `BlockObject`, or anything with
 /// `.key` and `.payload` (vLLM's `BlockObject` among them).
 fn block_parts<'py>(object: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, Payload<'py>)> {
@@ -238,6 +256,38 @@ impl NativeStore {
     fn ensure_open(&self) -> PyResult<()> {
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Err(to_py_err(StoreError::Closed));
+        }
+        Ok(())
+    }
+
+    /// The common tail of `put` and `put_blocks`: reference keys, the store call with the GIL
+    /// released, the policy's own exception, and the growth warning.
+    fn put_refs(
+        &self,
+        py: Python<'_>,
+        blocks: &[BlockRef<'_>],
+        retain_keys: Option<&Bound<'_, PyAny>>,
+        release_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let retains = retain_keys.map(collect_keys).transpose()?.unwrap_or_default();
+        let releases = release_keys.map(collect_keys).transpose()?.unwrap_or_default();
+        let retains = as_texts(&retains);
+        let releases = as_texts(&releases);
+        let mut policy = self.policy.as_ref().map(|policy| PyPolicy { policy, error: None });
+        let result = self.with_store(py, |s| {
+            let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
+            s.put_with_policy(blocks, &retains, &releases, policy)
+        })?;
+        if let Some(error) = policy.and_then(|p| p.error) {
+            return Err(error);
+        }
+        let report = result.map_err(to_py_err)?;
+        if let Some(num_slots) = report.grown_to {
+            let logger = py.import("logging")?.call_method1("getLogger", ("aostore",))?;
+            logger.call_method1(
+                "warning",
+                ("auxiliary output store grew to %d slots: every object is referenced", num_slots),
+            )?;
         }
         Ok(())
     }
@@ -426,8 +476,6 @@ impl NativeStore {
         for object in objects.try_iter()? {
             parts.push(block_parts(&object?)?);
         }
-        let retains = retain_keys.map(collect_keys).transpose()?.unwrap_or_default();
-        let releases = release_keys.map(collect_keys).transpose()?.unwrap_or_default();
         let blocks: Vec<BlockRef<'_>> = parts
             .iter()
             .map(|(key, payload)| BlockRef {
@@ -435,25 +483,87 @@ impl NativeStore {
                 payload: payload.as_slice(),
             })
             .collect();
-        let retains = as_texts(&retains);
-        let releases = as_texts(&releases);
-        let mut policy = self.policy.as_ref().map(|policy| PyPolicy { policy, error: None });
-        let result = self.with_store(py, |s| {
-            let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
-            s.put_with_policy(&blocks, &retains, &releases, policy)
+        self.put_refs(py, &blocks, retain_keys, release_keys)
+    }
+
+    /// Stores `blocks[i]` under `keys[i]` from one C-contiguous buffer of
+    /// `len(keys) * object_nbytes` bytes, with `put`'s semantics: one copy per block, straight
+    /// into its slot.
+    #[pyo3(signature = (keys, blocks, *, retain_keys = None, release_keys = None))]
+    fn put_blocks(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+        retain_keys: Option<&Bound<'_, PyAny>>,
+        release_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.ensure_open()?;
+        let keys = collect_keys(keys)?;
+        let data = readable_buffer(blocks, "blocks")?;
+        let object_nbytes = self.object_nbytes(py)?;
+        let data = data.as_slice();
+        if data.len() != keys.len() * object_nbytes {
+            return Err(PyValueError::new_err(format!(
+                "blocks hold {} bytes; {} keys of object_nbytes={object_nbytes} need {}",
+                data.len(),
+                keys.len(),
+                keys.len() * object_nbytes
+            )));
+        }
+        let blocks: Vec<BlockRef<'_>> = as_texts(&keys)
+            .into_iter()
+            .zip(data.chunks_exact(object_nbytes.max(1)))
+            .map(|(key, payload)| BlockRef { key, payload })
+            .collect();
+        self.put_refs(py, &blocks, retain_keys, release_keys)
+    }
+
+    /// Writes the payloads of `keys`, concatenated, into `out`: a writable C-contiguous buffer
+    /// of exactly `len(keys) * object_nbytes` bytes. Returns `out`.
+    fn get_into<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        out: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.ensure_open()?;
+        let keys = collect_keys(keys)?;
+        let texts = as_texts(&keys);
+        let object_nbytes = self.object_nbytes(py)?;
+        let buffer = PyUntypedBuffer::get(&out).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "out must be a writable C-contiguous buffer, not {}",
+                type_name(&out)
+            ))
         })?;
-        if let Some(error) = policy.and_then(|p| p.error) {
-            return Err(error);
+        if buffer.readonly() || !buffer.is_c_contiguous() {
+            return Err(PyTypeError::new_err("out must be a writable C-contiguous buffer"));
         }
-        let report = result.map_err(to_py_err)?;
-        if let Some(num_slots) = report.grown_to {
-            let logger = py.import("logging")?.call_method1("getLogger", ("aostore",))?;
-            logger.call_method1(
-                "warning",
-                ("auxiliary output store grew to %d slots: every object is referenced", num_slots),
-            )?;
+        let len = buffer.len_bytes();
+        if len != texts.len() * object_nbytes {
+            return Err(PyValueError::new_err(format!(
+                "out holds {len} bytes; {} keys of object_nbytes={object_nbytes} need {}",
+                texts.len(),
+                texts.len() * object_nbytes
+            )));
         }
-        Ok(())
+        let ptr = buffer.buf_ptr() as usize;
+        self.with_store(py, |s| {
+            // SAFETY: the buffer is writable, C-contiguous, `len` bytes long and stays exported
+            // (so in place) until `buffer` drops after this call.
+            let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+            s.get_into(&texts, out)
+        })?
+        .map_err(to_py_err)?;
+        drop(buffer);
+        Ok(out)
+    }
+
+    /// Start address and length in bytes of the arena, for registering it with a driver
+    /// (`cudaHostRegister`). Valid until `close()` or a growth.
+    fn arena_span(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        self.with_store(py, |s| s.arena_span())?.ok_or_else(|| to_py_err(StoreError::Closed))
     }
 
     /// The victim policy given to the constructor, or None.

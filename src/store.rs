@@ -854,6 +854,11 @@ impl BlockStore {
         Ok(out)
     }
 
+    /// Start address and length of the arena, or `None` when closed.
+    pub fn arena_span(&self) -> Option<(usize, usize)> {
+        self.arena.as_ref().map(|a| (a.as_ptr() as usize, a.len()))
+    }
+
     /// Occupancy and counters.
     pub fn stats(&self) -> Stats {
         Stats {

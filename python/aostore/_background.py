@@ -24,7 +24,8 @@ class _Store(Protocol):
     def close(self) -> None: ...
 
 
-_Update = tuple[list[Any], tuple[str, ...], tuple[str, ...]]
+# (method name, positional arguments, retain keys, release keys)
+_Update = tuple[str, tuple[Any, ...], tuple[str, ...], tuple[str, ...]]
 
 
 class BackgroundBlockObjectStore:
@@ -61,8 +62,8 @@ class BackgroundBlockObjectStore:
                 if update is None:
                     return
                 if self._error is None:
-                    objects, retains, releases = update
-                    self._store.put(objects, retain_keys=retains, release_keys=releases)
+                    method, args, retains, releases = update
+                    getattr(self._store, method)(*args, retain_keys=retains, release_keys=releases)
             except BaseException as error:  # latched and re-raised on the caller's thread
                 self._error = error
             finally:
@@ -85,17 +86,60 @@ class BackgroundBlockObjectStore:
         releases = tuple(release_keys)
         if not batch and not retains and not releases:
             return
+        self._enqueue(("put", (batch,), retains, releases))
+
+    def put_blocks(
+        self,
+        keys: Sequence[str],
+        blocks: Any,
+        *,
+        retain_keys: Iterable[str] = (),
+        release_keys: Iterable[str] = (),
+    ) -> None:
+        """Queues ``store.put_blocks``. The writer reads ``blocks`` later: the caller must not
+        modify it until a read or ``close()`` has waited for the queue."""
+        keys = list(keys)
+        retains = tuple(retain_keys)
+        releases = tuple(release_keys)
+        if not keys and not retains and not releases:
+            return
+        self._enqueue(("put_blocks", (keys, blocks), retains, releases))
+
+    def _enqueue(self, update: _Update) -> None:
         if self._closed:
             raise RuntimeError("auxiliary output store is closed")
         self._raise_if_failed()
-        self._queue.put((batch, retains, releases))
+        self._queue.put(update)
         self._raise_if_failed()
+
+    @property
+    def store(self) -> Any:
+        """The store the writer applies updates to."""
+        return self._store
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
         """Waits for queued puts, then reads ``keys`` from the store."""
         self._queue.join()
         self._raise_if_failed()
         return self._store.get_concatenated(keys)
+
+    def get_into(self, keys: Sequence[str], out: Any) -> Any:
+        """Waits for queued puts, then ``store.get_into(keys, out)``."""
+        self._queue.join()
+        self._raise_if_failed()
+        return self._store.get_into(keys, out)  # type: ignore[attr-defined]
+
+    def get_array(self, keys: Sequence[str], *, dtype: Any, shape_per_token: Sequence[int]) -> Any:
+        """Waits for queued puts, then ``store.get_array(...)``."""
+        self._queue.join()
+        self._raise_if_failed()
+        get_array = getattr(self._store, "get_array", None)
+        if get_array is not None:
+            return get_array(keys, dtype=dtype, shape_per_token=shape_per_token)
+        import numpy as np
+
+        payload = self._store.get_concatenated(keys)
+        return np.frombuffer(payload, dtype=dtype).reshape((-1, *shape_per_token))
 
     def close(self) -> None:
         """Drains, stops the writer, closes the store once; raises any latched error."""

@@ -1,23 +1,136 @@
-"""The store class users construct: the native store with a Python face."""
+"""The store class users construct: the native store with a numpy/torch face."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from aostore import _tensors
 from aostore._native import NativeStore
 
 
 class BlockObjectStore(NativeStore):
     """A bounded store of fixed-size objects keyed by string, with reference counts.
 
-    ``BlockObjectStore(*, max_bytes, object_nbytes, policy=None, profile="fail-closed")``
-    holds ``num_slots = max_bytes // object_nbytes`` objects of ``object_nbytes`` bytes.
-    Referenced keys are never evicted; unreferenced ones leave in LRU order. See the README
-    for the exact semantics of ``put`` and ``get_concatenated``.
+    ``BlockObjectStore(*, max_bytes, object_nbytes, policy=None, profile="fail-closed",
+    pin_memory=False)`` holds ``num_slots = max_bytes // object_nbytes`` objects of
+    ``object_nbytes`` bytes. Referenced keys are never evicted; unreferenced ones leave in LRU
+    order. ``pin_memory=True`` registers the arena with CUDA (``cudaHostRegister`` through torch)
+    so device-to-host copies into it run at full speed.
 
     Instances accept attribute assignment (tests replace methods with mocks). All methods are
     safe to call from several threads; payload copies run with the GIL released.
     """
 
     __slots__ = ("__dict__",)
+    _pinned: bool
+
+    def __new__(
+        cls,
+        *,
+        max_bytes: int,
+        object_nbytes: int,
+        policy: Any | None = None,
+        profile: str = "fail-closed",
+        pin_memory: bool = False,
+    ) -> BlockObjectStore:
+        if pin_memory and profile == "grow":
+            raise ValueError("pin_memory=True needs a fixed arena; profile 'grow' may move it")
+        self = super().__new__(
+            cls, max_bytes=max_bytes, object_nbytes=object_nbytes, policy=policy, profile=profile
+        )
+        self._pinned = False
+        if pin_memory:
+            self._pin_arena()
+        return self
+
+    def __init__(self, **_: Any) -> None:
+        """Construction happens in ``__new__``; see the class docstring."""
+
+    def _pin_arena(self) -> None:
+        try:
+            import torch
+        except ImportError:
+            raise RuntimeError("pin_memory=True needs torch (pip install aostore[torch])") from None
+        if not torch.cuda.is_available():
+            raise RuntimeError("pin_memory=True needs a CUDA device; none is available")
+        address, length = self.arena_span()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        error = cudart.cudaHostRegister(address, length, 0)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister of the arena failed with CUDA error {int(error)}")
+        self._pinned = True
+
+    def close(self) -> None:
+        """Unregisters a pinned arena, then frees it; idempotent."""
+        if getattr(self, "_pinned", False):
+            import torch
+
+            address, _ = self.arena_span()
+            torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+            self._pinned = False
+        super().close()
+
+    def put_blocks(
+        self,
+        keys: Iterable[str],
+        blocks: Any,
+        *,
+        retain_keys: Iterable[str] | None = (),
+        release_keys: Iterable[str] | None = (),
+    ) -> None:
+        """Stores ``blocks[i]`` under ``keys[i]`` with ``put``'s semantics.
+
+        ``blocks`` is a numpy array or torch tensor (CPU or CUDA, any dtype) of shape
+        ``(len(keys), ...)`` whose rows hold ``object_nbytes`` bytes each. Each row is copied
+        once, straight into its slot; a CUDA tensor is first copied to the host once.
+        """
+        if self.closed:
+            raise RuntimeError("auxiliary output store is closed")
+        keys = list(keys)
+        data = _tensors.block_bytes(blocks, len(keys), self.object_nbytes)
+        super().put_blocks(keys, data, retain_keys=retain_keys, release_keys=release_keys)
+
+    def get_into(self, keys: Iterable[str], out: Any) -> Any:
+        """Writes the payloads of ``keys``, concatenated, into ``out`` and returns ``out``.
+
+        ``out`` is a writable buffer, numpy array or torch tensor (CPU, or CUDA through one
+        host-to-device copy) of exactly ``len(keys) * object_nbytes`` bytes.
+        """
+        host, pending = _tensors.writable_host_bytes(out)
+        super().get_into(keys, host)
+        _tensors.finish_device_copy(pending)
+        return out
+
+    def get_array(self, keys: Sequence[str], *, dtype: Any, shape_per_token: Sequence[int]) -> Any:
+        """A new numpy array of the payloads of ``keys``, shape ``(-1, *shape_per_token)``."""
+        import numpy as np
+
+        keys = list(keys)
+        out = np.empty(len(keys) * self.object_nbytes, dtype=np.uint8)
+        super().get_into(keys, out)
+        return out.view(np.dtype(dtype)).reshape((-1, *shape_per_token))
+
+    def get_tensor(
+        self,
+        keys: Sequence[str],
+        *,
+        dtype: Any,
+        shape_per_token: Sequence[int],
+        device: Any = "cpu",
+        pin_memory: bool = False,
+    ) -> Any:
+        """A new torch tensor of the payloads of ``keys``, shape ``(-1, *shape_per_token)``.
+
+        The bytes land in a (optionally pinned) host tensor, then move to ``device``.
+        """
+        import torch
+
+        keys = list(keys)
+        host = torch.empty(len(keys) * self.object_nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        super().get_into(keys, host.numpy())
+        tensor = host.view(dtype).reshape(-1, *shape_per_token)
+        return tensor if torch.device(device).type == "cpu" else tensor.to(device)
 
     def __repr__(self) -> str:
         if self.closed:

@@ -1,0 +1,88 @@
+"""numpy and torch payloads as plain bytes, without importing torch unless it is in use.
+
+A tensor is reinterpreted as bytes (``.view(torch.uint8)``), never converted element by element,
+so any dtype (bf16 included) round-trips bit-exactly. CUDA tensors cross to the host once.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def is_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor (checked without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _tensor_rows(blocks: Any, count: int, object_nbytes: int) -> Any:
+    if blocks.dim() == 0 or blocks.shape[0] != count:
+        raise ValueError(f"blocks must have shape ({count}, ...), got {tuple(blocks.shape)}")
+    if not blocks.is_contiguous():
+        raise ValueError("blocks must be a contiguous tensor (call .contiguous() first)")
+    row_nbytes = blocks[0].numel() * blocks.element_size() if count else object_nbytes
+    if row_nbytes != object_nbytes:
+        raise ValueError(f"each block holds {row_nbytes} bytes, expected object_nbytes={object_nbytes}")
+    if count == 0:
+        return b""
+    if blocks.device.type != "cpu":
+        # One device-to-host copy for the whole batch.
+        blocks = blocks.to("cpu")
+    return blocks.reshape(count, -1).view(__import__("torch").uint8).numpy()
+
+
+def block_bytes(blocks: Any, count: int, object_nbytes: int) -> Any:
+    """A C-contiguous host buffer holding ``count`` rows of ``object_nbytes`` bytes.
+
+    ``blocks`` is a numpy array or torch tensor of shape ``(count, ...)``, or a flat bytes-like
+    buffer of ``count * object_nbytes`` bytes. Raises ``ValueError``/``TypeError`` otherwise.
+    """
+    if is_tensor(blocks):
+        return _tensor_rows(blocks, count, object_nbytes)
+    try:
+        view = memoryview(blocks)
+    except TypeError:
+        raise TypeError(
+            f"blocks must be a numpy array, a torch tensor or a buffer, not {type(blocks).__name__}"
+        ) from None
+    with view:
+        if not view.c_contiguous:
+            raise ValueError("blocks must be C-contiguous (use numpy.ascontiguousarray)")
+        flat_bytes = view.ndim == 1 and view.itemsize == 1
+        if not flat_bytes:
+            if view.ndim == 0 or view.shape is None or view.shape[0] != count:
+                shape = tuple(view.shape or ())
+                raise ValueError(f"blocks must have shape ({count}, ...), got {shape}")
+            if count and view.nbytes // count != object_nbytes:
+                raise ValueError(
+                    f"each block holds {view.nbytes // count} bytes, "
+                    f"expected object_nbytes={object_nbytes}"
+                )
+    return blocks
+
+
+def writable_host_bytes(out: Any) -> tuple[Any, Any]:
+    """``(host_buffer, device_tensor_or_None)`` for ``get_into``.
+
+    A CPU tensor is written in place through a uint8 view; a CUDA tensor gets a host staging
+    buffer that the caller copies to the device afterwards (one host-to-device copy).
+    """
+    if not is_tensor(out):
+        return out, None
+    import torch
+
+    if not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor")
+    flat = out.reshape(-1).view(torch.uint8)
+    if out.device.type == "cpu":
+        return flat.numpy(), None
+    staging = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+    return staging.numpy(), (flat, staging)
+
+
+def finish_device_copy(pending: Any) -> None:
+    """Copies a staging buffer to the device tensor it stands for."""
+    if pending is not None:
+        flat, staging = pending
+        flat.copy_(staging)
