@@ -12,11 +12,17 @@ pub const PENDING_SLOT: u32 = u32::MAX - 1;
 /// `Entry::prev` of a vacant entry, so `check` can tell vacant entries from live ones.
 const VACANT: u32 = u32::MAX - 1;
 
-/// What the store knows about one key.
+/// Key bytes kept inside the entry; longer keys go to the heap. vLLM's routed-experts keys
+/// (`vllm-artifact/<namespace>/<64 hex digits>`) are 80 bytes, so they stay inline.
+pub const INLINE_KEY_BYTES: usize = 87;
+
+/// What the store knows about one key: two cache lines, key text included, so a lookup reads
+/// one adjacent pair of lines and a new key allocates nothing.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub struct Entry {
-    /// The key's text.
-    pub key: Box<str>,
+    /// A key longer than `INLINE_KEY_BYTES`, or `None`.
+    heap_key: Option<Box<str>>,
     /// The low bits of the key's hash: compared before the text, so a probe rarely reads it.
     pub hash: u32,
     /// Reference count; an entry with `refs == 0` is stored (or pending).
@@ -28,9 +34,49 @@ pub struct Entry {
     pub mark: u32,
     prev: u32,
     next: u32,
+    inline_len: u8,
+    inline_key: [u8; INLINE_KEY_BYTES],
 }
 
+const _: () = assert!(std::mem::size_of::<Entry>() == 128);
+
 impl Entry {
+    fn new(key: &str, hash: u32) -> Self {
+        let mut entry = Self {
+            heap_key: None,
+            hash,
+            refs: 0,
+            slot: NO_SLOT,
+            mark: 0,
+            prev: NIL,
+            next: NIL,
+            inline_len: 0,
+            inline_key: [0; INLINE_KEY_BYTES],
+        };
+        if key.len() <= INLINE_KEY_BYTES {
+            entry.inline_key[..key.len()].copy_from_slice(key.as_bytes());
+            entry.inline_len = key.len() as u8;
+        } else {
+            entry.heap_key = Some(key.into());
+        }
+        entry
+    }
+
+    /// The key's bytes.
+    #[inline]
+    pub fn key_bytes(&self) -> &[u8] {
+        match &self.heap_key {
+            Some(key) => key.as_bytes(),
+            None => &self.inline_key[..usize::from(self.inline_len)],
+        }
+    }
+
+    /// The key's text.
+    pub fn key(&self) -> &str {
+        // Inline bytes were copied from a `&str` whole, so they are valid UTF-8.
+        std::str::from_utf8(self.key_bytes()).expect("keys are UTF-8")
+    }
+
     /// Stored, or being stored by the put in progress.
     #[inline]
     pub fn has_slot(&self) -> bool {
@@ -100,8 +146,8 @@ impl Slab {
     }
 
     /// Creates an entry (unreferenced, no slot, not in the LRU) and returns its index.
-    pub fn insert(&mut self, key: Box<str>, hash: u32) -> u32 {
-        let entry = Entry { key, hash, refs: 0, slot: NO_SLOT, mark: 0, prev: NIL, next: NIL };
+    pub fn insert(&mut self, key: &str, hash: u32) -> u32 {
+        let entry = Entry::new(key, hash);
         self.live += 1;
         if self.free_head == NIL {
             let idx = u32::try_from(self.entries.len()).expect("more than 2^32 keys");
@@ -117,20 +163,20 @@ impl Slab {
         idx
     }
 
-    /// Frees an entry that is not in the LRU; returns its key text.
-    pub fn remove(&mut self, idx: u32) -> Box<str> {
+    /// Frees an entry that is not in the LRU.
+    pub fn remove(&mut self, idx: u32) {
         let free_head = self.free_head;
         let entry = &mut self.entries[idx as usize];
         debug_assert_ne!(entry.prev, VACANT, "double free of entry {idx}");
         debug_assert!(!entry.is_evictable(), "removing entry {idx} while in the LRU");
-        let key = std::mem::take(&mut entry.key);
+        entry.heap_key = None;
+        entry.inline_len = 0;
         entry.slot = NO_SLOT;
         entry.refs = 0;
         entry.prev = VACANT;
         entry.next = free_head;
         self.free_head = idx;
         self.live -= 1;
-        key
     }
 
     /// Appends an entry that is not in the LRU at its tail (newest).
@@ -246,7 +292,8 @@ impl Slab {
                 return Err(format!(
                     "LRU holds exactly the stored unreferenced keys: {:?} is in it with {} \
                      references",
-                    entry.key, entry.refs
+                    entry.key(),
+                    entry.refs
                 ));
             }
             seen += 1;
@@ -299,7 +346,7 @@ mod tests {
         let idx = keys
             .iter()
             .map(|k| {
-                let i = slab.insert((*k).into(), 0);
+                let i = slab.insert(k, 0);
                 slab[i].slot = 0;
                 i
             })
@@ -308,7 +355,7 @@ mod tests {
     }
 
     fn order(slab: &Slab) -> Vec<String> {
-        slab.lru_iter().map(|i| slab[i].key.to_string()).collect()
+        slab.lru_iter().map(|i| slab[i].key().to_owned()).collect()
     }
 
     #[test]
@@ -336,15 +383,26 @@ mod tests {
     fn free_list_reuses_entries() {
         let (mut slab, idx) = slab_with(&["a", "b"]);
         slab[idx[0]].slot = NO_SLOT;
-        assert_eq!(&*slab.remove(idx[0]), "a");
+        assert_eq!(slab[idx[0]].key(), "a");
+        slab.remove(idx[0]);
         assert_eq!(slab.len(), 1);
-        let again = slab.insert("c".into(), 0);
+        let again = slab.insert("c", 0);
         assert_eq!(again, idx[0]);
         assert_eq!(slab.len(), 2);
         slab[again].refs = 1;
         slab[idx[1]].refs = 1;
         slab.validate().unwrap();
         assert_eq!(slab.live_indices().count(), 2);
+    }
+
+    #[test]
+    fn long_keys_live_on_the_heap() {
+        let long = "k".repeat(INLINE_KEY_BYTES + 1);
+        let exact = "e".repeat(INLINE_KEY_BYTES);
+        let (slab, idx) = slab_with(&[&long, &exact, ""]);
+        assert_eq!(slab[idx[0]].key(), long);
+        assert_eq!(slab[idx[1]].key(), exact);
+        assert_eq!(slab[idx[2]].key(), "");
     }
 
     #[test]

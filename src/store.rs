@@ -169,7 +169,7 @@ impl<'a> Iterator for Candidates<'a> {
             idx
         };
         self.visited += 1;
-        Some(&self.slab[idx].key)
+        Some(self.slab[idx].key())
     }
 }
 
@@ -240,7 +240,7 @@ impl BlockStore {
         let arena = Arena::new(num_slots, object_nbytes)?;
         // Sized for a full store so the steady state never rehashes; referenced keys that are
         // not stored yet may still grow it.
-        let reserve = num_slots.min(1 << 24);
+        let reserve = num_slots.min(1 << 20);
         Ok(Self {
             arena: Some(arena),
             object_nbytes,
@@ -303,7 +303,7 @@ impl BlockStore {
         self.index
             .find(table_hash(hash), |&idx| {
                 let entry = &slab[idx];
-                entry.hash == hash && &*entry.key == key
+                entry.hash == hash && entry.key_bytes() == key.as_bytes()
             })
             .copied()
     }
@@ -313,15 +313,15 @@ impl BlockStore {
         if let Some(idx) = self.find(key, hash) {
             return idx;
         }
-        let idx = self.slab.insert(key.into(), hash);
+        let idx = self.slab.insert(key, hash);
         let slab = &self.slab;
         self.index.insert_unique(table_hash(hash), idx, |&i| table_hash(slab[i].hash));
         created.push(idx);
         idx
     }
 
-    /// Frees an entry that is neither stored nor referenced; returns its key text.
-    fn forget(&mut self, idx: u32) -> Box<str> {
+    /// Frees an entry that is neither stored nor referenced.
+    fn forget(&mut self, idx: u32) {
         let hash = self.slab[idx].hash;
         match self.index.find_entry(table_hash(hash), |&i| i == idx) {
             Ok(found) => {
@@ -329,7 +329,7 @@ impl BlockStore {
             }
             Err(_) => unreachable!("entry {idx} is not indexed"),
         }
-        self.slab.remove(idx)
+        self.slab.remove(idx);
     }
 
     /// Stores a batch and applies reference changes, evicting as needed (SPEC section 2).
@@ -461,7 +461,7 @@ impl BlockStore {
         self.write_new_keys(s, objects);
         if let Some(policy) = policy {
             if !removed.is_empty() {
-                let keys: Vec<&str> = removed.iter().map(|k| &**k).collect();
+                let keys: Vec<&str> = removed.iter().map(String::as_str).collect();
                 policy.on_remove(&keys, RemoveReason::Eviction).map_err(StoreError::Policy)?;
             }
         }
@@ -599,13 +599,13 @@ impl BlockStore {
     }
 
     /// Evicts `s.victims`; returns their keys when a policy wants to hear of them.
-    fn evict_victims(&mut self, s: &Scratch, keep_keys: bool) -> Vec<Box<str>> {
+    fn evict_victims(&mut self, s: &Scratch, keep_keys: bool) -> Vec<String> {
         let mut removed = Vec::new();
         for &victim in &s.victims {
-            let key = self.evict(victim);
             if keep_keys {
-                removed.push(key);
+                removed.push(self.slab[victim].key().to_owned());
             }
+            self.evict(victim);
         }
         removed
     }
@@ -626,7 +626,7 @@ impl BlockStore {
             .batch
             .iter()
             .filter(|&&(idx, _)| self.slab[idx].slot == PENDING_SLOT)
-            .map(|&(idx, _)| self.slab[idx].key.to_string())
+            .map(|&(idx, _)| self.slab[idx].key().to_owned())
             .collect();
         self.roll_back_new_keys(s);
         if let (Some(policy), StoreError::CannotRetain { .. }) = (policy, &error) {
@@ -660,7 +660,7 @@ impl BlockStore {
             let old = *count;
             *count += delta;
             policy
-                .on_reference_change(&self.slab[idx].key, old as u32, *count as u32)
+                .on_reference_change(self.slab[idx].key(), old as u32, *count as u32)
                 .map_err(StoreError::Policy)
         };
         for &idx in &s.retains {
@@ -710,7 +710,7 @@ impl BlockStore {
         for &idx in &s.releases {
             let entry = &mut self.slab[idx];
             if entry.mark == 0 {
-                return Err(StoreError::NotReferenced { key: entry.key.to_string() });
+                return Err(StoreError::NotReferenced { key: entry.key().to_owned() });
             }
             entry.mark -= 1;
         }
@@ -747,8 +747,8 @@ impl BlockStore {
         true
     }
 
-    /// Removes an evictable key (stored, or pending in this put); returns its text.
-    fn evict(&mut self, idx: u32) -> Box<str> {
+    /// Removes an evictable key (stored, or pending in this put).
+    fn evict(&mut self, idx: u32) {
         let slot = self.slab[idx].slot;
         debug_assert!(self.slab[idx].is_evictable());
         self.slab.unlink(idx);
@@ -758,7 +758,7 @@ impl BlockStore {
         }
         self.slab[idx].slot = NO_SLOT;
         self.counters.evictions += 1;
-        self.forget(idx)
+        self.forget(idx);
     }
 
     /// A refused put stores none of its new keys.
@@ -874,7 +874,7 @@ impl BlockStore {
 
     /// Evictable keys, oldest first. For tests and debugging: O(n).
     pub fn lru_keys(&self) -> Vec<&str> {
-        self.slab.lru_iter().map(|idx| &*self.slab[idx].key).collect()
+        self.slab.lru_iter().map(|idx| self.slab[idx].key()).collect()
     }
 
     /// Every key with a reference count above zero, with its count, in no particular order.
@@ -883,7 +883,7 @@ impl BlockStore {
             .live_indices()
             .map(|idx| &self.slab[idx])
             .filter(|e| e.refs > 0)
-            .map(|e| (&*e.key, e.refs))
+            .map(|e| (e.key(), e.refs))
             .collect()
     }
 
@@ -896,7 +896,7 @@ impl BlockStore {
             .live_indices()
             .map(|idx| &self.slab[idx])
             .filter(|e| e.has_slot())
-            .map(|e| (&*e.key, arena.slot(e.slot)))
+            .map(|e| (e.key(), arena.slot(e.slot)))
             .collect()
     }
 
@@ -926,18 +926,18 @@ impl BlockStore {
         let mut indexed = 0usize;
         for idx in self.slab.live_indices() {
             let entry = &self.slab[idx];
-            if self.find(&entry.key, entry.hash) != Some(idx) {
+            if self.find(entry.key(), entry.hash) != Some(idx) {
                 return Err(format!(
                     "every key has one entry: {:?} is not found by its key",
-                    entry.key
+                    entry.key()
                 ));
             }
-            if entry.hash != self.hash_key(&entry.key) {
-                return Err(format!("every key has one entry: {:?} has a stale hash", entry.key));
+            if entry.hash != self.hash_key(entry.key()) {
+                return Err(format!("every key has one entry: {:?} has a stale hash", entry.key()));
             }
             indexed += 1;
             if entry.slot == PENDING_SLOT {
-                return Err(format!("no put is in progress: {:?} is pending", entry.key));
+                return Err(format!("no put is in progress: {:?} is pending", entry.key()));
             }
             if entry.refs > 0 {
                 referenced += 1;
@@ -947,7 +947,7 @@ impl BlockStore {
                 if slot >= used {
                     return Err(format!(
                         "slots are in range: {:?} has slot {slot} of {used} handed out",
-                        entry.key
+                        entry.key()
                     ));
                 }
                 if owner[slot] != NIL {
@@ -958,7 +958,7 @@ impl BlockStore {
             } else if entry.refs == 0 {
                 return Err(format!(
                     "counts are >= 1 where present: {:?} is neither stored nor referenced",
-                    entry.key
+                    entry.key()
                 ));
             }
         }
