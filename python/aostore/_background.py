@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from aostore._native import BlockObjectStoreError
+from aostore._native import BlockObjectStoreError, NativeStore, NativeWriter
 
 
 class _Store(Protocol):
@@ -24,29 +24,14 @@ class _Store(Protocol):
     def close(self) -> None: ...
 
 
-# (method name, positional arguments, retain keys, release keys)
+# (store method, positional arguments, retain keys, release keys)
 _Update = tuple[str, tuple[Any, ...], tuple[str, ...], tuple[str, ...]]
 
 
-class BackgroundBlockObjectStore:
-    """Applies ``put`` calls to ``store`` on one background thread, in call order.
+class _PythonWriter:
+    """A Python writer thread, for stores that the Rust writer cannot drive."""
 
-    ``put`` queues the update (blocking while ``max_pending_batches`` are queued) and returns.
-    The first error the writer meets is latched: later updates are skipped, and the next
-    ``put``, ``get_concatenated`` or ``close`` raises ``BlockObjectStoreError`` chained from it.
-    ``get_concatenated`` first waits for every queued put. ``close`` drains the queue, stops
-    the thread, closes ``store`` once and raises any latched error; it is idempotent.
-
-    ``store`` may be any object with ``put``, ``get_concatenated`` and ``close``. With an aostore
-    store the writer holds the GIL only to hand the batch over: copies and bookkeeping run in
-    Rust with the GIL released.
-    """
-
-    def __init__(self, store: _Store, *, max_pending_batches: int) -> None:
-        if isinstance(max_pending_batches, bool) or not isinstance(max_pending_batches, int):
-            raise TypeError("max_pending_batches must be an int")
-        if max_pending_batches < 1:
-            raise ValueError("max_pending_batches must be at least 1")
+    def __init__(self, store: _Store, max_pending_batches: int) -> None:
         self._store = store
         self._queue: queue.Queue[_Update | None] = queue.Queue(maxsize=max_pending_batches)
         self._error: BaseException | None = None
@@ -54,6 +39,10 @@ class BackgroundBlockObjectStore:
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True, name="aostore-writer")
         self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _run(self) -> None:
         while True:
@@ -73,6 +62,86 @@ class BackgroundBlockObjectStore:
         if self._error is not None:
             raise BlockObjectStoreError("auxiliary output publication failed") from self._error
 
+    def _enqueue(self, update: _Update) -> None:
+        if self._closed:
+            raise RuntimeError("auxiliary output store is closed")
+        self._raise_if_failed()
+        self._queue.put(update)
+        self._raise_if_failed()
+
+    def put(
+        self, objects: list[Any], *, retain_keys: tuple[str, ...], release_keys: tuple[str, ...]
+    ) -> None:
+        self._enqueue(("put", (objects,), retain_keys, release_keys))
+
+    def put_blocks(
+        self,
+        keys: list[str],
+        blocks: Any,
+        *,
+        retain_keys: tuple[str, ...],
+        release_keys: tuple[str, ...],
+    ) -> None:
+        self._enqueue(("put_blocks", (keys, blocks), retain_keys, release_keys))
+
+    def wait(self) -> None:
+        self._queue.join()
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.join()
+        self._queue.put(None)
+        self._thread.join()
+        self._store.close()
+        self._raise_if_failed()
+
+
+def _native_eligible(store: object) -> bool:
+    """Whether the Rust writer can drive ``store``: an aostore store without a Python policy
+    and without methods replaced on the instance (a test's mocks must still be called)."""
+    if not isinstance(store, NativeStore) or store.policy is not None:
+        return False
+    replaced = getattr(store, "__dict__", {})
+    return not any(name in replaced for name in ("put", "put_blocks", "close"))
+
+
+class BackgroundBlockObjectStore:
+    """Applies ``put`` calls to ``store`` on one background thread, in call order.
+
+    ``put`` queues the update (blocking while ``max_pending_batches`` are queued) and returns.
+    The first error the writer meets is latched: later updates are skipped, and the next
+    ``put``, ``get_concatenated`` or ``close`` raises ``BlockObjectStoreError`` chained from it.
+    ``get_concatenated`` first waits for every queued put. ``close`` drains the queue, stops
+    the thread, closes ``store`` once and raises any latched error; it is idempotent.
+
+    ``store`` may be any object with ``put``, ``get_concatenated`` and ``close``. An aostore store
+    (without a Python policy) gets a writer thread in Rust that never takes the GIL: the
+    engine thread only hands the batch over. With an aostore store, argument errors (a key that
+    is not ``str``, a payload that is not a buffer) are latched at once and raised from that
+    ``put``; other stores see them when the writer applies the batch.
+    """
+
+    def __init__(self, store: _Store, *, max_pending_batches: int) -> None:
+        if isinstance(max_pending_batches, bool) or not isinstance(max_pending_batches, int):
+            raise TypeError("max_pending_batches must be an int")
+        if max_pending_batches < 1:
+            raise ValueError("max_pending_batches must be at least 1")
+        self._store = store
+        self._writer: NativeWriter | _PythonWriter
+        if _native_eligible(store):
+            self._writer = NativeWriter(store, max_pending_batches)  # type: ignore[arg-type]
+        else:
+            self._writer = _PythonWriter(store, max_pending_batches)
+
+    @property
+    def store(self) -> Any:
+        """The store the writer applies updates to."""
+        return self._store
+
     def put(
         self,
         objects: Iterable[Any],
@@ -86,11 +155,13 @@ class BackgroundBlockObjectStore:
         releases = tuple(release_keys)
         if not batch and not retains and not releases:
             return
-        self._enqueue(("put", (batch,), retains, releases))
+        if self._writer.closed:
+            raise RuntimeError("auxiliary output store is closed")
+        self._writer.put(batch, retain_keys=retains, release_keys=releases)
 
     def put_blocks(
         self,
-        keys: Sequence[str],
+        keys: Iterable[str],
         blocks: Any,
         *,
         retain_keys: Iterable[str] = (),
@@ -98,41 +169,28 @@ class BackgroundBlockObjectStore:
     ) -> None:
         """Queues ``store.put_blocks``. The writer reads ``blocks`` later: the caller must not
         modify it until a read or ``close()`` has waited for the queue."""
-        keys = list(keys)
+        key_list = list(keys)
         retains = tuple(retain_keys)
         releases = tuple(release_keys)
-        if not keys and not retains and not releases:
+        if not key_list and not retains and not releases:
             return
-        self._enqueue(("put_blocks", (keys, blocks), retains, releases))
-
-    def _enqueue(self, update: _Update) -> None:
-        if self._closed:
+        if self._writer.closed:
             raise RuntimeError("auxiliary output store is closed")
-        self._raise_if_failed()
-        self._queue.put(update)
-        self._raise_if_failed()
-
-    @property
-    def store(self) -> Any:
-        """The store the writer applies updates to."""
-        return self._store
+        self._writer.put_blocks(key_list, blocks, retain_keys=retains, release_keys=releases)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
         """Waits for queued puts, then reads ``keys`` from the store."""
-        self._queue.join()
-        self._raise_if_failed()
+        self._writer.wait()
         return self._store.get_concatenated(keys)
 
     def get_into(self, keys: Sequence[str], out: Any) -> Any:
         """Waits for queued puts, then ``store.get_into(keys, out)``."""
-        self._queue.join()
-        self._raise_if_failed()
+        self._writer.wait()
         return self._store.get_into(keys, out)  # type: ignore[attr-defined]
 
     def get_array(self, keys: Sequence[str], *, dtype: Any, shape_per_token: Sequence[int]) -> Any:
-        """Waits for queued puts, then ``store.get_array(...)``."""
-        self._queue.join()
-        self._raise_if_failed()
+        """Waits for queued puts, then the payloads as one numpy array."""
+        self._writer.wait()
         get_array = getattr(self._store, "get_array", None)
         if get_array is not None:
             return get_array(keys, dtype=dtype, shape_per_token=shape_per_token)
@@ -143,12 +201,4 @@ class BackgroundBlockObjectStore:
 
     def close(self) -> None:
         """Drains, stops the writer, closes the store once; raises any latched error."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._queue.join()
-        self._queue.put(None)
-        self._thread.join()
-        self._store.close()
-        self._raise_if_failed()
+        self._writer.close()

@@ -9,7 +9,13 @@ from typing_extensions import Self, disjoint_base
 # not all see as Buffer).
 _Buffer: TypeAlias = Any
 
-__all__ = ["BlockObject", "BlockObjectStoreError", "NativeStore", "VictimCandidates"]
+__all__ = [
+    "BlockObject",
+    "BlockObjectStoreError",
+    "NativeStore",
+    "NativeWriter",
+    "VictimCandidates",
+]
 
 class BlockObjectStoreError(RuntimeError):
     """Auxiliary-output storage or retrieval failed."""
@@ -78,3 +84,30 @@ class NativeStore:
     def check(self) -> None: ...
     def stats(self) -> dict[str, int]: ...
     def snapshot(self) -> dict[str, Any]: ...
+
+@final
+class NativeWriter:
+    """The Rust writer thread behind ``aostore.BackgroundBlockObjectStore``."""
+
+    def __new__(cls, store: NativeStore, max_pending_batches: int) -> NativeWriter: ...
+    def put(
+        self,
+        objects: Iterable[Any],
+        *,
+        retain_keys: Iterable[str] | None = None,
+        release_keys: Iterable[str] | None = None,
+    ) -> None: ...
+    def put_blocks(
+        self,
+        keys: Iterable[str],
+        blocks: _Buffer,
+        *,
+        retain_keys: Iterable[str] | None = None,
+        release_keys: Iterable[str] | None = None,
+    ) -> None: ...
+    def wait(self) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def store(self) -> NativeStore: ...

@@ -1,6 +1,8 @@
 //! The PyO3 binding: argument conversion, the GIL, and the one mapping from `StoreError` to
 //! Python exceptions. No store logic lives here.
 
+mod writer;
+
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::buffer::PyUntypedBuffer;
@@ -22,7 +24,7 @@ pyo3::create_exception!(
     "Auxiliary-output storage or retrieval failed."
 );
 
-fn to_py_err(error: StoreError) -> PyErr {
+pub(crate) fn to_py_err(error: StoreError) -> PyErr {
     let message = error.to_string();
     match error {
         StoreError::Closed => PyRuntimeError::new_err(message),
@@ -88,13 +90,13 @@ impl BlockObject {
 }
 
 /// A payload kept alive (and its buffer exported) while the store copies it without the GIL.
-enum Payload<'py> {
+pub(crate) enum Payload<'py> {
     Bytes(Bound<'py, PyBytes>),
     Buffer(PyUntypedBuffer),
 }
 
 impl Payload<'_> {
-    fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         match self {
             Self::Bytes(bytes) => bytes.as_bytes(),
             // SAFETY: the buffer is C-contiguous (checked in `payload`) and stays exported, so
@@ -106,7 +108,7 @@ impl Payload<'_> {
     }
 }
 
-fn key_text<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
+pub(crate) fn key_text<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
     match key.cast::<PyString>() {
         Ok(text) => text.to_str().map_err(|_| {
             PyValueError::new_err(format!(
@@ -145,7 +147,10 @@ fn payload<'py>(key: &Bound<'py, PyAny>, value: Bound<'py, PyAny>) -> PyResult<P
 }
 
 /// A C-contiguous readable buffer (bytes fast path), kept exported while in use.
-fn readable_buffer<'py>(value: &Bound<'py, PyAny>, what: &str) -> PyResult<Payload<'py>> {
+pub(crate) fn readable_buffer<'py>(
+    value: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Payload<'py>> {
     if let Ok(bytes) = value.cast::<PyBytes>() {
         return Ok(Payload::Bytes(bytes.clone()));
     }
@@ -164,7 +169,9 @@ fn readable_buffer<'py>(value: &Bound<'py, PyAny>, what: &str) -> PyResult<Paylo
 
 /// The key and payload of one object of a batch: our `BlockObject`, or anything with
 /// `.key` and `.payload` (vLLM's `BlockObject` among them).
-fn block_parts<'py>(object: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, Payload<'py>)> {
+pub(crate) fn block_parts<'py>(
+    object: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyAny>, Payload<'py>)> {
     let py = object.py();
     let (key, value) = match object.cast::<BlockObject>() {
         Ok(block) => {
@@ -188,7 +195,7 @@ fn block_parts<'py>(object: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, 
     Ok((key, payload))
 }
 
-fn collect_keys<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+pub(crate) fn collect_keys<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let mut out = Vec::with_capacity(keys.len().unwrap_or(0));
     for key in keys.try_iter()? {
         let key = key?;
@@ -222,8 +229,8 @@ thread_local! {
 }
 
 /// The store lock plus this thread's record of holding it.
-struct Held<'a> {
-    guard: MutexGuard<'a, BlockStore>,
+pub(crate) struct Held<'a> {
+    pub(crate) guard: MutexGuard<'a, BlockStore>,
     address: usize,
 }
 
@@ -239,7 +246,7 @@ impl Drop for Held<'_> {
 }
 
 impl NativeStore {
-    fn lock(&self) -> Result<Held<'_>, StoreError> {
+    pub(crate) fn lock(&self) -> Result<Held<'_>, StoreError> {
         let address = std::ptr::from_ref(self) as usize;
         if HELD.with(|held| held.borrow().contains(&address)) {
             return Err(StoreError::Policy(
@@ -722,6 +729,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeStore>()?;
     m.add_class::<BlockObject>()?;
     m.add_class::<CandidateKeys>()?;
+    m.add_class::<writer::NativeWriter>()?;
     m.add("BlockObjectStoreError", m.py().get_type::<BlockObjectStoreError>())?;
     Ok(())
 }
