@@ -91,7 +91,7 @@ impl Entry {
 }
 
 /// Entries in a `Vec`, addressed by `u32` index, with the LRU threaded through them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Slab {
     entries: Vec<Entry>,
     free_head: u32,
@@ -99,6 +99,12 @@ pub struct Slab {
     lru_head: u32,
     lru_tail: u32,
     lru_len: usize,
+}
+
+impl Default for Slab {
+    fn default() -> Self {
+        Self::with_capacity(0)
+    }
 }
 
 impl Slab {
@@ -393,6 +399,14 @@ mod tests {
         slab[idx[1]].refs = 1;
         slab.validate().unwrap();
         assert_eq!(slab.live_indices().count(), 2);
+    }
+
+    #[test]
+    fn default_slab_is_empty() {
+        let slab = Slab::default();
+        assert_eq!(slab.lru_iter().count(), 0);
+        assert_eq!(slab.lru_head(), NIL);
+        slab.validate().unwrap();
     }
 
     #[test]

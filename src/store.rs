@@ -224,6 +224,17 @@ impl BlockStore {
         object_nbytes: usize,
         profile: Profile,
     ) -> Result<Self, StoreError> {
+        Self::with_options(max_bytes, object_nbytes, profile, false)
+    }
+
+    /// A store following `profile`; with `prefault` the arena's pages are committed now rather
+    /// than on first write (see `Arena::with_prefault`).
+    pub fn with_options(
+        max_bytes: usize,
+        object_nbytes: usize,
+        profile: Profile,
+        prefault: bool,
+    ) -> Result<Self, StoreError> {
         if object_nbytes == 0 {
             return Err(StoreError::ObjectSizeNotPositive);
         }
@@ -237,7 +248,7 @@ impl BlockStore {
                 object_nbytes: object_nbytes as u64,
             });
         }
-        let arena = Arena::new(num_slots, object_nbytes)?;
+        let arena = Arena::with_prefault(num_slots, object_nbytes, prefault)?;
         // Sized for a full store so the steady state never rehashes; referenced keys that are
         // not stored yet may still grow it.
         let reserve = num_slots.min(1 << 20);
@@ -795,11 +806,12 @@ impl BlockStore {
                 }
             };
             entry.slot = slot;
-            arena.slot_mut(slot).copy_from_slice(objects[position].payload);
+            arena.write_slot(slot, objects[position].payload);
             self.stored += 1;
             self.counters.objects_written += 1;
             self.counters.bytes_written += self.object_nbytes as u64;
         }
+        arena.flush_writes();
     }
 
     /// Copies the payloads of `keys`, in order, into `out` (`keys.len() * object_nbytes` bytes),

@@ -21,7 +21,7 @@ _PENDING = -1
 class PythonBlockObjectStore:
     """Baseline: an LRU of evictable keys only (vLLM's design after the seed)."""
 
-    def __init__(self, *, max_bytes: int, object_nbytes: int) -> None:
+    def __init__(self, *, max_bytes: int, object_nbytes: int, prefault: bool = False) -> None:
         self.object_nbytes = object_nbytes
         self.num_slots = max_bytes // object_nbytes
         self._slots: dict[str, int] = {}
@@ -30,6 +30,11 @@ class PythonBlockObjectStore:
         self._free: list[int] = []
         self._next = 0
         self._arena: mmap.mmap | None = mmap.mmap(-1, self.num_slots * object_nbytes)
+        if prefault:
+            # Commit every page now, as aostore's prefault does, so both pay no faults in puts.
+            self._arena.madvise(mmap.MADV_HUGEPAGE)
+            for offset in range(0, len(self._arena), mmap.PAGESIZE):
+                self._arena[offset] = 0
 
     def put(
         self,

@@ -1,9 +1,9 @@
 """Type stubs for the Rust extension module (kept by hand; checked by mypy.stubtest)."""
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, Literal, Self, TypeAlias, final
 
-from typing_extensions import Self, disjoint_base
+from typing_extensions import disjoint_base
 
 # Any C-contiguous buffer: bytes, bytearray, memoryview, numpy arrays (which type checkers do
 # not all see as Buffer).
@@ -51,6 +51,7 @@ class NativeStore:
         object_nbytes: int,
         policy: Any | None = None,
         profile: str = "fail-closed",
+        prefault: bool = False,
     ) -> Self: ...
     @property
     def object_nbytes(self) -> int: ...

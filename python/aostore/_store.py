@@ -13,10 +13,12 @@ class BlockObjectStore(NativeStore):
     """A bounded store of fixed-size objects keyed by string, with reference counts.
 
     ``BlockObjectStore(*, max_bytes, object_nbytes, policy=None, profile="fail-closed",
-    pin_memory=False)`` holds ``num_slots = max_bytes // object_nbytes`` objects of
-    ``object_nbytes`` bytes. Referenced keys are never evicted; unreferenced ones leave in LRU
-    order. ``pin_memory=True`` registers the arena with CUDA (``cudaHostRegister`` through torch)
-    so device-to-host copies into it run at full speed.
+    pin_memory=False, prefault=False)`` holds ``num_slots = max_bytes // object_nbytes``
+    objects of ``object_nbytes`` bytes. Referenced keys are never evicted; unreferenced ones
+    leave in LRU order. The arena's pages are committed on first write; ``prefault=True``
+    commits them all at construction (in huge pages where the kernel allows), so no put waits
+    for a page fault. ``pin_memory=True`` registers the arena with CUDA (``cudaHostRegister``
+    through torch) so device-to-host copies into it run at full speed.
 
     Instances accept attribute assignment (tests replace methods with mocks). All methods are
     safe to call from several threads; payload copies run with the GIL released.
@@ -33,11 +35,17 @@ class BlockObjectStore(NativeStore):
         policy: Any | None = None,
         profile: str = "fail-closed",
         pin_memory: bool = False,
+        prefault: bool = False,
     ) -> BlockObjectStore:
         if pin_memory and profile == "grow":
             raise ValueError("pin_memory=True needs a fixed arena; profile 'grow' may move it")
         self = super().__new__(
-            cls, max_bytes=max_bytes, object_nbytes=object_nbytes, policy=policy, profile=profile
+            cls,
+            max_bytes=max_bytes,
+            object_nbytes=object_nbytes,
+            policy=policy,
+            profile=profile,
+            prefault=prefault,
         )
         self._pinned = False
         if pin_memory:

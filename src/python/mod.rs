@@ -140,10 +140,16 @@ fn payload<'py>(key: &Bound<'py, PyAny>, value: Bound<'py, PyAny>) -> PyResult<P
         ))
     };
     let buffer = PyUntypedBuffer::get(&value).map_err(|_| not_a_buffer())?;
-    if !buffer.is_c_contiguous() {
+    if !buffer.is_c_contiguous() || holds_objects(&buffer) {
         return Err(not_a_buffer());
     }
     Ok(Payload::Buffer(buffer))
+}
+
+/// Whether a buffer holds Python object references (numpy `dtype=object`, format "O"): copying
+/// those as bytes would store pointers, and writing into them would corrupt the interpreter.
+pub(crate) fn holds_objects(buffer: &PyUntypedBuffer) -> bool {
+    buffer.format().to_bytes().contains(&b'O')
 }
 
 /// A C-contiguous readable buffer (bytes fast path), kept exported while in use.
@@ -161,7 +167,7 @@ pub(crate) fn readable_buffer<'py>(
         ))
     };
     let buffer = PyUntypedBuffer::get(value).map_err(|_| not_a_buffer())?;
-    if !buffer.is_c_contiguous() {
+    if !buffer.is_c_contiguous() || holds_objects(&buffer) {
         return Err(not_a_buffer());
     }
     Ok(Payload::Buffer(buffer))
@@ -423,12 +429,13 @@ impl CandidateKeys {
 #[pymethods]
 impl NativeStore {
     #[new]
-    #[pyo3(signature = (*, max_bytes, object_nbytes, policy = None, profile = "fail-closed"))]
+    #[pyo3(signature = (*, max_bytes, object_nbytes, policy = None, profile = "fail-closed", prefault = false))]
     fn new(
         max_bytes: &Bound<'_, PyAny>,
         object_nbytes: &Bound<'_, PyAny>,
         policy: Option<&Bound<'_, PyAny>>,
         profile: &str,
+        prefault: bool,
     ) -> PyResult<Self> {
         let object_nbytes = size_arg(object_nbytes, "object_nbytes")?;
         let max_bytes = size_arg(max_bytes, "max_bytes")?;
@@ -449,9 +456,13 @@ impl NativeStore {
         };
         let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
         let to_usize = |v: i128| usize::try_from(v).map_err(|_| too_large(v));
-        let store =
-            BlockStore::with_profile(to_usize(max_bytes)?, to_usize(object_nbytes)?, profile)
-                .map_err(to_py_err)?;
+        let store = BlockStore::with_options(
+            to_usize(max_bytes)?,
+            to_usize(object_nbytes)?,
+            profile,
+            prefault,
+        )
+        .map_err(to_py_err)?;
         Ok(Self { inner: Mutex::new(store), policy, closed: false.into() })
     }
 
@@ -544,8 +555,10 @@ impl NativeStore {
                 type_name(&out)
             ))
         })?;
-        if buffer.readonly() || !buffer.is_c_contiguous() {
-            return Err(PyTypeError::new_err("out must be a writable C-contiguous buffer"));
+        if buffer.readonly() || !buffer.is_c_contiguous() || holds_objects(&buffer) {
+            return Err(PyTypeError::new_err(
+                "out must be a writable C-contiguous buffer of plain bytes (not objects)",
+            ));
         }
         let len = buffer.len_bytes();
         if len != texts.len() * object_nbytes {

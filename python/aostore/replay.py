@@ -1,0 +1,241 @@
+"""W3: replay an RL rollout's traffic against a store, as vLLM's worker drives it.
+
+A seeded generator makes the rollout of the seed's benchmark without a GPU: ``prompts`` prompts
+x ``samples`` samples, prompts of 200-1,200 tokens shared by their samples, outputs of
+1k-16k tokens, 16-token blocks. Requests run as the engine schedules them (at most
+``max_running``, admitted while their KV blocks fit in ``kv_blocks``); every step the worker
+makes one ``put``: the data of the blocks that became full in the previous step, retains of
+the block keys that appeared in this step (before their data), and the releases of requests
+that finished, each request's keys in reverse. A finished request's routed experts are read
+back (as vLLM returns them with the output) before its release.
+
+Simplification, written down: admission reserves a request's final KV size, so no request is
+preempted. Writer time is the sum of ``put`` wall time, measured on the calling thread (the
+same work a writer thread does).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from aostore._native import BlockObject
+
+BLOCK_TOKENS = 16
+# Distinct payload rows; a block's bytes are row (block id % POOL_ROWS), so reads can be checked.
+POOL_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    """The rollout: sizes from the seed's GLM-4.5-Air benchmark."""
+
+    prompts: int = 64
+    samples: int = 8
+    prompt_tokens: tuple[int, int] = (200, 1200)
+    output_tokens: tuple[int, int] = (1024, 16384)
+    kv_blocks: int = 152_129
+    store_factor: float = 1.1
+    max_running: int = 512
+    object_nbytes: int = 5_888
+    rollout_steps: int = 1
+    seed: int = 0
+
+    @property
+    def store_slots(self) -> int:
+        return int(self.kv_blocks * self.store_factor)
+
+
+@dataclass
+class _Request:
+    prompt: int
+    prompt_len: int
+    out_len: int
+    keys: list[int]  # block ids, prompt blocks first
+    prompt_blocks: int
+
+    @property
+    def blocks(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class Step:
+    """One worker ``put``: block ids to publish, retain and release."""
+
+    publish: list[int] = field(default_factory=list)
+    retain: list[int] = field(default_factory=list)
+    release: list[int] = field(default_factory=list)
+    reads: list[list[int]] = field(default_factory=list)
+
+
+def block_key(block_id: int) -> str:
+    """The store key of a block, shaped like vLLM's routed-experts keys (80 bytes)."""
+    return f"vllm-artifact/0/{block_id * 0x9E3779B97F4A7C15 % (1 << 256):064x}"
+
+
+def generate(shape: RolloutShape) -> list[Step]:
+    """The worker's puts, step by step, for ``shape.rollout_steps`` rollouts."""
+    rng = random.Random(shape.seed)
+    steps: dict[int, Step] = defaultdict(Step)
+    next_block = 0
+    clock = 0
+    for _ in range(shape.rollout_steps):
+        requests: list[_Request] = []
+        for prompt in range(shape.prompts):
+            prompt_len = rng.randint(*shape.prompt_tokens)
+            prompt_blocks = prompt_len // BLOCK_TOKENS
+            shared = list(range(next_block, next_block + prompt_blocks))
+            next_block += prompt_blocks
+            for _ in range(shape.samples):
+                out_len = rng.randint(*shape.output_tokens)
+                own = (prompt_len + out_len) // BLOCK_TOKENS - prompt_blocks
+                keys = shared + list(range(next_block, next_block + own))
+                next_block += own
+                requests.append(_Request(prompt, prompt_len, out_len, keys, prompt_blocks))
+        clock = _schedule(shape, requests, steps, clock)
+    return [steps[s] for s in sorted(steps)]
+
+
+def _schedule(
+    shape: RolloutShape, requests: list[_Request], steps: dict[int, Step], start: int
+) -> int:
+    """Admits requests in order as KV room frees up; returns the step after the last release."""
+    waiting = list(reversed(requests))
+    finishing: list[tuple[int, int]] = []  # (release step, request index)
+    reserved = 0
+    running = 0
+    published: set[int] = set()
+    step = start
+    last = start
+    while waiting:
+        while finishing and finishing[0][0] <= step:
+            _, index = heapq.heappop(finishing)
+            reserved -= requests[index].blocks
+            running -= 1
+        while waiting and running < shape.max_running:
+            request = waiting[-1]
+            if reserved + request.blocks > shape.kv_blocks and running:
+                break
+            waiting.pop()
+            reserved += request.blocks
+            running += 1
+            index = len(requests) - len(waiting) - 1
+            release = _admit(request, step, steps, published)
+            heapq.heappush(finishing, (release, index))
+            last = max(last, release)
+        if waiting:
+            # Nothing else can start until a running request releases its blocks.
+            step = finishing[0][0]
+    return last + 1
+
+
+def _admit(request: _Request, start: int, steps: dict[int, Step], published: set[int]) -> int:
+    """Schedules one request from step ``start``; returns its release step."""
+    prefill = steps[start]
+    prompt_keys = request.keys[: request.prompt_blocks]
+    prefill.retain.extend(prompt_keys)
+    fresh = [k for k in prompt_keys if k not in published]
+    published.update(fresh)
+    steps[start + 1].publish.extend(fresh)
+    for k in range(request.prompt_blocks, request.blocks):
+        # Block k is full when token 16(k+1)-1 is generated, one token per step after prefill.
+        full = start + 1 + BLOCK_TOKENS * (k + 1) - 1 - request.prompt_len
+        steps[full].retain.append(request.keys[k])
+        steps[full + 1].publish.append(request.keys[k])
+    # The last token comes at step start + out_len; its block's data one step later, when the
+    # request's routed experts are read for its output. The scheduler reports the finish in
+    # the next step, whose put releases the keys.
+    finish = start + request.out_len
+    steps[finish + 1].reads.append(request.keys)
+    steps[finish + 2].release.extend(reversed(request.keys))
+    return finish + 2
+
+
+@dataclass
+class ReplayResult:
+    """Figures of one store over the whole replay."""
+
+    name: str
+    puts: int
+    objects: int
+    writer_seconds: float
+    put_ns: list[int]
+    read_seconds: float
+    objects_read: int
+    evictions: int
+
+    def percentile_us(self, q: float) -> float:
+        return float(np.percentile(np.asarray(self.put_ns), q)) / 1e3
+
+
+def pool(object_nbytes: int, seed: int = 0) -> np.ndarray:
+    """Payload rows: random routed-expert-like bytes."""
+    return np.random.default_rng(seed).integers(0, 128, (POOL_ROWS, object_nbytes), dtype=np.uint8)
+
+
+def run(
+    name: str,
+    store: Any,
+    steps: list[Step],
+    rows: np.ndarray,
+    *,
+    as_bytes: bool,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReplayResult:
+    """Drives ``store`` through ``steps``; payloads are numpy rows, or ``bytes`` when
+    ``as_bytes`` (what vLLM's ``tobytes()`` hands a pure-Python store)."""
+    payloads: list[Any] = [row.tobytes() for row in rows] if as_bytes else list(rows)
+    keys: dict[int, str] = {}
+
+    def key(block: int) -> str:
+        text = keys.get(block)
+        if text is None:
+            text = keys[block] = block_key(block)
+        return text
+
+    put_ns: list[int] = []
+    objects = 0
+    read_ns = 0
+    objects_read = 0
+    clock = time.perf_counter_ns
+    width = rows.shape[1]
+    for i, step in enumerate(steps):
+        batch = [BlockObject(key(b), payloads[b % POOL_ROWS]) for b in step.publish]
+        retains = [key(b) for b in step.retain]
+        releases = [key(b) for b in step.release]
+        t0 = clock()
+        store.put(batch, retain_keys=retains, release_keys=releases)
+        put_ns.append(clock() - t0)
+        objects += len(batch)
+        for b in step.release:
+            keys.pop(b, None)
+        for request_keys in step.reads:
+            wanted = [key(b) for b in request_keys]
+            t0 = clock()
+            data = store.get_concatenated(wanted)
+            read_ns += clock() - t0
+            objects_read += len(wanted)
+            last = request_keys[-1]
+            got = data[-width:]
+            assert got == bytes(payloads[last % POOL_ROWS]), f"replay read mismatch at {last}"
+        if progress is not None and (i % 512 == 0 or i == len(steps) - 1):
+            progress(i + 1, len(steps))
+    stats = store.stats() if hasattr(store, "stats") else {}
+    return ReplayResult(
+        name=name,
+        puts=len(put_ns),
+        objects=objects,
+        writer_seconds=sum(put_ns) / 1e9,
+        put_ns=put_ns,
+        read_seconds=read_ns / 1e9,
+        objects_read=objects_read,
+        evictions=int(stats.get("evictions", -1)),
+    )
