@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from aostore import _tensors
 from aostore._native import BlockObjectStoreError, NativeStore, NativeWriter
 
 
@@ -176,6 +177,11 @@ class BackgroundBlockObjectStore:
             return
         if self._writer.closed:
             raise RuntimeError("auxiliary output store is closed")
+        if isinstance(self._writer, NativeWriter) and _tensors.is_tensor(blocks):
+            # The Rust writer reads plain buffers: a tensor becomes its host bytes here (a CUDA
+            # tensor is copied to the host once, on the caller's thread).
+            object_nbytes = self._store.object_nbytes  # type: ignore[attr-defined]
+            blocks = _tensors.block_bytes(blocks, len(key_list), object_nbytes)
         self._writer.put_blocks(key_list, blocks, retain_keys=retains, release_keys=releases)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:

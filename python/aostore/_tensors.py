@@ -6,8 +6,19 @@ so any dtype (bf16 included) round-trips bit-exactly. CUDA tensors cross to the 
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
+
+# Field names in a struct format string ("T{<i:name:}"), which may contain any letter.
+_FIELD_NAMES = re.compile(r":[^:]*:")
+
+
+def _refuse_object_references(view: memoryview, what: str) -> None:
+    """Raises for buffers of Python object references (numpy ``dtype=object``): their bytes are
+    pointers, and writing bytes into them corrupts the interpreter's heap."""
+    if "O" in view.format and "O" in _FIELD_NAMES.sub("", view.format):
+        raise TypeError(f"{what} must hold plain data, not Python object references")
 
 
 def is_tensor(value: object) -> bool:
@@ -23,7 +34,9 @@ def _tensor_rows(blocks: Any, count: int, object_nbytes: int) -> Any:
         raise ValueError("blocks must be a contiguous tensor (call .contiguous() first)")
     row_nbytes = blocks[0].numel() * blocks.element_size() if count else object_nbytes
     if row_nbytes != object_nbytes:
-        raise ValueError(f"each block holds {row_nbytes} bytes, expected object_nbytes={object_nbytes}")
+        raise ValueError(
+            f"each block holds {row_nbytes} bytes, expected object_nbytes={object_nbytes}"
+        )
     if count == 0:
         return b""
     if blocks.device.type != "cpu":
@@ -47,6 +60,7 @@ def block_bytes(blocks: Any, count: int, object_nbytes: int) -> Any:
             f"blocks must be a numpy array, a torch tensor or a buffer, not {type(blocks).__name__}"
         ) from None
     with view:
+        _refuse_object_references(view, "blocks")
         if not view.c_contiguous:
             raise ValueError("blocks must be C-contiguous (use numpy.ascontiguousarray)")
         flat_bytes = view.ndim == 1 and view.itemsize == 1
@@ -69,6 +83,17 @@ def writable_host_bytes(out: Any) -> tuple[Any, Any]:
     buffer that the caller copies to the device afterwards (one host-to-device copy).
     """
     if not is_tensor(out):
+        dtype = getattr(out, "dtype", None)
+        if dtype is not None:  # numpy: its dtype answers without exporting a buffer
+            if getattr(dtype, "hasobject", False):
+                raise TypeError("out must hold plain data, not Python object references")
+            return out, None
+        try:
+            view = memoryview(out)
+        except TypeError:
+            return out, None  # the store raises its own TypeError for a non-buffer
+        with view:
+            _refuse_object_references(view, "out")
         return out, None
     import torch
 

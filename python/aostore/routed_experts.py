@@ -46,6 +46,12 @@ def _full_blocks(
     return keys, arrays
 
 
+def _stackable(arrays: Sequence[np.ndarray]) -> bool:
+    """Whether ``np.stack`` keeps every block's bytes: one dtype and one shape (it would
+    otherwise convert values or raise where the per-block path reports a payload size)."""
+    return all(a.dtype == arrays[0].dtype and a.shape == arrays[0].shape for a in arrays)
+
+
 def publish_routed_experts(
     store: Any,
     *,
@@ -62,15 +68,19 @@ def publish_routed_experts(
     """
     keys, arrays = _full_blocks(batches, block_size)
     if isinstance(store, BlockObjectStore):
-        objects = [BlockObject(k, np.ascontiguousarray(a)) for k, a in zip(keys, arrays, strict=True)]
+        objects = [
+            BlockObject(k, np.ascontiguousarray(a)) for k, a in zip(keys, arrays, strict=True)
+        ]
         store.put(objects, retain_keys=retain_keys, release_keys=release_keys)
-    elif isinstance(store, BackgroundBlockObjectStore) and hasattr(store.store, "put_blocks"):
+    elif (
+        isinstance(store, BackgroundBlockObjectStore)
+        and hasattr(store.store, "put_blocks")
+        and _stackable(arrays)
+    ):
         blocks = np.stack(arrays) if arrays else np.empty((0,), dtype=np.uint8)
         store.put_blocks(keys, blocks, retain_keys=retain_keys, release_keys=release_keys)
     else:
-        objects = [
-            BlockObject(k, a.tobytes(order="C")) for k, a in zip(keys, arrays, strict=True)
-        ]
+        objects = [BlockObject(k, a.tobytes(order="C")) for k, a in zip(keys, arrays, strict=True)]
         store.put(objects, retain_keys=retain_keys, release_keys=release_keys)
 
 
