@@ -1,18 +1,24 @@
-"""``python -m aostore``: exercise a store at vLLM scale and print ns per object.
+"""``python -m aostore``: replay an RL rollout against aostore and the pure-Python baseline.
 
-The shape is GLM-4.5-Air's routed experts on one GB200 node: 167,341 slots of 5,888 bytes
-(46 MoE layers x top-8 x uint8 x 16 tokens). The store is filled, then driven as vLLM's
-worker does in steady state: batches of 64 new blocks with 64 retains and 64 releases, and
-reads of 64 random live blocks.
+``python -m aostore`` (or ``aostore``) runs the workload replay W3 with its defaults: one
+rollout of the seed's GLM-4.5-Air benchmark (64 prompts x 8 samples, 1k-16k output tokens,
+167,341 store slots of 5,888 bytes), driven as vLLM's worker drives the store, then prints
+writer time, put latency and the baseline's figures from the same run. ``--scale`` replays the
+seed's three rollouts; ``--json`` and ``--plot`` write the figures and a latency plot.
+
+``python -m aostore churn`` exercises a full store in steady state instead: batches of 64 new
+blocks with 64 retains and 64 releases, and reads of 64 random live blocks, in ns per object.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from aostore import BlockObject, BlockObjectStore
 
@@ -32,7 +38,7 @@ def _key(i: int) -> str:
     return f"{i * 0x9E3779B97F4A7C15 % (1 << 256):064x}:0"
 
 
-def run(slots: int, object_nbytes: int, batches: int, seed: int) -> list[tuple[str, float, str]]:
+def churn(slots: int, object_nbytes: int, batches: int, seed: int) -> list[tuple[str, float, str]]:
     """Runs the workload; returns (measure, value, unit) rows."""
     rng = random.Random(seed)
     store = BlockObjectStore(max_bytes=slots * object_nbytes, object_nbytes=object_nbytes)
@@ -94,16 +100,124 @@ def _table(rows: Sequence[tuple[str, float, str]]) -> str:
     return "\n".join(lines)
 
 
+def _fmt(value: float, unit: str) -> str:
+    return f"{value:,.0f}" if not unit else f"{value:,.3f} {unit}"
+
+
+def replay(args: argparse.Namespace) -> int:
+    from aostore._baseline import PythonBlockObjectStore
+    from aostore.replay import RolloutShape, generate, pool, run
+
+    shape = RolloutShape(rollout_steps=3 if args.scale else 1, seed=args.seed)
+    print(
+        f"replaying {shape.rollout_steps} rollout(s) of {shape.prompts} prompts x "
+        f"{shape.samples} samples; store of {shape.store_slots:,} slots x "
+        f"{shape.object_nbytes:,} B",
+        file=sys.stderr,
+    )
+    steps = generate(shape)
+    rows = pool(shape.object_nbytes, shape.seed)
+    results = []
+    for name, make, as_bytes in (
+        ("aostore", BlockObjectStore, False),
+        ("baseline", PythonBlockObjectStore, True),
+    ):
+        store = make(
+            max_bytes=shape.store_slots * shape.object_nbytes,
+            object_nbytes=shape.object_nbytes,
+            prefault=args.prefault,
+        )
+        results.append(
+            run(
+                name,
+                store,
+                steps,
+                rows,
+                as_bytes=as_bytes,
+                progress=functools.partial(_progress, name),
+            )
+        )
+        store.close()
+    ours, base = results
+    table: list[tuple[str, float, str, float]] = [
+        ("puts", float(ours.puts), "", float(base.puts)),
+        ("objects written", float(ours.objects), "", float(base.objects)),
+        ("objects read", float(ours.objects_read), "", float(base.objects_read)),
+        ("writer time", ours.writer_seconds, "s", base.writer_seconds),
+        ("put p50", ours.percentile_us(50), "us", base.percentile_us(50)),
+        ("put p99", ours.percentile_us(99), "us", base.percentile_us(99)),
+        ("read time", ours.read_seconds, "s", base.read_seconds),
+    ]
+    print(f"{'measure':<16} {'aostore':>12} {'baseline':>12} {'baseline/aostore':>17}")
+    print("-" * 60)
+    for label, value, unit, other in table:
+        ratio = f"{other / value:.1f}x" if unit and value else ""
+        print(f"{label:<16} {_fmt(value, unit):>12} {_fmt(other, unit):>12} {ratio:>17}")
+    if args.json:
+        import json
+
+        payload = {
+            r.name: {
+                "puts": r.puts,
+                "objects": r.objects,
+                "objects_read": r.objects_read,
+                "writer_seconds": r.writer_seconds,
+                "read_seconds": r.read_seconds,
+                "p50_us": r.percentile_us(50),
+                "p99_us": r.percentile_us(99),
+            }
+            for r in results
+        }
+        with open(args.json, "w") as f:
+            json.dump({"shape": shape.__dict__, "results": payload}, f, indent=2)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def _plot(results: list[Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        lat = np.sort(np.asarray(r.put_ns)) / 1e3
+        ax.plot(lat, np.linspace(0, 1, len(lat)), label=r.name)
+    ax.set_xscale("log")
+    ax.set_xlabel("put latency (µs)")
+    ax.set_ylabel("fraction of puts")
+    ax.set_title("RL-rollout replay: put latency")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aostore", description=__doc__.splitlines()[0])
-    parser.add_argument("--slots", type=int, default=167_341, help="store capacity in objects")
-    parser.add_argument("--object-nbytes", type=int, default=5_888, help="bytes per object")
-    parser.add_argument("--batches", type=int, default=2_000, help="steady-state batches of 64")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", action="store_true", help="the seed's three rollouts")
+    parser.add_argument(
+        "--prefault", action="store_true", help="commit both arenas before the replay"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="write the put-latency plot")
+    sub = parser.add_subparsers(dest="command")
+    churn_parser = sub.add_parser("churn", help="steady churn of a full store, ns per object")
+    churn_parser.add_argument("--slots", type=int, default=167_341, help="capacity in objects")
+    churn_parser.add_argument("--object-nbytes", type=int, default=5_888, help="bytes per object")
+    churn_parser.add_argument("--batches", type=int, default=2_000, help="batches of 64")
     args = parser.parse_args(argv)
+    if args.command != "churn":
+        return replay(args)
     if args.slots < _BATCH or args.object_nbytes < 1 or args.batches < 1:
         parser.error("--slots must be >= 64, --object-nbytes and --batches >= 1")
-    rows = run(args.slots, args.object_nbytes, args.batches, args.seed)
+    rows = churn(args.slots, args.object_nbytes, args.batches, args.seed)
     print(f"aostore: {args.slots:,} slots x {args.object_nbytes:,} B, {args.batches:,} batches")
     print(_table(rows))
     return 0
