@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 WHEEL_DIR := dist
 
-.PHONY: venv build install run test test-rust test-python lint fmt bench clean
+.PHONY: venv build install run test test-rust test-python lint fmt bench valgrind clean
 
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,14 @@ fmt: venv
 	cargo fmt
 	$(VENV)/bin/ruff format python tests benches
 	$(VENV)/bin/ruff check --fix python tests benches
+
+# The Rust test binaries under memcheck: any invalid access or definite leak fails.
+valgrind:
+	PROPTEST_CASES=200 cargo test --no-run 2>&1 | sed -n 's/.*Executable .*(\(.*\))/\1/p' > target/test-binaries
+	for bin in $$(cat target/test-binaries); do \
+		PROPTEST_CASES=200 valgrind -q --error-exitcode=3 --leak-check=full \
+			--errors-for-leak-kinds=definite $$bin --test-threads=1 || exit 1; \
+	done
 
 bench: install
 	cargo bench --bench store

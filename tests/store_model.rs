@@ -185,8 +185,13 @@ fn assert_same(store: &BlockStore, model: &Model) {
     assert_eq!(objects, model.objects, "stored objects");
 }
 
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2_000)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+    // 2,000 cases by default; PROPTEST_CASES runs longer (the figures are in the CHANGELOG).
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
     fn store_matches_model(
