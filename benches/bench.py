@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore
 from aostore._baseline import PythonBlockObjectStore, RescanBlockObjectStore
 from aostore.replay import RolloutShape, generate, pool, run
@@ -63,7 +62,8 @@ def w1_per_put_us(
         store.put([], retain_keys=[key(i) for i in range(start, min(start + 4096, referenced))])
     data = payloads(nbytes, batch)
     batches = [
-        [BlockObject(key(slots + p * batch + i), data[i]) for i in range(batch)] for p in range(puts)
+        [BlockObject(key(slots + p * batch + i), data[i]) for i in range(batch)]
+        for p in range(puts)
     ]
     gc.collect()
     times = []
@@ -303,38 +303,74 @@ def targets(r: dict[str, Any]) -> list[tuple[str, str, float, str, bool, str]]:
         ratio = w1r["aostore"][f"99%/{batch}"] / w1r["aostore"][f"0%/{batch}"]
         base = w1r["baseline"][f"99%/{batch}"] / w1r["baseline"][f"0%/{batch}"]
         rows.append(
-            ("T1", f"W1 put of {batch}, 99% / 0% referenced", ratio, "<= 1.2", ratio <= 1.2,
-             f"baseline {base:.2f}")
+            (
+                "T1",
+                f"W1 put of {batch}, 99% / 0% referenced",
+                ratio,
+                "<= 1.2",
+                ratio <= 1.2,
+                f"baseline {base:.2f}",
+            )
         )
     for op, goal in (("put", 12.0), ("get", 8.0)):
         a, b = w2r["aostore/64"][f"{op}_ns"], w2r["baseline/64"][f"{op}_ns"]
         rows.append(
-            ("T2", f"W2 64 B {op}, baseline / aostore", b / a, f">= {goal:g}", b / a >= goal,
-             f"{b:.0f} vs {a:.0f} ns/object")
+            (
+                "T2",
+                f"W2 64 B {op}, baseline / aostore",
+                b / a,
+                f">= {goal:g}",
+                b / a >= goal,
+                f"{b:.0f} vs {a:.0f} ns/object",
+            )
         )
     for op in ("put", "get"):
         a = w2r[f"aostore/{GLM_OBJECT_NBYTES}"][f"{op}_ns"]
         f = w2r[f"floor/{GLM_OBJECT_NBYTES}"][f"{op}_ns"]
         b = w2r[f"baseline/{GLM_OBJECT_NBYTES}"][f"{op}_ns"]
         rows.append(
-            ("T3", f"W2 5,888 B {op}, aostore / memcpy floor", a / f, "<= 1.2", a / f <= 1.2,
-             f"baseline {b / f:.2f}x floor")
+            (
+                "T3",
+                f"W2 5,888 B {op}, aostore / memcpy floor",
+                a / f,
+                "<= 1.2",
+                a / f <= 1.2,
+                f"baseline {b / f:.2f}x floor",
+            )
         )
     speed = w4r["aostore_speed"]
     rows.append(
-        ("T4", "W4 engine speed, aostore writer / no-op", speed, ">= 0.9", speed >= 0.9,
-         f"Python writer {w4r['python_writer_speed']:.2f}")
+        (
+            "T4",
+            "W4 engine speed, aostore writer / no-op",
+            speed,
+            ">= 0.9",
+            speed >= 0.9,
+            f"Python writer {w4r['python_writer_speed']:.2f}",
+        )
     )
     for arena in ("warm", "cold"):
         a, b = w3r[f"aostore/{arena}"]["writer_s"], w3r[f"baseline/{arena}"]["writer_s"]
         rows.append(
-            ("T5", f"W3 writer time, baseline / aostore ({arena} arena)", b / a, ">= 10",
-             b / a >= 10, f"{b:.2f} s vs {a:.2f} s")
+            (
+                "T5",
+                f"W3 writer time, baseline / aostore ({arena} arena)",
+                b / a,
+                ">= 10",
+                b / a >= 10,
+                f"{b:.2f} s vs {a:.2f} s",
+            )
         )
     per_key = t6r["aostore_bytes_per_key"]
     rows.append(
-        ("T6", "bytes beyond the arena per stored key", per_key, "<= 160", per_key <= 160,
-         f"baseline {t6r['baseline_bytes_per_key']:.0f} B")
+        (
+            "T6",
+            "bytes beyond the arena per stored key",
+            per_key,
+            "<= 160",
+            per_key <= 160,
+            f"baseline {t6r['baseline_bytes_per_key']:.0f} B",
+        )
     )
     return rows
 

@@ -6,6 +6,7 @@
 
 pub mod arena;
 pub mod error;
+pub mod index;
 pub mod slab;
 pub mod store;
 

@@ -6,7 +6,9 @@
 
 use std::hash::BuildHasher;
 
-use hashbrown::{DefaultHashBuilder, HashTable};
+use foldhash::fast::FixedState;
+
+use crate::index::KeyIndex;
 
 use crate::arena::Arena;
 use crate::error::StoreError;
@@ -183,8 +185,8 @@ pub struct BlockStore {
     object_nbytes: usize,
     num_slots: usize,
     profile: Profile,
-    index: HashTable<u32>,
-    hasher: DefaultHashBuilder,
+    index: KeyIndex,
+    hasher: FixedState,
     slab: Slab,
     /// Slots released by eviction, reused before fresh ones so touched pages are reused.
     free_slots: Vec<u32>,
@@ -204,13 +206,6 @@ impl std::fmt::Debug for Arena {
 
 /// Largest slot count: slot indices are `u32` and two values are reserved markers.
 pub const MAX_SLOTS: usize = (PENDING_SLOT - 1) as usize;
-
-/// The table hash of a key from the 32 bits kept in its entry: multiplying spreads them over
-/// the 64 bits the table uses, so resizing and removal never re-read the key's text.
-#[inline]
-fn table_hash(hash: u32) -> u64 {
-    u64::from(hash).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-}
 
 impl BlockStore {
     /// A store of `max_bytes / object_nbytes` slots of `object_nbytes` bytes each.
@@ -257,8 +252,8 @@ impl BlockStore {
             object_nbytes,
             num_slots,
             profile,
-            index: HashTable::with_capacity(reserve),
-            hasher: DefaultHashBuilder::default(),
+            index: KeyIndex::with_capacity(reserve),
+            hasher: FixedState::default(),
             slab: Slab::with_capacity(reserve),
             free_slots: Vec::new(),
             next_slot: 0,
@@ -292,7 +287,7 @@ impl BlockStore {
     /// Frees the arena and every key; later calls fail with `Closed`. Idempotent.
     pub fn close(&mut self) {
         if self.arena.take().is_some() {
-            self.index = HashTable::new();
+            self.index = KeyIndex::with_capacity(0);
             self.slab = Slab::default();
             self.free_slots = Vec::new();
             self.scratch = Scratch::default();
@@ -311,12 +306,7 @@ impl BlockStore {
     #[inline]
     fn find(&self, key: &str, hash: u32) -> Option<u32> {
         let slab = &self.slab;
-        self.index
-            .find(table_hash(hash), |&idx| {
-                let entry = &slab[idx];
-                entry.hash == hash && entry.key_bytes() == key.as_bytes()
-            })
-            .copied()
+        self.index.find(hash, |idx| slab[idx].key_bytes() == key.as_bytes())
     }
 
     /// The entry of `key`, created (unreferenced, without a slot) when missing.
@@ -325,21 +315,52 @@ impl BlockStore {
             return idx;
         }
         let idx = self.slab.insert(key, hash);
-        let slab = &self.slab;
-        self.index.insert_unique(table_hash(hash), idx, |&i| table_hash(slab[i].hash));
+        self.index.insert(hash, idx);
         created.push(idx);
         idx
     }
 
+    /// Resolves `keys` to entries, appending to `out`, in passes so that their cache misses
+    /// overlap: hash every key and prefetch its home bucket; take each key's candidate from the
+    /// buckets' 32-bit hashes alone (no entry read) and prefetch the candidate's entry; then
+    /// confirm each key's bytes. Missing keys get new entries (recorded in `created`) when `created` is
+    /// given, and resolve to `NIL` otherwise.
+    fn resolve(
+        &mut self,
+        keys: &[&str],
+        hashes: &mut Vec<u32>,
+        out: &mut Vec<u32>,
+        mut created: Option<&mut Vec<u32>>,
+    ) {
+        let first = out.len();
+        hashes.clear();
+        hashes.extend(keys.iter().map(|key| self.hash_key(key)));
+        for &hash in hashes.iter() {
+            self.index.prefetch(hash);
+        }
+        for &hash in hashes.iter() {
+            let candidate = self.index.find(hash, |_| true).unwrap_or(NIL);
+            if candidate != NIL {
+                self.slab.prefetch(candidate);
+            }
+            out.push(candidate);
+        }
+        for (i, key) in keys.iter().enumerate() {
+            let candidate = out[first + i];
+            if candidate != NIL && self.slab[candidate].key_bytes() == key.as_bytes() {
+                continue;
+            }
+            // No candidate, a 32-bit hash collision, or a key this loop just created.
+            out[first + i] = match created.as_deref_mut() {
+                Some(created) => self.find_or_insert(key, hashes[i], created),
+                None => self.find(key, hashes[i]).unwrap_or(NIL),
+            };
+        }
+    }
+
     /// Frees an entry that is neither stored nor referenced.
     fn forget(&mut self, idx: u32) {
-        let hash = self.slab[idx].hash;
-        match self.index.find_entry(table_hash(hash), |&i| i == idx) {
-            Ok(found) => {
-                found.remove();
-            }
-            Err(_) => unreachable!("entry {idx} is not indexed"),
-        }
+        self.index.remove(self.slab.hash(idx), idx);
         self.slab.remove(idx);
     }
 
@@ -394,25 +415,17 @@ impl BlockStore {
     ) -> Result<PutReport, StoreError> {
         // Resolve every key to an entry once. Entries created here are unreferenced and have no
         // slot, so they are invisible until something below gives them a count or a slot.
-        for key in retain_keys {
-            let hash = self.hash_key(key);
-            let idx = self.find_or_insert(key, hash, &mut s.created);
-            s.retains.push(idx);
-        }
-        for key in release_keys {
-            let hash = self.hash_key(key);
-            let idx = self.find_or_insert(key, hash, &mut s.created);
-            s.releases.push(idx);
-        }
+        self.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
+        self.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
         if let Err(error) = self.validate_releases(s) {
             self.forget_orphans(&s.created);
             return Err(error);
         }
-        s.hashes.extend(objects.iter().map(|o| self.hash_key(o.key)));
-        for (position, object) in objects.iter().enumerate() {
-            let idx = self.find_or_insert(object.key, s.hashes[position], &mut s.created);
-            s.batch.push((idx, position));
-        }
+        let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
+        let mut entries = std::mem::take(&mut s.victims);
+        self.resolve(&keys, &mut s.hashes, &mut entries, Some(&mut s.created));
+        s.batch.extend(entries.drain(..).enumerate().map(|(position, idx)| (idx, position)));
+        s.victims = entries;
         self.dedupe_batch(s);
         if self.profile == Profile::Grow {
             // vLLM 0.33 replaces a re-put object that nothing references: drop its bytes here,
@@ -457,7 +470,9 @@ impl BlockStore {
                     }
                 }
             } else if self.profile == Profile::Grow {
-                let num_slots = (self.stored + placed.new_keys).max(self.num_slots * 2);
+                // As vLLM 0.33: every eligible key goes, and the arena holds what is left,
+                // at least doubled.
+                let num_slots = (self.stored + placed.new_keys - eligible).max(self.num_slots * 2);
                 if let Err(error) = self.grow_arena(num_slots) {
                     return Err(self.refuse_batch(s, error, policy));
                 }
@@ -568,6 +583,12 @@ impl BlockStore {
         let from_released = count - s.victims.len();
         s.victims.extend_from_slice(&s.released[..from_released]);
         self.counters.eviction_visits += count as u64;
+        // The walk read only the dense links; fetch the victims' entries and index buckets all
+        // at once.
+        for &victim in &s.victims {
+            self.slab.prefetch(victim);
+            self.index.prefetch(self.slab.hash(victim));
+        }
     }
 
     /// Victims chosen by a policy from a lazy walk of the eligible keys, checked to be exactly
@@ -818,32 +839,30 @@ impl BlockStore {
     /// then moves each evictable key to the LRU tail. A missing key fails with `Missing` and
     /// changes nothing.
     pub fn get_into(&mut self, keys: &[&str], out: &mut [u8]) -> Result<(), StoreError> {
-        let Some(arena) = self.arena.as_ref() else {
+        if self.arena.is_none() {
             return Err(StoreError::Closed);
-        };
+        }
         assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
         let mut found = std::mem::take(&mut self.scratch.victims);
+        let mut hashes = std::mem::take(&mut self.scratch.hashes);
         found.clear();
-        for key in keys {
-            let idx = self.find(key, self.hash_key(key)).filter(|&i| {
-                let slot = self.slab[i].slot;
-                slot != NO_SLOT && slot != PENDING_SLOT
+        self.resolve(keys, &mut hashes, &mut found, None);
+        self.scratch.hashes = hashes;
+        let missing = found
+            .iter()
+            .position(|&idx| idx == NIL || matches!(self.slab[idx].slot, NO_SLOT | PENDING_SLOT));
+        if let Some(at) = missing {
+            self.counters.read_misses += 1;
+            found.clear();
+            self.scratch.victims = found;
+            return Err(StoreError::Missing {
+                key: keys[at].to_owned(),
+                used: self.stored,
+                limit: self.num_slots,
+                hint: self.profile == Profile::FailClosed,
             });
-            match idx {
-                Some(idx) => found.push(idx),
-                None => {
-                    self.counters.read_misses += 1;
-                    found.clear();
-                    self.scratch.victims = found;
-                    return Err(StoreError::Missing {
-                        key: (*key).to_owned(),
-                        used: self.stored,
-                        limit: self.num_slots,
-                        hint: self.profile == Profile::FailClosed,
-                    });
-                }
-            }
         }
+        let arena = self.arena.as_ref().expect("checked open");
         for (chunk, &idx) in out.chunks_exact_mut(self.object_nbytes).zip(&found) {
             chunk.copy_from_slice(arena.slot(self.slab[idx].slot));
         }
@@ -938,13 +957,13 @@ impl BlockStore {
         let mut indexed = 0usize;
         for idx in self.slab.live_indices() {
             let entry = &self.slab[idx];
-            if self.find(entry.key(), entry.hash) != Some(idx) {
+            if self.find(entry.key(), self.slab.hash(idx)) != Some(idx) {
                 return Err(format!(
                     "every key has one entry: {:?} is not found by its key",
                     entry.key()
                 ));
             }
-            if entry.hash != self.hash_key(entry.key()) {
+            if self.slab.hash(idx) != self.hash_key(entry.key()) {
                 return Err(format!("every key has one entry: {:?} has a stale hash", entry.key()));
             }
             indexed += 1;

@@ -114,7 +114,9 @@ impl Model {
             return Outcome::CannotRetain;
         }
         if eligible.len() < need {
-            self.num_slots = (self.objects.len() + new.len()).max(2 * self.num_slots);
+            // vLLM 0.33 sizes the arena after evicting every eligible key.
+            let left = self.objects.len() + new.len() - eligible.len();
+            self.num_slots = left.max(2 * self.num_slots);
         }
         let victims = &eligible[..need.min(eligible.len())];
         self.lru.retain(|k| !victims.contains(k));

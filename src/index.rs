@@ -1,0 +1,206 @@
+//! The key index: an open-addressing table from a key's 32-bit hash to its slab entry.
+//!
+//! Each bucket packs `(hash << 32) | entry` in 8 bytes, eight to a cache line, with linear
+//! probing and backward-shift deletion (no tombstones, so churn never degrades it and never
+//! forces a rehash). A probe compares hashes only; the caller confirms the key in the entry.
+//! Because the home bucket follows from the hash alone, a batch can prefetch all its buckets
+//! before probing any of them.
+
+/// An empty bucket (entry index `u32::MAX` is never used).
+const EMPTY: u64 = u64::MAX;
+
+/// The table grows when more than this fraction of its buckets is used.
+const MAX_LOAD_NUM: usize = 3;
+const MAX_LOAD_DEN: usize = 4;
+
+/// Entry indices by 32-bit key hash.
+#[derive(Debug)]
+pub struct KeyIndex {
+    buckets: Vec<u64>,
+    shift: u32,
+    len: usize,
+}
+
+#[inline]
+fn pack(hash: u32, idx: u32) -> u64 {
+    (u64::from(hash) << 32) | u64::from(idx)
+}
+
+#[inline]
+fn bucket_hash(bucket: u64) -> u32 {
+    (bucket >> 32) as u32
+}
+
+#[inline]
+fn bucket_idx(bucket: u64) -> u32 {
+    bucket as u32
+}
+
+impl KeyIndex {
+    /// An index that holds `capacity` keys without growing.
+    pub fn with_capacity(capacity: usize) -> Self {
+        let buckets = (capacity * MAX_LOAD_DEN / MAX_LOAD_NUM + 1).next_power_of_two().max(16);
+        Self { buckets: vec![EMPTY; buckets], shift: 64 - buckets.trailing_zeros(), len: 0 }
+    }
+
+    /// Number of keys indexed.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no key is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.buckets.len() - 1
+    }
+
+    /// The bucket where a probe for `hash` starts: Fibonacci hashing spreads the 32 bits.
+    #[inline]
+    fn home(&self, hash: u32) -> usize {
+        (u64::from(hash).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    /// Starts loading the home bucket of `hash` into cache.
+    #[inline]
+    pub fn prefetch(&self, hash: u32) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let bucket = &self.buckets[self.home(hash)];
+            // SAFETY: a prefetch never faults and does not change memory; the address is a
+            // live bucket. SSE is in the x86_64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(bucket).cast::<i8>()) };
+        }
+    }
+
+    /// The first entry with `hash` for which `accept` holds.
+    #[inline]
+    pub fn find(&self, hash: u32, mut accept: impl FnMut(u32) -> bool) -> Option<u32> {
+        let mask = self.mask();
+        let mut at = self.home(hash);
+        loop {
+            let bucket = self.buckets[at];
+            if bucket == EMPTY {
+                return None;
+            }
+            if bucket_hash(bucket) == hash && accept(bucket_idx(bucket)) {
+                return Some(bucket_idx(bucket));
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// Adds an entry; the caller knows its key is not indexed yet.
+    pub fn insert(&mut self, hash: u32, idx: u32) {
+        debug_assert_ne!(pack(hash, idx), EMPTY);
+        if (self.len + 1) * MAX_LOAD_DEN > self.buckets.len() * MAX_LOAD_NUM {
+            self.grow();
+        }
+        self.place(pack(hash, idx));
+        self.len += 1;
+    }
+
+    fn place(&mut self, bucket: u64) {
+        let mask = self.mask();
+        let mut at = self.home(bucket_hash(bucket));
+        while self.buckets[at] != EMPTY {
+            at = (at + 1) & mask;
+        }
+        self.buckets[at] = bucket;
+    }
+
+    fn grow(&mut self) {
+        let doubled = vec![EMPTY; self.buckets.len() * 2];
+        let old = std::mem::replace(&mut self.buckets, doubled);
+        self.shift -= 1;
+        for bucket in old.into_iter().filter(|&b| b != EMPTY) {
+            self.place(bucket);
+        }
+    }
+
+    /// Removes entry `idx` (indexed under `hash`), shifting later buckets of the probe run back
+    /// so no tombstone is left.
+    pub fn remove(&mut self, hash: u32, idx: u32) {
+        let mask = self.mask();
+        let wanted = pack(hash, idx);
+        let mut hole = self.home(hash);
+        while self.buckets[hole] != wanted {
+            assert_ne!(self.buckets[hole], EMPTY, "entry {idx} is not indexed");
+            hole = (hole + 1) & mask;
+        }
+        let mut at = hole;
+        loop {
+            at = (at + 1) & mask;
+            let bucket = self.buckets[at];
+            if bucket == EMPTY {
+                break;
+            }
+            // A bucket may move back to the hole when the hole lies on its probe path, i.e. its
+            // home is no nearer to it than the hole is.
+            let home = self.home(bucket_hash(bucket));
+            if (at.wrapping_sub(home) & mask) >= (at.wrapping_sub(hole) & mask) {
+                self.buckets[hole] = bucket;
+                hole = at;
+            }
+        }
+        self.buckets[hole] = EMPTY;
+        self.len -= 1;
+    }
+
+    /// Every (hash, entry) pair, in bucket order.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.buckets.iter().filter(|&&b| b != EMPTY).map(|&b| (bucket_hash(b), bucket_idx(b)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    #[test]
+    fn insert_find_remove_against_a_map() {
+        let mut index = KeyIndex::with_capacity(4);
+        let mut model: HashMap<u32, u32> = HashMap::new();
+        let mut state = 12_345u64;
+        for step in 0..20_000u32 {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            // Few distinct hashes, so collisions and long probe runs are common.
+            let hash = (state >> 40) as u32 % 97;
+            let present: Vec<u32> =
+                model.iter().filter(|(_, &h)| h == hash).map(|(&i, _)| i).collect();
+            if present.is_empty() || state % 3 == 0 {
+                index.insert(hash, step);
+                model.insert(step, hash);
+            } else {
+                let idx = present[(state >> 20) as usize % present.len()];
+                index.remove(hash, idx);
+                model.remove(&idx);
+            }
+            assert_eq!(index.len(), model.len());
+        }
+        for (&idx, &hash) in &model {
+            assert_eq!(index.find(hash, |i| i == idx), Some(idx));
+        }
+        let mut listed: Vec<(u32, u32)> = index.iter().map(|(h, i)| (i, h)).collect();
+        let mut expected: Vec<(u32, u32)> = model.into_iter().collect();
+        listed.sort_unstable();
+        expected.sort_unstable();
+        assert_eq!(listed, expected);
+    }
+
+    #[test]
+    fn find_skips_rejected_candidates() {
+        let mut index = KeyIndex::with_capacity(8);
+        index.insert(7, 1);
+        index.insert(7, 2);
+        assert_eq!(index.find(7, |i| i == 2), Some(2));
+        assert_eq!(index.find(7, |_| false), None);
+        assert_eq!(index.find(8, |_| true), None);
+    }
+}
