@@ -1,6 +1,7 @@
 //! The PyO3 binding: argument conversion, the GIL, and the one mapping from `StoreError` to
 //! Python exceptions. No store logic lives here.
 
+mod gather;
 mod writer;
 
 use std::sync::{Mutex, MutexGuard};
@@ -15,7 +16,8 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::{ffi, intern};
 
 use crate::error::StoreError;
-use crate::store::{BlockRef, BlockStore, Candidates, Profile, RemoveReason, VictimPolicy};
+use crate::store::{BlockStore, Candidates, Profile, RemoveReason, VictimPolicy};
+use gather::Gathered;
 
 pyo3::create_exception!(
     aostore,
@@ -89,25 +91,6 @@ impl BlockObject {
     }
 }
 
-/// A payload kept alive (and its buffer exported) while the store copies it without the GIL.
-pub(crate) enum Payload<'py> {
-    Bytes(Bound<'py, PyBytes>),
-    Buffer(PyUntypedBuffer),
-}
-
-impl Payload<'_> {
-    pub(crate) fn as_slice(&self) -> &[u8] {
-        match self {
-            Self::Bytes(bytes) => bytes.as_bytes(),
-            // SAFETY: the buffer is C-contiguous (checked in `payload`) and stays exported, so
-            // its memory stays valid and in place, for as long as `self` lives.
-            Self::Buffer(buffer) => unsafe {
-                std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes())
-            },
-        }
-    }
-}
-
 pub(crate) fn key_text<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
     match key.cast::<PyString>() {
         Ok(text) => text.to_str().map_err(|_| {
@@ -127,78 +110,10 @@ fn type_name(value: &Bound<'_, PyAny>) -> String {
     value.get_type().name().map_or_else(|_| "?".to_owned(), |n| n.to_string())
 }
 
-fn payload<'py>(key: &Bound<'py, PyAny>, value: Bound<'py, PyAny>) -> PyResult<Payload<'py>> {
-    let value = match value.cast_into::<PyBytes>() {
-        Ok(bytes) => return Ok(Payload::Bytes(bytes)),
-        Err(error) => error.into_inner(),
-    };
-    let not_a_buffer = || {
-        PyTypeError::new_err(format!(
-            "payload of auxiliary output object {} must be a C-contiguous buffer, not {}",
-            key.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string()),
-            type_name(&value)
-        ))
-    };
-    let buffer = PyUntypedBuffer::get(&value).map_err(|_| not_a_buffer())?;
-    if !buffer.is_c_contiguous() || holds_objects(&buffer) {
-        return Err(not_a_buffer());
-    }
-    Ok(Payload::Buffer(buffer))
-}
-
 /// Whether a buffer holds Python object references (numpy `dtype=object`, format "O"): copying
 /// those as bytes would store pointers, and writing into them would corrupt the interpreter.
 pub(crate) fn holds_objects(buffer: &PyUntypedBuffer) -> bool {
     buffer.format().to_bytes().contains(&b'O')
-}
-
-/// A C-contiguous readable buffer (bytes fast path), kept exported while in use.
-pub(crate) fn readable_buffer<'py>(
-    value: &Bound<'py, PyAny>,
-    what: &str,
-) -> PyResult<Payload<'py>> {
-    if let Ok(bytes) = value.cast::<PyBytes>() {
-        return Ok(Payload::Bytes(bytes.clone()));
-    }
-    let not_a_buffer = || {
-        PyTypeError::new_err(format!(
-            "{what} must be a C-contiguous buffer, not {}",
-            type_name(value)
-        ))
-    };
-    let buffer = PyUntypedBuffer::get(value).map_err(|_| not_a_buffer())?;
-    if !buffer.is_c_contiguous() || holds_objects(&buffer) {
-        return Err(not_a_buffer());
-    }
-    Ok(Payload::Buffer(buffer))
-}
-
-/// The key and payload of one object of a batch: our `BlockObject`, or anything with
-/// `.key` and `.payload` (vLLM's `BlockObject` among them).
-pub(crate) fn block_parts<'py>(
-    object: &Bound<'py, PyAny>,
-) -> PyResult<(Bound<'py, PyAny>, Payload<'py>)> {
-    let py = object.py();
-    let (key, value) = match object.cast::<BlockObject>() {
-        Ok(block) => {
-            let block = block.get();
-            (block.key.bind(py).clone(), block.payload.bind(py).clone())
-        }
-        Err(_) => {
-            let parts = object
-                .getattr(intern!(py, "key"))
-                .and_then(|key| Ok((key, object.getattr(intern!(py, "payload"))?)));
-            parts.map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "put() takes objects with .key and .payload, not {}",
-                    type_name(object)
-                ))
-            })?
-        }
-    };
-    key_text(&key)?;
-    let payload = payload(&key, value)?;
-    Ok((key, payload))
 }
 
 pub(crate) fn collect_keys<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
@@ -275,32 +190,20 @@ impl NativeStore {
 
     /// The common tail of `put` and `put_blocks`: reference keys, the store call with the GIL
     /// released, the policy's own exception, and the growth warning.
-    fn put_refs(
-        &self,
-        py: Python<'_>,
-        blocks: &[BlockRef<'_>],
-        retain_keys: Option<&Bound<'_, PyAny>>,
-        release_keys: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let retains = retain_keys.map(collect_keys).transpose()?.unwrap_or_default();
-        let releases = release_keys.map(collect_keys).transpose()?.unwrap_or_default();
-        let retains = as_texts(&retains);
-        let releases = as_texts(&releases);
+    fn put_gathered(&self, py: Python<'_>, batch: &Gathered<'_>) -> PyResult<()> {
+        // SAFETY: `batch` outlives the views, which are dropped at the end of this call.
+        let (blocks, retains, releases) = unsafe { batch.views() };
         let mut policy = self.policy.as_ref().map(|policy| PyPolicy { policy, error: None });
         let result = self.with_store(py, |s| {
             let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
-            s.put_with_policy(blocks, &retains, &releases, policy)
+            s.put_with_policy(&blocks, &retains, &releases, policy)
         })?;
         if let Some(error) = policy.and_then(|p| p.error) {
             return Err(error);
         }
         let report = result.map_err(to_py_err)?;
         if let Some(num_slots) = report.grown_to {
-            let logger = py.import("logging")?.call_method1("getLogger", ("aostore",))?;
-            logger.call_method1(
-                "warning",
-                ("auxiliary output store grew to %d slots: every object is referenced", num_slots),
-            )?;
+            log_growth(py, num_slots)?;
         }
         Ok(())
     }
@@ -490,18 +393,10 @@ impl NativeStore {
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         self.ensure_open()?;
-        let mut parts = Vec::with_capacity(objects.len().unwrap_or(0));
-        for object in objects.try_iter()? {
-            parts.push(block_parts(&object?)?);
-        }
-        let blocks: Vec<BlockRef<'_>> = parts
-            .iter()
-            .map(|(key, payload)| BlockRef {
-                key: key_text(key).expect("validated key"),
-                payload: payload.as_slice(),
-            })
-            .collect();
-        self.put_refs(py, &blocks, retain_keys, release_keys)
+        let mut batch = Gathered::default();
+        batch.objects(objects)?;
+        batch.references(retain_keys, release_keys)?;
+        self.put_gathered(py, &batch)
     }
 
     /// Stores `blocks[i]` under `keys[i]` from one C-contiguous buffer of
@@ -517,24 +412,11 @@ impl NativeStore {
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         self.ensure_open()?;
-        let keys = collect_keys(keys)?;
-        let data = readable_buffer(blocks, "blocks")?;
         let object_nbytes = self.object_nbytes(py)?;
-        let data = data.as_slice();
-        if data.len() != keys.len() * object_nbytes {
-            return Err(PyValueError::new_err(format!(
-                "blocks hold {} bytes; {} keys of object_nbytes={object_nbytes} need {}",
-                data.len(),
-                keys.len(),
-                keys.len() * object_nbytes
-            )));
-        }
-        let blocks: Vec<BlockRef<'_>> = as_texts(&keys)
-            .into_iter()
-            .zip(data.chunks_exact(object_nbytes.max(1)))
-            .map(|(key, payload)| BlockRef { key, payload })
-            .collect();
-        self.put_refs(py, &blocks, retain_keys, release_keys)
+        let mut batch = Gathered::default();
+        batch.rows_of(keys, blocks, object_nbytes)?;
+        batch.references(retain_keys, release_keys)?;
+        self.put_gathered(py, &batch)
     }
 
     /// Writes the payloads of `keys`, concatenated, into `out`: a writable C-contiguous buffer
@@ -735,6 +617,16 @@ fn new_uninit_bytes(py: Python<'_>, len: usize) -> PyResult<Bound<'_, PyBytes>> 
 fn bytes_ptr(bytes: &Bound<'_, PyBytes>) -> *mut u8 {
     // SAFETY: `bytes` is a live bytes object; its storage is inline and never moves.
     unsafe { ffi::PyBytes_AsString(bytes.as_ptr()).cast::<u8>() }
+}
+
+/// The growth warning of profile `grow`, on the `aostore` logger.
+fn log_growth(py: Python<'_>, num_slots: usize) -> PyResult<()> {
+    let logger = py.import("logging")?.call_method1("getLogger", ("aostore",))?;
+    logger.call_method1(
+        "warning",
+        ("auxiliary output store grew to %d slots: every object is referenced", num_slots),
+    )?;
+    Ok(())
 }
 
 #[pymodule]

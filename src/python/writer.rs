@@ -8,63 +8,21 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
-use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use super::{
-    block_parts, collect_keys, key_text, readable_buffer, to_py_err, BlockObjectStoreError,
-    NativeStore, Payload,
-};
+use super::gather::{Gathered, OwnedViews, Owner};
+use super::{to_py_err, BlockObjectStoreError, NativeStore};
 use crate::error::StoreError;
 use crate::store::BlockRef;
 
-/// Bytes owned by a Python object that a `Keep` holds alive.
-#[derive(Clone, Copy)]
-struct RawBytes {
-    ptr: *const u8,
-    len: usize,
-}
-
-// SAFETY: the bytes belong to immutable `str`/`bytes` objects or exported buffers that the same
-// job keeps alive (`Job::keep`); they are only read, on one thread at a time.
-unsafe impl Send for RawBytes {}
-
-impl RawBytes {
-    fn of(bytes: &[u8]) -> Self {
-        Self { ptr: bytes.as_ptr(), len: bytes.len() }
-    }
-
-    /// # Safety
-    /// The owner recorded in the job's `keep` list must still be alive.
-    unsafe fn get<'a>(self) -> &'a [u8] {
-        // SAFETY: per the contract above, the memory is live and not written.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    /// # Safety
-    /// As `get`; the bytes came from a `&str`.
-    unsafe fn text<'a>(self) -> &'a str {
-        // SAFETY: as `get`, and the bytes were valid UTF-8 when recorded.
-        unsafe { std::str::from_utf8_unchecked(self.get()) }
-    }
-}
-
-/// Something a queued job borrows memory from.
-#[expect(dead_code, reason = "held only so the memory stays alive and in place")]
-enum Keep {
-    Object(Py<PyAny>),
-    Buffer(PyUntypedBuffer),
-}
-
-/// One queued `put` or `put_blocks`.
+/// One queued `put` or `put_blocks`: views into Python memory, and the objects that own it.
 struct Job {
-    blocks: Vec<(RawBytes, RawBytes)>,
-    retains: Vec<RawBytes>,
-    releases: Vec<RawBytes>,
-    /// The owners of every `RawBytes` above.
+    views: OwnedViews,
+    /// Never read: held so the memory stays alive and in place until a thread holding the GIL
+    /// drops the job.
     #[expect(dead_code, reason = "held only so the memory stays alive and in place")]
-    keep: Vec<Keep>,
+    owners: Vec<Owner>,
 }
 
 #[derive(Default)]
@@ -139,39 +97,21 @@ fn run(shared: &Shared, store: &NativeStore) {
 }
 
 fn apply(store: &NativeStore, job: &Job) -> Result<Option<usize>, StoreError> {
-    // SAFETY: every RawBytes of the job borrows from `job.keep`, alive until the job is dropped
-    // (on a thread holding the GIL, after this returns).
-    let blocks: Vec<BlockRef<'_>> = job
-        .blocks
-        .iter()
-        .map(|&(key, payload)| unsafe { BlockRef { key: key.text(), payload: payload.get() } })
-        .collect();
-    // SAFETY: as above.
-    let retains: Vec<&str> = job.retains.iter().map(|k| unsafe { k.text() }).collect();
-    // SAFETY: as above.
-    let releases: Vec<&str> = job.releases.iter().map(|k| unsafe { k.text() }).collect();
+    let views = &job.views;
+    // SAFETY: every view borrows from `job.owners`, alive until the job is dropped (on a thread
+    // holding the GIL, after this returns).
+    let (blocks, retains, releases) = unsafe {
+        let blocks: Vec<BlockRef<'_>> = views
+            .blocks
+            .iter()
+            .map(|&(key, payload)| BlockRef { key: key.text(), payload: payload.get() })
+            .collect();
+        let retains: Vec<&str> = views.retains.iter().map(|k| k.text()).collect();
+        let releases: Vec<&str> = views.releases.iter().map(|k| k.text()).collect();
+        (blocks, retains, releases)
+    };
     let mut held = store.lock()?;
     held.guard.put(&blocks, &retains, &releases).map(|report| report.grown_to)
-}
-
-/// Records `keys` (already validated as `str`) as raw text kept alive by `keep`.
-fn raw_keys(keys: Vec<Bound<'_, PyAny>>, keep: &mut Vec<Keep>) -> Vec<RawBytes> {
-    keys.into_iter()
-        .map(|key| {
-            let text = RawBytes::of(key_text(&key).expect("validated key").as_bytes());
-            keep.push(Keep::Object(key.unbind()));
-            text
-        })
-        .collect()
-}
-
-fn raw_payload(payload: Payload<'_>, keep: &mut Vec<Keep>) -> RawBytes {
-    let raw = RawBytes::of(payload.as_slice());
-    keep.push(match payload {
-        Payload::Bytes(bytes) => Keep::Object(bytes.into_any().unbind()),
-        Payload::Buffer(buffer) => Keep::Buffer(buffer),
-    });
-    raw
 }
 
 impl NativeWriter {
@@ -292,21 +232,10 @@ impl NativeWriter {
         retain_keys: Option<&Bound<'_, PyAny>>,
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let converted = (|| -> PyResult<Job> {
-            let mut keep = Vec::new();
-            let mut blocks = Vec::with_capacity(objects.len().unwrap_or(0));
-            for object in objects.try_iter()? {
-                let (key, payload) = block_parts(&object?)?;
-                let key = raw_keys(vec![key], &mut keep)[0];
-                blocks.push((key, raw_payload(payload, &mut keep)));
-            }
-            let retains = retain_keys.map(collect_keys).transpose()?.unwrap_or_default();
-            let releases = release_keys.map(collect_keys).transpose()?.unwrap_or_default();
-            let retains = raw_keys(retains, &mut keep);
-            let releases = raw_keys(releases, &mut keep);
-            Ok(Job { blocks, retains, releases, keep })
-        })();
-        self.submit(py, converted)
+        let mut batch = Gathered::default();
+        let gathered =
+            batch.objects(objects).and_then(|()| batch.references(retain_keys, release_keys));
+        self.submit(py, gathered.map(|()| batch))
     }
 
     /// Queues one `put_blocks` of a C-contiguous buffer. The writer reads `blocks` later.
@@ -320,36 +249,11 @@ impl NativeWriter {
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let object_nbytes = self.store.get().object_nbytes(py)?;
-        let converted = (|| -> PyResult<Job> {
-            let mut keep = Vec::new();
-            let keys = collect_keys(keys)?;
-            let data = readable_buffer(blocks, "blocks")?;
-            let len = data.as_slice().len();
-            if len != keys.len() * object_nbytes {
-                return Err(PyValueError::new_err(format!(
-                    "blocks hold {len} bytes; {} keys of object_nbytes={object_nbytes} need {}",
-                    keys.len(),
-                    keys.len() * object_nbytes
-                )));
-            }
-            let keys = raw_keys(keys, &mut keep);
-            let data = raw_payload(data, &mut keep);
-            let blocks = keys
-                .into_iter()
-                .enumerate()
-                .map(|(i, key)| {
-                    // SAFETY: in bounds of the buffer just checked; kept alive by `keep`.
-                    let ptr = unsafe { data.ptr.add(i * object_nbytes) };
-                    (key, RawBytes { ptr, len: object_nbytes })
-                })
-                .collect();
-            let retains = retain_keys.map(collect_keys).transpose()?.unwrap_or_default();
-            let releases = release_keys.map(collect_keys).transpose()?.unwrap_or_default();
-            let retains = raw_keys(retains, &mut keep);
-            let releases = raw_keys(releases, &mut keep);
-            Ok(Job { blocks, retains, releases, keep })
-        })();
-        self.submit(py, converted)
+        let mut batch = Gathered::default();
+        let gathered = batch
+            .rows_of(keys, blocks, object_nbytes)
+            .and_then(|()| batch.references(retain_keys, release_keys));
+        self.submit(py, gathered.map(|()| batch))
     }
 
     /// Waits for queued puts, then raises a latched error, if any.
@@ -396,12 +300,16 @@ impl NativeWriter {
 }
 
 impl NativeWriter {
-    fn submit(&self, py: Python<'_>, converted: PyResult<Job>) -> PyResult<()> {
+    fn submit(&self, py: Python<'_>, gathered: PyResult<Gathered<'_>>) -> PyResult<()> {
         if self.is_closed() {
             return Err(PyRuntimeError::new_err("auxiliary output store is closed"));
         }
-        match converted {
-            Ok(job) => self.enqueue(py, job),
+        match gathered {
+            Ok(batch) if batch.is_empty() => Ok(()),
+            Ok(batch) => {
+                let (views, owners) = batch.into_owned();
+                self.enqueue(py, Job { views, owners })
+            }
             Err(error)
                 if error.is_instance_of::<PyTypeError>(py)
                     || error.is_instance_of::<PyValueError>(py) =>

@@ -1,0 +1,251 @@
+//! Batch arguments as raw byte views, with the Python objects that own the bytes kept alive.
+//!
+//! One pass over the arguments with the GIL held: each key's UTF-8 text and each payload's
+//! bytes are recorded as pointer and length, and their owners are kept (one reference per list
+//! item; a `BlockObject`'s key and payload are borrowed through it). The store then reads the
+//! bytes with the GIL released.
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use super::{holds_objects, key_text, type_name, BlockObject};
+use crate::store::BlockRef;
+
+/// Bytes owned by a Python object that the same batch keeps alive.
+#[derive(Clone, Copy)]
+pub(crate) struct RawBytes {
+    pub(crate) ptr: *const u8,
+    pub(crate) len: usize,
+}
+
+// SAFETY: the bytes belong to immutable `str`/`bytes` objects or exported buffers that the batch
+// keeps alive; they are only read, and only while the batch's owners live.
+unsafe impl Send for RawBytes {}
+
+impl RawBytes {
+    fn of(bytes: &[u8]) -> Self {
+        Self { ptr: bytes.as_ptr(), len: bytes.len() }
+    }
+
+    /// # Safety
+    /// The owner recorded with these bytes must still be alive.
+    pub(crate) unsafe fn get<'a>(self) -> &'a [u8] {
+        // SAFETY: per the contract above, the memory is live and not written.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// # Safety
+    /// As `get`; the bytes came from a `&str`.
+    pub(crate) unsafe fn text<'a>(self) -> &'a str {
+        // SAFETY: as `get`, and the bytes were valid UTF-8 when recorded.
+        unsafe { std::str::from_utf8_unchecked(self.get()) }
+    }
+}
+
+/// The owners of a batch's bytes and the views into them.
+#[derive(Default)]
+pub(crate) struct Gathered<'py> {
+    objects: Vec<Bound<'py, PyAny>>,
+    buffers: Vec<PyUntypedBuffer>,
+    /// (key, payload) per object, in call order.
+    pub(crate) blocks: Vec<(RawBytes, RawBytes)>,
+    pub(crate) retains: Vec<RawBytes>,
+    pub(crate) releases: Vec<RawBytes>,
+}
+
+/// Owned forms of a batch's owners, for a batch that outlives the call (the writer thread).
+#[expect(dead_code, reason = "held only so the memory stays alive and in place")]
+pub(crate) enum Owner {
+    Object(Py<PyAny>),
+    Buffer(PyUntypedBuffer),
+}
+
+impl<'py> Gathered<'py> {
+    /// Records the objects of a `put`: our `BlockObject` or anything with `.key`/`.payload`.
+    pub(crate) fn objects(&mut self, objects: &Bound<'py, PyAny>) -> PyResult<()> {
+        let py = objects.py();
+        self.blocks.reserve(objects.len().unwrap_or(0));
+        for item in objects.try_iter()? {
+            let item = item?;
+            let (key, payload) = if let Ok(block) = item.cast::<BlockObject>() {
+                let block = block.get();
+                let key = self.key(block.key.bind(py))?;
+                (key, self.payload(block.key.bind(py), block.payload.bind(py))?)
+            } else {
+                let parts = item
+                    .getattr(intern!(py, "key"))
+                    .and_then(|key| Ok((key, item.getattr(intern!(py, "payload"))?)));
+                let (key_object, payload_object) = parts.map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "put() takes objects with .key and .payload, not {}",
+                        type_name(&item)
+                    ))
+                })?;
+                let key = self.key(&key_object)?;
+                let payload = self.payload(&key_object, &payload_object)?;
+                self.objects.push(key_object);
+                self.objects.push(payload_object);
+                (key, payload)
+            };
+            self.objects.push(item);
+            self.blocks.push((key, payload));
+        }
+        Ok(())
+    }
+
+    /// Records one C-contiguous buffer of `count * object_nbytes` bytes as `count` payloads.
+    fn rows(&mut self, keys: &[RawBytes], data: RawBytes, object_nbytes: usize) {
+        self.blocks.extend(keys.iter().enumerate().map(|(i, &key)| {
+            // SAFETY: the caller checked that `data` holds keys.len() * object_nbytes bytes.
+            let ptr = unsafe { data.ptr.add(i * object_nbytes) };
+            (key, RawBytes { ptr, len: object_nbytes })
+        }));
+    }
+
+    /// Records `retain_keys` and `release_keys` (each an iterable of `str`, or `None`).
+    pub(crate) fn references(
+        &mut self,
+        retain_keys: Option<&Bound<'py, PyAny>>,
+        release_keys: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<()> {
+        if let Some(keys) = retain_keys {
+            self.retains = self.keys(keys)?;
+        }
+        if let Some(keys) = release_keys {
+            self.releases = self.keys(keys)?;
+        }
+        Ok(())
+    }
+
+    /// Records the arguments of `put_blocks`: `keys` and one C-contiguous buffer holding
+    /// `len(keys) * object_nbytes` bytes.
+    pub(crate) fn rows_of(
+        &mut self,
+        keys: &Bound<'py, PyAny>,
+        blocks: &Bound<'py, PyAny>,
+        object_nbytes: usize,
+    ) -> PyResult<()> {
+        let keys = self.keys(keys)?;
+        let data = self.buffer(blocks, || "blocks".to_owned())?;
+        self.keep(blocks.clone());
+        if data.len != keys.len() * object_nbytes {
+            return Err(PyValueError::new_err(format!(
+                "blocks hold {} bytes; {} keys of object_nbytes={object_nbytes} need {}",
+                data.len,
+                keys.len(),
+                keys.len() * object_nbytes
+            )));
+        }
+        self.rows(&keys, data, object_nbytes);
+        Ok(())
+    }
+
+    /// Records a sequence of keys (each must be `str`).
+    pub(crate) fn keys(&mut self, keys: &Bound<'py, PyAny>) -> PyResult<Vec<RawBytes>> {
+        let mut out = Vec::with_capacity(keys.len().unwrap_or(0));
+        for key in keys.try_iter()? {
+            let key = key?;
+            out.push(self.key(&key)?);
+            self.objects.push(key);
+        }
+        Ok(out)
+    }
+
+    /// The text of one key; the caller keeps its owner.
+    fn key(&mut self, key: &Bound<'py, PyAny>) -> PyResult<RawBytes> {
+        key_text(key).map(|text| RawBytes::of(text.as_bytes()))
+    }
+
+    /// The bytes of one payload (bytes, or any C-contiguous buffer of plain data).
+    fn payload(
+        &mut self,
+        key: &Bound<'py, PyAny>,
+        value: &Bound<'py, PyAny>,
+    ) -> PyResult<RawBytes> {
+        self.buffer(value, || {
+            format!(
+                "payload of auxiliary output object {}",
+                key.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
+            )
+        })
+    }
+
+    /// The bytes of a readable C-contiguous buffer, kept exported while the batch lives (a
+    /// `bytes` object must be kept by the caller).
+    fn buffer(
+        &mut self,
+        value: &Bound<'py, PyAny>,
+        what: impl Fn() -> String,
+    ) -> PyResult<RawBytes> {
+        if let Ok(bytes) = value.cast::<PyBytes>() {
+            return Ok(RawBytes::of(bytes.as_bytes()));
+        }
+        let not_a_buffer = || {
+            PyTypeError::new_err(format!(
+                "{} must be a C-contiguous buffer, not {}",
+                what(),
+                type_name(value)
+            ))
+        };
+        let buffer = PyUntypedBuffer::get(value).map_err(|_| not_a_buffer())?;
+        if !buffer.is_c_contiguous() || holds_objects(&buffer) {
+            return Err(not_a_buffer());
+        }
+        // SAFETY: C-contiguous, exported until `buffer` is dropped with this batch.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes())
+        };
+        let raw = RawBytes::of(bytes);
+        self.buffers.push(buffer);
+        Ok(raw)
+    }
+
+    /// Keeps `value` alive with the batch (for bytes recorded through `buffer`).
+    fn keep(&mut self, value: Bound<'py, PyAny>) {
+        self.objects.push(value);
+    }
+
+    /// The batch as the store takes it.
+    ///
+    /// # Safety
+    /// `self` must outlive the returned views (it owns what they point into).
+    pub(crate) unsafe fn views(&self) -> (Vec<BlockRef<'_>>, Vec<&str>, Vec<&str>) {
+        // SAFETY: every RawBytes was recorded from an owner held by `self`.
+        unsafe {
+            let blocks = self
+                .blocks
+                .iter()
+                .map(|&(key, payload)| BlockRef { key: key.text(), payload: payload.get() })
+                .collect();
+            let retains = self.retains.iter().map(|k| k.text()).collect();
+            let releases = self.releases.iter().map(|k| k.text()).collect();
+            (blocks, retains, releases)
+        }
+    }
+
+    /// Whether the batch has no object, retain or release.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks.is_empty() && self.retains.is_empty() && self.releases.is_empty()
+    }
+
+    /// Splits into the raw views and owned owners, for a batch that another thread applies.
+    pub(crate) fn into_owned(self) -> (OwnedViews, Vec<Owner>) {
+        let owners = self
+            .objects
+            .into_iter()
+            .map(|o| Owner::Object(o.unbind()))
+            .chain(self.buffers.into_iter().map(Owner::Buffer))
+            .collect();
+        (OwnedViews { blocks: self.blocks, retains: self.retains, releases: self.releases }, owners)
+    }
+}
+
+/// A batch's views without the GIL-bound owners (those travel as `Owner`s).
+pub(crate) struct OwnedViews {
+    pub(crate) blocks: Vec<(RawBytes, RawBytes)>,
+    pub(crate) retains: Vec<RawBytes>,
+    pub(crate) releases: Vec<RawBytes>,
+}
