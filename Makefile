@@ -5,15 +5,24 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 WHEEL_DIR := dist
 
-.PHONY: venv build install run test test-rust test-python lint fmt bench valgrind clean
+.PHONY: venv test-venv build install run test test-rust test-python lint fmt bench valgrind clean
 
+# What building and running need.
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "maturin>=1.7,<2" "pytest>=8" "hypothesis>=6.100" "numpy>=1.24" "ruff>=0.6" "mypy>=1.10" "prometheus_client>=0.17" "typing_extensions>=4.15"
+	$(PIP) install -q "maturin>=1.7,<2" "numpy>=1.24"
+	touch $@
+
+# What the tests and linters need on top; torch is the large one (a CUDA build from PyPI).
+$(VENV)/.test-deps: $(VENV)/.deps pyproject.toml
+	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" \
+		"prometheus_client>=0.17" "typing_extensions>=4.15" "matplotlib>=3.7" "torch>=2.1"
 	touch $@
 
 venv: $(VENV)/.deps
+
+test-venv: $(VENV)/.test-deps
 
 # The product: one cp311-abi3 wheel.
 build: venv
@@ -32,12 +41,12 @@ test-rust:
 	cargo test
 
 # Runs from tests/ so `import aostore` finds the installed wheel, never python/.
-test-python: install
+test-python: install test-venv
 	cd tests && ../$(PY) -m pytest -q -p no:cacheprovider .
 
 test: test-rust test-python
 
-lint: install
+lint: install test-venv
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
@@ -46,7 +55,7 @@ lint: install
 	$(VENV)/bin/mypy
 	cd tests && ../$(PY) -m mypy.stubtest aostore --ignore-missing-stub
 
-fmt: venv
+fmt: test-venv
 	cargo fmt
 	$(VENV)/bin/ruff format python tests benches
 	$(VENV)/bin/ruff check --fix python tests benches
