@@ -151,6 +151,11 @@ class BackgroundBlockObjectStore:
         release_keys: Iterable[str] = (),
     ) -> None:
         """Queues one update; a no-op when all three arguments are empty."""
+        if type(self._writer) is NativeWriter:
+            # The Rust writer records the batch before returning (keys, payload views and their
+            # owners), so nothing needs copying here.
+            self._writer.put(objects, retain_keys=retain_keys, release_keys=release_keys)
+            return
         batch = list(objects)
         retains = tuple(retain_keys)
         releases = tuple(release_keys)

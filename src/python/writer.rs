@@ -301,11 +301,14 @@ impl NativeWriter {
 
 impl NativeWriter {
     fn submit(&self, py: Python<'_>, gathered: PyResult<Gathered<'_>>) -> PyResult<()> {
+        // As vLLM: an empty update is a no-op, even on a closed store.
+        if gathered.as_ref().is_ok_and(Gathered::is_empty) {
+            return Ok(());
+        }
         if self.is_closed() {
             return Err(PyRuntimeError::new_err("auxiliary output store is closed"));
         }
         match gathered {
-            Ok(batch) if batch.is_empty() => Ok(()),
             Ok(batch) => {
                 let (views, owners) = batch.into_owned();
                 self.enqueue(py, Job { views, owners })
