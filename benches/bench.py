@@ -235,7 +235,7 @@ def w3(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": len(steps)}
     for prefault in (False, True):
         for name, make, as_bytes in (
-            ("aostore", BlockObjectStore, False),
+            ("aostore", BlockObjectStore, True),
             ("baseline", PythonBlockObjectStore, True),
         ):
             store = make(

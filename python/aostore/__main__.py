@@ -119,7 +119,7 @@ def replay(args: argparse.Namespace) -> int:
     rows = pool(shape.object_nbytes, shape.seed)
     results = []
     for name, make, as_bytes in (
-        ("aostore", BlockObjectStore, False),
+        ("aostore", BlockObjectStore, True),
         ("baseline", PythonBlockObjectStore, True),
     ):
         store = make(

@@ -190,8 +190,9 @@ def run(
     as_bytes: bool,
     progress: Callable[[int, int], None] | None = None,
 ) -> ReplayResult:
-    """Drives ``store`` through ``steps``; payloads are numpy rows, or ``bytes`` when
-    ``as_bytes`` (what vLLM's ``tobytes()`` hands a pure-Python store)."""
+    """Drives ``store`` through ``steps``. Payloads are ``bytes`` when ``as_bytes``, as vLLM's
+    worker hands them to any store (its ``publish_routed_experts`` calls ``tobytes()`` outside
+    the timed ``put``), or numpy rows (aostore's own helper) otherwise."""
     payloads: list[Any] = [row.tobytes() for row in rows] if as_bytes else list(rows)
     keys: dict[int, str] = {}
 
