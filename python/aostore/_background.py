@@ -64,10 +64,13 @@ class _PythonWriter:
             raise BlockObjectStoreError("auxiliary output publication failed") from self._error
 
     def _enqueue(self, update: _Update) -> None:
-        if self._closed:
-            raise RuntimeError("auxiliary output store is closed")
-        self._raise_if_failed()
-        self._queue.put(update)
+        # The closed check and the enqueue are one step under the lock that close() takes, so
+        # no update can land behind the stop sentinel (lost, with later calls blocked forever).
+        with self._close_lock:
+            if self._closed:
+                raise RuntimeError("auxiliary output store is closed")
+            self._raise_if_failed()
+            self._queue.put(update)
         self._raise_if_failed()
 
     def put(

@@ -79,6 +79,10 @@ class BlockObjectStore(NativeStore):
             self._pinned = False
         super().close()
 
+    def _ensure_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("auxiliary output store is closed")
+
     def put_blocks(
         self,
         keys: Iterable[str],
@@ -93,8 +97,7 @@ class BlockObjectStore(NativeStore):
         ``(len(keys), ...)`` whose rows hold ``object_nbytes`` bytes each. Each row is copied
         once, straight into its slot; a CUDA tensor is first copied to the host once.
         """
-        if self.closed:
-            raise RuntimeError("auxiliary output store is closed")
+        self._ensure_open()
         keys = list(keys)
         data = _tensors.block_bytes(blocks, len(keys), self.object_nbytes)
         super().put_blocks(keys, data, retain_keys=retain_keys, release_keys=release_keys)
@@ -105,6 +108,7 @@ class BlockObjectStore(NativeStore):
         ``out`` is a writable buffer, numpy array or torch tensor (CPU, or CUDA through one
         host-to-device copy) of exactly ``len(keys) * object_nbytes`` bytes.
         """
+        self._ensure_open()
         host, pending = _tensors.writable_host_bytes(out)
         super().get_into(keys, host)
         _tensors.finish_device_copy(pending)
@@ -114,10 +118,13 @@ class BlockObjectStore(NativeStore):
         """A new numpy array of the payloads of ``keys``, shape ``(-1, *shape_per_token)``."""
         import numpy as np
 
+        self._ensure_open()
         keys = list(keys)
         out = np.empty(len(keys) * self.object_nbytes, dtype=np.uint8)
+        # Shape the result first: a bad dtype or shape fails before the read touches the LRU.
+        result = out.view(np.dtype(dtype)).reshape((-1, *shape_per_token))
         super().get_into(keys, out)
-        return out.view(np.dtype(dtype)).reshape((-1, *shape_per_token))
+        return result
 
     def get_tensor(
         self,
@@ -134,11 +141,14 @@ class BlockObjectStore(NativeStore):
         """
         import torch
 
+        self._ensure_open()
         keys = list(keys)
         host = torch.empty(len(keys) * self.object_nbytes, dtype=torch.uint8, pin_memory=pin_memory)
-        super().get_into(keys, host.numpy())
+        # Shape the result first: a bad dtype, shape or device fails before the read.
         tensor = host.view(dtype).reshape(-1, *shape_per_token)
-        return tensor if torch.device(device).type == "cpu" else tensor.to(device)
+        target = torch.device(device)
+        super().get_into(keys, host.numpy())
+        return tensor if target.type == "cpu" else tensor.to(target)
 
     def __repr__(self) -> str:
         if self.closed:

@@ -6,12 +6,12 @@
 //! bytes with the GIL released.
 
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::{holds_objects, key_text, type_name, BlockObject};
+use super::{holds_objects, key_text, size_hint, type_name, BlockObject};
 use crate::store::BlockRef;
 
 /// Bytes owned by a Python object that the same batch keeps alive.
@@ -56,6 +56,13 @@ pub(crate) struct Gathered<'py> {
     pub(crate) releases: Vec<RawBytes>,
 }
 
+/// `memoryview(value).cast("B")`: the same bytes as a 1-d buffer (C-contiguous input only).
+pub(crate) fn flat_view<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = value.py();
+    let view = py.import("builtins")?.getattr("memoryview")?.call1((value,))?;
+    view.call_method1("cast", ("B",))
+}
+
 /// Owned forms of a batch's owners, for a batch that outlives the call (the writer thread).
 #[expect(dead_code, reason = "held only so the memory stays alive and in place")]
 pub(crate) enum Owner {
@@ -67,7 +74,7 @@ impl<'py> Gathered<'py> {
     /// Records the objects of a `put`: our `BlockObject` or anything with `.key`/`.payload`.
     pub(crate) fn objects(&mut self, objects: &Bound<'py, PyAny>) -> PyResult<()> {
         let py = objects.py();
-        self.blocks.reserve(objects.len().unwrap_or(0));
+        self.blocks.reserve(size_hint(objects));
         for item in objects.try_iter()? {
             let item = item?;
             let (key, payload) = if let Ok(block) = item.cast::<BlockObject>() {
@@ -78,11 +85,18 @@ impl<'py> Gathered<'py> {
                 let parts = item
                     .getattr(intern!(py, "key"))
                     .and_then(|key| Ok((key, item.getattr(intern!(py, "payload"))?)));
-                let (key_object, payload_object) = parts.map_err(|_| {
-                    PyTypeError::new_err(format!(
+                let (key_object, payload_object) = parts.map_err(|error| {
+                    // A missing attribute is a wrong type; anything the object raised itself
+                    // propagates as it was.
+                    if !error.is_instance_of::<PyAttributeError>(py) {
+                        return error;
+                    }
+                    let wrong = PyTypeError::new_err(format!(
                         "put() takes objects with .key and .payload, not {}",
                         type_name(&item)
-                    ))
+                    ));
+                    wrong.set_cause(py, Some(error));
+                    wrong
                 })?;
                 let key = self.key(&key_object)?;
                 let payload = self.payload(&key_object, &payload_object)?;
@@ -131,12 +145,11 @@ impl<'py> Gathered<'py> {
         let keys = self.keys(keys)?;
         let data = self.buffer(blocks, || "blocks".to_owned())?;
         self.keep(blocks.clone());
-        if data.len != keys.len() * object_nbytes {
+        if keys.len().checked_mul(object_nbytes) != Some(data.len) {
             return Err(PyValueError::new_err(format!(
-                "blocks hold {} bytes; {} keys of object_nbytes={object_nbytes} need {}",
+                "blocks hold {} bytes; {} keys of object_nbytes={object_nbytes} need more",
                 data.len,
                 keys.len(),
-                keys.len() * object_nbytes
             )));
         }
         self.rows(&keys, data, object_nbytes);
@@ -145,7 +158,7 @@ impl<'py> Gathered<'py> {
 
     /// Records a sequence of keys (each must be `str`).
     pub(crate) fn keys(&mut self, keys: &Bound<'py, PyAny>) -> PyResult<Vec<RawBytes>> {
-        let mut out = Vec::with_capacity(keys.len().unwrap_or(0));
+        let mut out = Vec::with_capacity(size_hint(keys));
         for key in keys.try_iter()? {
             let key = key?;
             out.push(self.key(&key)?);
@@ -190,7 +203,13 @@ impl<'py> Gathered<'py> {
                 type_name(value)
             ))
         };
-        let buffer = PyUntypedBuffer::get(value).map_err(|_| not_a_buffer())?;
+        let buffer = match PyUntypedBuffer::get(value) {
+            Ok(buffer) => buffer,
+            // Some exporters (a 0-d array) give no shape; a flat byte view of them has one.
+            Err(_) => flat_view(value)
+                .and_then(|view| PyUntypedBuffer::get(&view))
+                .map_err(|_| not_a_buffer())?,
+        };
         if !buffer.is_c_contiguous() || holds_objects(&buffer) {
             return Err(not_a_buffer());
         }

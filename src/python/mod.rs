@@ -43,32 +43,12 @@ pub(crate) fn to_py_err(error: StoreError) -> PyErr {
 }
 
 /// One immutable auxiliary-output object: a key and its payload bytes.
-#[pyclass(module = "aostore", frozen, eq, hash, name = "BlockObject")]
+#[pyclass(module = "aostore", frozen, name = "BlockObject")]
 pub struct BlockObject {
     #[pyo3(get)]
     key: Py<PyAny>,
     #[pyo3(get)]
     payload: Py<PyAny>,
-}
-
-impl PartialEq for BlockObject {
-    fn eq(&self, other: &Self) -> bool {
-        Python::attach(|py| {
-            let a = (self.key.bind(py), self.payload.bind(py));
-            let b = (other.key.bind(py), other.payload.bind(py));
-            a.0.eq(b.0).unwrap_or(false) && a.1.eq(b.1).unwrap_or(false)
-        })
-    }
-}
-
-impl std::hash::Hash for BlockObject {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        Python::attach(|py| {
-            let pair = PyTuple::new(py, [self.key.bind(py), self.payload.bind(py)]);
-            let hash = pair.and_then(|p| p.hash()).unwrap_or(-1);
-            state.write_isize(hash);
-        });
-    }
 }
 
 #[pymethods]
@@ -84,6 +64,23 @@ impl BlockObject {
             self.key.bind(py).repr()?,
             self.payload.bind(py).repr()?
         ))
+    }
+
+    /// Equal when both fields are, as a frozen dataclass compares `(key, payload)`.
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let Ok(other) = other.cast::<BlockObject>() else {
+            return Ok(py.NotImplemented());
+        };
+        let other = other.get();
+        let equal = self.key.bind(py).eq(other.key.bind(py))?
+            && self.payload.bind(py).eq(other.payload.bind(py))?;
+        Ok(equal.into_pyobject(py)?.to_owned().into_any().unbind())
+    }
+
+    /// `hash((key, payload))`: raises `TypeError` for an unhashable payload (a bytearray), as
+    /// a frozen dataclass does.
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        PyTuple::new(py, [self.key.bind(py), self.payload.bind(py)])?.hash()
     }
 
     fn __getnewargs__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
@@ -116,8 +113,13 @@ pub(crate) fn holds_objects(buffer: &PyUntypedBuffer) -> bool {
     buffer.format().to_bytes().contains(&b'O')
 }
 
+/// A capacity hint from `len()`, capped: a lying `__len__` must not allocate (or overflow).
+pub(crate) fn size_hint(value: &Bound<'_, PyAny>) -> usize {
+    value.len().unwrap_or(0).min(4_096)
+}
+
 pub(crate) fn collect_keys<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let mut out = Vec::with_capacity(keys.len().unwrap_or(0));
+    let mut out = Vec::with_capacity(size_hint(keys));
     for key in keys.try_iter()? {
         let key = key?;
         key_text(&key)?;
@@ -431,23 +433,25 @@ impl NativeStore {
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
         let object_nbytes = self.object_nbytes(py)?;
-        let buffer = PyUntypedBuffer::get(&out).map_err(|_| {
-            PyTypeError::new_err(format!(
-                "out must be a writable C-contiguous buffer, not {}",
-                type_name(&out)
-            ))
-        })?;
+        let buffer = PyUntypedBuffer::get(&out)
+            .or_else(|_| gather::flat_view(&out).and_then(|view| PyUntypedBuffer::get(&view)))
+            .map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "out must be a writable C-contiguous buffer, not {}",
+                    type_name(&out)
+                ))
+            })?;
         if buffer.readonly() || !buffer.is_c_contiguous() || holds_objects(&buffer) {
             return Err(PyTypeError::new_err(
                 "out must be a writable C-contiguous buffer of plain bytes (not objects)",
             ));
         }
         let len = buffer.len_bytes();
-        if len != texts.len() * object_nbytes {
+        let needed = texts.len().checked_mul(object_nbytes);
+        if needed != Some(len) {
             return Err(PyValueError::new_err(format!(
-                "out holds {len} bytes; {} keys of object_nbytes={object_nbytes} need {}",
+                "out holds {len} bytes; {} keys of object_nbytes={object_nbytes} need more",
                 texts.len(),
-                texts.len() * object_nbytes
             )));
         }
         let ptr = buffer.buf_ptr() as usize;
@@ -512,8 +516,10 @@ impl NativeStore {
 
     /// Frees the arena; later calls raise `RuntimeError`. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        // Closed for good only once the core has closed (a policy calling back in is refused).
+        self.with_store(py, BlockStore::close)?;
         self.closed.store(true, std::sync::atomic::Ordering::Release);
-        self.with_store(py, BlockStore::close)
+        Ok(())
     }
 
     /// Whether `close()` was called.
