@@ -18,6 +18,8 @@ $(VENV)/.deps: pyproject.toml
 $(VENV)/.test-deps: $(VENV)/.deps pyproject.toml
 	$(PIP) install -q "pytest>=8" "hypothesis>=6.100" "ruff>=0.6" "mypy>=1.10" \
 		"prometheus_client>=0.17" "typing_extensions>=4.15" "matplotlib>=3.7" "torch>=2.1"
+	$(PIP) install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" || \
+		echo "Mooncake not installed: tests marked mooncake will skip"
 	touch $@
 
 venv: $(VENV)/.deps

@@ -1,0 +1,1152 @@
+"""Mooncake Store as a shared tier behind aostore (SPEC section 8).
+
+Two stores with the aostore API:
+
+- ``MooncakeBlockObjectStore``: objects live in a Mooncake Store cluster; ``put`` writes them
+  with ``put_batch`` and reads use ``batch_get_buffer``, both in batches bounded in bytes. A
+  key that Mooncake does not hold raises ``BlockObjectStoreError`` naming the key (``does not
+  exist``): misses fail closed, as in the local store.
+- ``TieredBlockObjectStore(local, remote)``: the local aostore arena is the hot tier and
+  Mooncake the shared one. Puts land in the local store at once and are published to Mooncake
+  by a writer thread in batches; a local miss is fetched from Mooncake in one batch per call
+  (and kept locally by default); only a miss in both raises ``does not exist``. Another engine
+  process with its own tiered store reads what this one published.
+
+Setup comes from a small config (``MooncakeConfig.from_dict`` / ``from_file``, JSON) and
+``connect(config)``. Nothing is imported from Mooncake until a store is connected, so
+``import aostore.mooncake`` works without the package; connecting without it raises
+``ImportError`` naming the pip package. An unreachable master raises ``MooncakeError`` after
+``connect_timeout_s`` instead of Mooncake's own minute and a half of retries.
+
+Retention. aostore's retains and releases are local reference counts: they keep a running
+request's blocks from eviction in *this* process. Mooncake has no such counts, so the Mooncake
+store accepts ``retain_keys``/``release_keys`` (validated as strings and counted in ``stats()``)
+and does nothing else with them. How long Mooncake keeps an object is the deployment's choice:
+the master evicts when its segments pass the high watermark (``--eviction_high_watermark_ratio``,
+default 0.9), a key just read holds a lease (``--default_kv_lease_ttl``, 10 s) and objects
+live in the memory segments that clients mount, so they go when the client that holds their
+segment leaves. Give engines ``global_segment_size=0`` and run the pool in dedicated segment
+holders (``mooncake_client --global_segment_size=...``) when published data must outlive
+engine processes. Objects are immutable in Mooncake as here: a put of a key that Mooncake
+already holds keeps the stored bytes.
+
+The Mooncake API used, as found in ``mooncake-transfer-engine-non-cuda==0.3.13.post1``
+(``mooncake.store.MooncakeDistributedStore``; the calls below release the GIL while they
+wait, except ``close``):
+
+- ``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
+  rdma_devices, master_server_addr) -> int``, 0 on success. With an unreachable master it
+  retries 20 times over about 90 s, then returns -1: ``connect`` probes the master first.
+  ``MC_TCP_BIND_ADDRESS`` must name the address to advertise (read at ``setup``), or the TCP
+  transport advertises the machine's LAN address.
+- ``put_batch(keys: list[str], values: list[Buffer]) -> int``: 0, or a negative error code for
+  the whole batch (no key of a failed batch is stored). The values are staged in the client's
+  local buffer (``local_buffer_size``): a batch larger than it fails with -600, so batches
+  here stay under half of it. A key given twice keeps its first value; an existing key keeps
+  its bytes and still returns 0. -200 (``NO_AVAILABLE_HANDLE``): no mounted segment has room.
+- ``batch_get_buffer(keys: list[str]) -> list[BufferHandle | None]``: one handle per key
+  (``ptr()``, ``size()``, buffer protocol; the memory sits in the local buffer until the handle
+  is freed). ``None`` for a missing key, and also for a key that did not fit in the local
+  buffer, and for every key when the master is gone. A key repeated in one call returns wrong
+  bytes for some positions, so reads here pass each key once.
+- ``get_buffer(key) -> BufferHandle | None``; ``get(key) -> bytes`` returns ``b""`` for a
+  missing key (not an error), hence not used.
+- ``is_exist(key) -> int`` and ``batch_is_exist(keys) -> list[int]``: 1 present, 0 absent,
+  negative on error (-900 ``RPC_FAIL`` after about 4 s when the master is gone). Used here to
+  tell a miss from a failed read.
+- ``remove(key, force=False) -> int``: -706 (``OBJECT_HAS_LEASE``) for a key read within the
+  lease; ``force=True`` skips the lease. -704 (``OBJECT_NOT_FOUND``) for a missing key.
+- ``health_check() -> int``: 0 healthy, 1 closed, 2 master unreachable; a local flag (under
+  1 µs), set within about a second of the master going away, but only in a client that
+  mounts a segment (with ``global_segment_size=0`` it stays 0). Checked before every batch;
+  besides it, after a failed call this store probes the master's RPC port (refused at once
+  when the master is gone) and latches the outcome, so a dead master costs at most one of
+  Mooncake's ~4 s RPC timeouts, then every call fails at once.
+- ``close() -> int``: unmounts the client's segment and stops it (about 1 s). With the
+  master gone, a client that mounts a segment can take 15 s (its unmount RPC retries,
+  holding the GIL); with ``global_segment_size=0`` it does not wait on the master.
+
+The master: ``mooncake_master --rpc_address=127.0.0.1 --rpc_port=P
+--enable_http_metadata_server=true --http_metadata_server_port=Q --metrics_host=127.0.0.1
+--metrics_port=R`` (ready about a second later), metadata server
+``http://127.0.0.1:Q/metadata``; or ``metadata_server="P2PHANDSHAKE"`` without the HTTP
+metadata server (all clients and holders of one cluster must use the same metadata mode: a
+P2P client cannot reach a segment registered over HTTP). A segment holder:
+``mooncake_client --host=127.0.0.1 --port=S --global_segment_size=1GB
+--master_server_address=127.0.0.1:P --metadata_server=...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import ipaddress
+import json
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+from aostore import _tensors
+from aostore._native import BlockObject, BlockObjectStoreError
+
+__all__ = [
+    "MOONCAKE_PIP_PACKAGE",
+    "MooncakeBlockObjectStore",
+    "MooncakeConfig",
+    "MooncakeError",
+    "TieredBlockObjectStore",
+    "connect",
+]
+
+logger = logging.getLogger("aostore")
+
+#: The pinned PyPI package that provides ``mooncake.store`` (CPU and TCP only; it needs
+#: Debian's ``libibverbs1`` at run time).
+MOONCAKE_PIP_PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+
+_MIB = 1 << 20
+
+# Error codes that Mooncake returns, as seen from its Python client.
+_ERROR_NAMES = {
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -200: "NO_AVAILABLE_HANDLE",
+    -600: "INVALID_PARAMS",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+}
+_RPC_FAIL = -900
+_PROBE_TIMEOUT_S = 1.0
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+class MooncakeError(BlockObjectStoreError):
+    """Mooncake could not be reached, or refused a put or a read (not a plain miss)."""
+
+
+def _code(code: int) -> str:
+    return f"{code} ({_ERROR_NAMES.get(code, 'unknown error')})"
+
+
+def _parse_size(name: str, value: object) -> int:
+    """An ``int`` number of bytes, or a string such as ``"64MB"``/``"1 GiB"`` (powers of 1024,
+    as Mooncake reads them)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of bytes, not {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.match(value)):
+        size = int(match.group(1)) << (10 * _UNITS[match.group(2)[:1].lower()])
+    else:
+        raise ValueError(f"{name} must be a number of bytes or a size like '64MB', not {value!r}")
+    if size < 0:
+        raise ValueError(f"{name} must not be negative, got {size}")
+    return size
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeConfig:
+    """How to reach a Mooncake Store cluster.
+
+    The keys are those of the ``mooncake.json`` files that vLLM's Mooncake connectors read,
+    plus aostore's own:
+
+    - ``master_server_address``: ``"host:port"`` of ``mooncake_master`` (required).
+    - ``metadata_server``: ``"http://host:port/metadata"`` (the master's HTTP metadata
+      server), ``"P2PHANDSHAKE"`` (the default: no metadata server) or an etcd address.
+    - ``local_hostname``: the address this client advertises (default ``"127.0.0.1"``: one
+      machine; set this host's address for several). With ``protocol="tcp"``, ``connect``
+      also sets ``MC_TCP_BIND_ADDRESS`` to it when that variable is unset and it is an IP.
+    - ``global_segment_size``: bytes this client adds to the pool (default 0: the pool comes
+      from segment holders; objects in a client's segment go when the client closes).
+    - ``local_buffer_size``: the client's staging buffer for transfers (default 16 MiB).
+    - ``protocol`` (``"tcp"``) and ``device_name`` (RDMA devices, ``""``).
+    - ``connect_timeout_s``: how long ``connect`` waits for the master (default 10 s).
+    - ``max_batch_bytes``: the most payload bytes per ``put_batch``/``batch_get_buffer``
+      (default 4 MiB; capped at half of ``local_buffer_size``).
+    - ``key_prefix``: prepended to every key in Mooncake (a namespace per model; default "").
+
+    Sizes take an ``int`` or a string such as ``"64MB"``.
+    """
+
+    master_server_address: str
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 0
+    local_buffer_size: int = 16 * _MIB
+    protocol: str = "tcp"
+    device_name: str = ""
+    connect_timeout_s: float = 10.0
+    max_batch_bytes: int = 4 * _MIB
+    key_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("master_server_address", "metadata_server", "local_hostname", "protocol"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        for name in ("device_name", "key_prefix"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        _split_address(self.master_server_address)
+        for name in ("global_segment_size", "local_buffer_size", "max_batch_bytes"):
+            object.__setattr__(self, name, _parse_size(name, getattr(self, name)))
+        if self.local_buffer_size <= 0:
+            raise ValueError("local_buffer_size must be positive")
+        if self.max_batch_bytes <= 0:
+            raise ValueError("max_batch_bytes must be positive")
+        timeout = self.connect_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"connect_timeout_s must be a positive number, got {timeout!r}")
+
+    @property
+    def batch_bytes(self) -> int:
+        """The batch bound in effect: ``max_batch_bytes``, at most half the local buffer."""
+        return max(1, min(self.max_batch_bytes, self.local_buffer_size // 2))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> MooncakeConfig:
+        """A config from a mapping; unknown keys raise ``ValueError`` (a typo never passes)."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"a Mooncake config must be a mapping, not {type(values).__name__}")
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown Mooncake config keys {unknown}; known keys are {sorted(names)}"
+            )
+        if "master_server_address" not in values:
+            raise ValueError("a Mooncake config needs master_server_address ('host:port')")
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> MooncakeConfig:
+        """A config from a JSON file holding one object."""
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON: {error}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: a Mooncake config must be a JSON object")
+        return cls.from_dict(values)
+
+    @classmethod
+    def coerce(
+        cls, config: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str]
+    ) -> MooncakeConfig:
+        """``config`` itself, or a config from a mapping or a JSON file's path."""
+        if isinstance(config, MooncakeConfig):
+            return config
+        if isinstance(config, Mapping):
+            return cls.from_dict(config)
+        return cls.from_file(config)
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"master_server_address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _import_store_class() -> Any:
+    try:
+        module = importlib.import_module("mooncake.store")
+    except ImportError as error:
+        raise ImportError(
+            f"aostore.mooncake needs Mooncake: pip install '{MOONCAKE_PIP_PACKAGE}' "
+            f"(on Debian/Ubuntu it also needs: apt-get install libibverbs1). "
+            f"Importing mooncake.store failed: {error}"
+        ) from error
+    return module.MooncakeDistributedStore
+
+
+def _wait_for_port(what: str, host: str, port: int, deadline: float) -> None:
+    """Connects to ``host:port`` until it answers or ``deadline`` (monotonic) passes."""
+    last: OSError | None = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise MooncakeError(
+                f"the Mooncake {what} at {host}:{port} is unreachable ({last}); is "
+                f"mooncake_master running there? (gave up after the connect timeout)"
+            )
+        try:
+            socket.create_connection((host, port), timeout=min(1.0, remaining)).close()
+            return
+        except OSError as error:
+            last = error
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+def connect(config: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str]) -> Any:
+    """A ``mooncake.store.MooncakeDistributedStore`` set up from ``config``.
+
+    ``config`` is a ``MooncakeConfig``, a mapping or a JSON file's path. Raises ``ImportError``
+    naming the pip package when Mooncake is not installed, and ``MooncakeError`` when the
+    master (or the HTTP metadata server) does not answer within ``connect_timeout_s`` or
+    ``setup`` fails.
+    """
+    config = MooncakeConfig.coerce(config)
+    store_class = _import_store_class()
+    if config.protocol == "tcp" and "MC_TCP_BIND_ADDRESS" not in os.environ:
+        try:
+            ipaddress.ip_address(config.local_hostname)
+        except ValueError:
+            pass
+        else:
+            os.environ["MC_TCP_BIND_ADDRESS"] = config.local_hostname
+    deadline = time.monotonic() + config.connect_timeout_s
+    host, port = _split_address(config.master_server_address)
+    _wait_for_port("master", host, port, deadline)
+    metadata = re.match(r"^https?://([^/:]+|\[[^\]]+\]):(\d+)", config.metadata_server)
+    if metadata:
+        _wait_for_port(
+            "HTTP metadata server", metadata.group(1).strip("[]"), int(metadata.group(2)), deadline
+        )
+    client = store_class()
+    code = client.setup(
+        config.local_hostname,
+        config.metadata_server,
+        config.global_segment_size,
+        config.local_buffer_size,
+        config.protocol,
+        config.device_name,
+        config.master_server_address,
+    )
+    if code != 0:
+        raise MooncakeError(
+            f"Mooncake setup failed with {_code(code)} (master {config.master_server_address}, "
+            f"metadata {config.metadata_server}, protocol {config.protocol})"
+        )
+    logger.info(
+        "connected to Mooncake master %s (metadata %s, segment %d B, buffer %d B)",
+        config.master_server_address,
+        config.metadata_server,
+        config.global_segment_size,
+        config.local_buffer_size,
+    )
+    return client
+
+
+def _check_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"auxiliary output keys must be str, not {type(key).__name__}")
+    return key
+
+
+def _payload_view(key: str, payload: object, object_nbytes: int) -> memoryview:
+    """A flat byte view of ``payload``; raises the store's ``TypeError``/``ValueError``."""
+    if _tensors.is_tensor(payload):
+        payload = _tensors.block_bytes(payload.reshape(1, -1), 1, object_nbytes)  # type: ignore[attr-defined]
+    try:
+        view = memoryview(payload)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"payload of {key!r} must be a C-contiguous buffer, not {type(payload).__name__}"
+        ) from None
+    _tensors._refuse_object_references(view, f"payload of {key!r}")
+    if not view.c_contiguous:
+        raise TypeError(f"payload of {key!r} must be a C-contiguous buffer")
+    if view.nbytes != object_nbytes:
+        raise ValueError(
+            f"payload of {key!r} holds {view.nbytes} bytes, expected object_nbytes={object_nbytes}"
+        )
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class MooncakeBlockObjectStore:
+    """The aostore store API over a Mooncake Store cluster.
+
+    ``MooncakeBlockObjectStore(client, *, object_nbytes, max_batch_bytes=4 MiB, key_prefix="",
+    master_address="", close_client=True)`` wraps a connected
+    ``mooncake.store.MooncakeDistributedStore``; ``MooncakeBlockObjectStore.from_config(config,
+    object_nbytes=...)`` connects one. Keys are written as ``key_prefix + key``.
+
+    - ``put(objects, *, retain_keys=(), release_keys=())`` and ``put_blocks(keys, blocks,
+      ...)`` validate everything first (``TypeError``/``ValueError`` as the local store), keep
+      the last payload of a key given twice, and write with ``put_batch`` in batches of at
+      most ``max_batch_bytes``. A batch that Mooncake refuses raises ``MooncakeError``;
+      batches written before it stay written. Retains and releases are counted, nothing
+      else (see the module docstring: retention belongs to the deployment).
+    - ``get_concatenated(keys)`` / ``get_into(keys, out)`` / ``get_array(...)`` read each key
+      once with ``batch_get_buffer`` in bounded batches. A key that Mooncake does not hold
+      raises ``BlockObjectStoreError`` (``does not exist``, naming the key); an unreachable
+      master raises ``MooncakeError`` (within about 4 s of the master going away).
+    - ``close()`` closes the client (when ``close_client``); idempotent. Afterwards every call
+      raises ``RuntimeError`` (``closed``).
+
+    One lock serializes the calls into the client (they share its local buffer); Mooncake
+    releases the GIL while it works.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        object_nbytes: int,
+        max_batch_bytes: int = 4 * _MIB,
+        key_prefix: str = "",
+        master_address: str = "",
+        close_client: bool = True,
+    ) -> None:
+        if isinstance(object_nbytes, bool) or not isinstance(object_nbytes, int):
+            raise TypeError("object_nbytes must be an int")
+        if object_nbytes <= 0:
+            raise ValueError("object size must be positive")
+        if max_batch_bytes < object_nbytes:
+            raise ValueError(
+                f"max_batch_bytes={max_batch_bytes} must hold at least one object of "
+                f"{object_nbytes} bytes (raise local_buffer_size)"
+            )
+        self._client = client
+        self.object_nbytes = object_nbytes
+        self._batch_objects = max_batch_bytes // object_nbytes
+        self.key_prefix = key_prefix
+        self.master_address = master_address
+        self._close_client = close_client
+        self._lock = threading.Lock()
+        self._closed = False
+        self._master_down = False
+        self._stats = dict.fromkeys(
+            (
+                "puts",
+                "objects_written",
+                "bytes_written",
+                "put_batches",
+                "retains",
+                "releases",
+                "reads",
+                "objects_read",
+                "read_misses",
+                "bytes_read",
+                "get_batches",
+            ),
+            0,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        object_nbytes: int,
+    ) -> MooncakeBlockObjectStore:
+        """Connects to Mooncake with ``connect(config)`` and wraps the client."""
+        config = MooncakeConfig.coerce(config)
+        if config.batch_bytes < object_nbytes:
+            raise ValueError(
+                f"a batch of {config.batch_bytes} bytes (half of local_buffer_size at most) "
+                f"cannot hold one object of {object_nbytes} bytes; raise local_buffer_size"
+            )
+        return cls(
+            connect(config),
+            object_nbytes=object_nbytes,
+            max_batch_bytes=config.batch_bytes,
+            key_prefix=config.key_prefix,
+            master_address=config.master_server_address,
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def client(self) -> Any:
+        """The ``MooncakeDistributedStore`` behind this store."""
+        return self._client
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put(
+        self,
+        objects: Iterable[Any],
+        *,
+        retain_keys: Iterable[str] | None = (),
+        release_keys: Iterable[str] | None = (),
+    ) -> None:
+        """Writes ``objects`` (``.key`` and ``.payload``) to Mooncake; see the class doc."""
+        self._check_open()
+        batch: dict[str, memoryview] = {}
+        for item in objects:
+            key = _check_key(item.key)
+            batch[key] = _payload_view(key, item.payload, self.object_nbytes)
+        self._put_checked(batch, retain_keys, release_keys)
+
+    def put_blocks(
+        self,
+        keys: Iterable[str],
+        blocks: Any,
+        *,
+        retain_keys: Iterable[str] | None = (),
+        release_keys: Iterable[str] | None = (),
+    ) -> None:
+        """Writes ``blocks[i]`` under ``keys[i]`` (an array, tensor or flat buffer of rows)."""
+        self._check_open()
+        key_list = [_check_key(key) for key in keys]
+        data = _tensors.block_bytes(blocks, len(key_list), self.object_nbytes)
+        n = self.object_nbytes
+        flat = memoryview(data).cast("B") if key_list else memoryview(b"")
+        batch = {key: flat[i * n : (i + 1) * n] for i, key in enumerate(key_list)}
+        self._put_checked(batch, retain_keys, release_keys)
+
+    def _put_checked(
+        self,
+        batch: dict[str, memoryview],
+        retain_keys: Iterable[str] | None,
+        release_keys: Iterable[str] | None,
+    ) -> None:
+        retains = [_check_key(key) for key in retain_keys or ()]
+        releases = [_check_key(key) for key in release_keys or ()]
+        self._stats["puts"] += 1
+        self._stats["retains"] += len(retains)
+        self._stats["releases"] += len(releases)
+        self._write(list(batch), list(batch.values()))
+
+    def _write(self, keys: Sequence[str], payloads: Sequence[Any]) -> None:
+        """``put_batch`` in bounded batches; ``keys`` are distinct and validated."""
+        step = self._batch_objects
+        for start in range(0, len(keys), step):
+            chunk = keys[start : start + step]
+            names = [self.key_prefix + key for key in chunk] if self.key_prefix else list(chunk)
+            values = list(payloads[start : start + step])
+            with self._lock:
+                self._check_open()
+                self._check_reachable()
+                code = self._client.put_batch(names, values)
+            if code != 0:
+                self._raise_for_code(f"put_batch of {len(chunk)} objects from {chunk[0]!r}", code)
+            self._stats["put_batches"] += 1
+            self._stats["objects_written"] += len(chunk)
+            self._stats["bytes_written"] += len(chunk) * self.object_nbytes
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get_concatenated(self, keys: Iterable[str]) -> bytes:
+        """The payloads of ``keys`` in order (duplicates allowed; ``[]`` gives ``b""``)."""
+        key_list = list(keys)
+        out = bytearray(len(key_list) * self.object_nbytes)
+        self._get_into_view(key_list, memoryview(out))
+        return bytes(out)
+
+    def get_into(self, keys: Iterable[str], out: Any) -> Any:
+        """Writes the payloads of ``keys``, concatenated, into ``out`` and returns ``out``."""
+        self._check_open()
+        host, pending = _tensors.writable_host_bytes(out)
+        self._get_into_view(list(keys), _writable_view(host))
+        _tensors.finish_device_copy(pending)
+        return out
+
+    def get_array(self, keys: Sequence[str], *, dtype: Any, shape_per_token: Sequence[int]) -> Any:
+        """A new numpy array of the payloads of ``keys``, shape ``(-1, *shape_per_token)``."""
+        import numpy as np
+
+        key_list = list(keys)
+        out = np.empty(len(key_list) * self.object_nbytes, dtype=np.uint8)
+        self._get_into_view(key_list, out.data)
+        return out.view(np.dtype(dtype)).reshape((-1, *shape_per_token))
+
+    def _get_into_view(self, keys: list[str], view: memoryview) -> None:
+        self._check_open()
+        for key in keys:
+            _check_key(key)
+        n = self.object_nbytes
+        if view.nbytes != len(keys) * n:
+            raise ValueError(
+                f"out holds {view.nbytes} bytes, expected {len(keys)} x {n} = {len(keys) * n}"
+            )
+        self._stats["reads"] += 1
+        first: dict[str, int] = {}
+        for index, key in enumerate(keys):
+            first.setdefault(key, index)
+        unique = list(first)
+        missing = self.read_unique(
+            unique, [view[first[k] * n : (first[k] + 1) * n] for k in unique]
+        )
+        if missing:
+            self._stats["read_misses"] += 1
+            raise BlockObjectStoreError(
+                f'auxiliary output object "{missing[0]}" does not exist in Mooncake'
+                f"{' (and ' + str(len(missing) - 1) + ' more)' if len(missing) > 1 else ''}; "
+                f"it was never published or Mooncake evicted it (retention belongs to the "
+                f"Mooncake deployment)"
+            )
+        _copy_duplicates(keys, first, view, n)
+
+    def read_unique(self, keys: Sequence[str], targets: Sequence[memoryview]) -> list[str]:
+        """Reads distinct ``keys`` into ``targets`` (one ``object_nbytes`` view each).
+
+        Returns the keys Mooncake does not hold (their targets are left as they were); raises
+        ``MooncakeError`` when Mooncake cannot answer. For ``TieredBlockObjectStore``.
+        """
+        self._check_open()
+        missing: list[str] = []
+        step = self._batch_objects
+        for start in range(0, len(keys), step):
+            chunk = list(keys[start : start + step])
+            absent = self._read_batch(chunk, targets[start : start + step])
+            if absent:
+                missing.extend(self._resolve_absent(chunk, targets[start : start + step], absent))
+        self._stats["objects_read"] += len(keys) - len(missing)
+        self._stats["bytes_read"] += (len(keys) - len(missing)) * self.object_nbytes
+        return missing
+
+    def _read_batch(self, chunk: list[str], targets: Sequence[memoryview]) -> list[int]:
+        """One ``batch_get_buffer``; copies what came back; the positions that did not."""
+        names = [self.key_prefix + key for key in chunk] if self.key_prefix else chunk
+        absent: list[int] = []
+        with self._lock:
+            self._check_open()
+            self._check_reachable()
+            handles = self._client.batch_get_buffer(names)
+            try:
+                self._stats["get_batches"] += 1
+                for index, handle in enumerate(handles):
+                    if handle is None:
+                        absent.append(index)
+                        continue
+                    self._copy_out(chunk[index], handle, targets[index])
+            finally:
+                del handles
+        return absent
+
+    def _copy_out(self, key: str, handle: Any, target: memoryview) -> None:
+        with memoryview(handle) as source:
+            if source.nbytes != self.object_nbytes:
+                raise MooncakeError(
+                    f"Mooncake holds {source.nbytes} bytes under {key!r}, expected "
+                    f"object_nbytes={self.object_nbytes} (another object size under the same "
+                    f"key; use a key_prefix per object size)"
+                )
+            target[:] = source if source.format == "B" and source.ndim == 1 else source.cast("B")
+
+    def _resolve_absent(
+        self, chunk: list[str], targets: Sequence[memoryview], absent: list[int]
+    ) -> list[str]:
+        """Tells misses from reads that failed (the local buffer was full, the master left)."""
+        names = [self.key_prefix + chunk[index] for index in absent]
+        # With the master gone, batch_get_buffer returns None at once but batch_is_exist
+        # waits seconds for its RPC: ask the master's port first.
+        self._check_after_failure("a read returned nothing and the master's port is closed")
+        with self._lock:
+            self._check_open()
+            codes = self._client.batch_is_exist(names)
+        missing: list[str] = []
+        for name, index, code in zip(names, absent, codes, strict=True):
+            if code == 0:
+                missing.append(chunk[index])
+            elif code == 1:  # present, but the batch read did not return it: read it alone
+                with self._lock:
+                    self._check_reachable()
+                    handle = self._client.get_buffer(name)
+                    if handle is None:
+                        raise MooncakeError(
+                            f"Mooncake holds {chunk[index]!r} but could not read it back"
+                        )
+                    self._copy_out(chunk[index], handle, targets[index])
+                    del handle
+            else:
+                self._check_after_failure(f"batch_is_exist failed with {_code(code)}")
+                if code == _RPC_FAIL:
+                    self._master_down = True
+                    raise self._unreachable("the master did not answer")
+                raise MooncakeError(
+                    f"Mooncake could not look up {chunk[index]!r}: error {_code(code)}"
+                )
+        return missing
+
+    # -- the rest ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("auxiliary output store is closed")
+
+    def _unreachable(self, detail: str) -> MooncakeError:
+        where = f" at {self.master_address}" if self.master_address else ""
+        return MooncakeError(
+            f"the Mooncake master{where} is unreachable ({detail}); auxiliary outputs cannot be "
+            f"read from or published to Mooncake"
+        )
+
+    def _master_answers(self) -> bool:
+        """Whether the master's RPC port accepts a connection (refused at once when the master
+        process is gone; at most ``_PROBE_TIMEOUT_S``). True when the address is unknown."""
+        if not self.master_address:
+            return True
+        host, port = _split_address(self.master_address)
+        try:
+            socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S).close()
+        except OSError:
+            return False
+        return True
+
+    def _check_reachable(self) -> None:
+        """Raises at once when the master is known to be gone.
+
+        Mooncake's ``health_check`` flag, and this store's own latch, set when a call failed
+        and the master's port did not answer: while it is set each call probes the port first
+        (so a master that comes back is used again) instead of waiting on Mooncake's retries.
+        """
+        health = getattr(self._client, "health_check", None)
+        code = health() if health is not None else 0
+        if code == 1:
+            raise MooncakeError("the Mooncake client is closed or was never set up")
+        if code == 2 or self._master_down:
+            if not self._master_answers():
+                self._master_down = True
+                raise self._unreachable("its port refuses connections")
+            self._master_down = False
+
+    def _check_after_failure(self, detail: str) -> None:
+        """After a failed call: raises the unreachable error when the master does not answer."""
+        if not self._master_answers():
+            self._master_down = True
+            raise self._unreachable(detail)
+
+    def _raise_for_code(self, what: str, code: int) -> None:
+        self._check_after_failure(f"{what} failed with {_code(code)}")
+        if code == _RPC_FAIL:
+            raise self._unreachable(f"{what} failed with {_code(code)}")
+        hint = ""
+        if code == -200:
+            hint = (
+                "; no mounted segment has room: Mooncake evicts at its high watermark, "
+                "otherwise mount more memory (global_segment_size > 0 or a mooncake_client "
+                "segment holder)"
+            )
+        elif code == -600:
+            hint = "; the batch may not fit in the client's local_buffer_size"
+        raise MooncakeError(f"Mooncake {what} failed with {_code(code)}{hint}")
+
+    def stats(self) -> dict[str, int]:
+        """Counters: puts, objects/bytes written, put batches, retains, releases, reads
+        (calls), objects/bytes read, read misses (calls that raised ``does not exist``), get
+        batches, and ``object_nbytes``."""
+        return {"object_nbytes": self.object_nbytes, **self._stats}
+
+    def close(self) -> None:
+        """Closes the Mooncake client (when this store owns it); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._close_client:
+                code = self._client.close()
+                if code not in (0, None):
+                    logger.warning("Mooncake client close returned %s", _code(code))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"master {self.master_address or '?'}"
+        return f"<{type(self).__name__} {state}, objects of {self.object_nbytes} B>"
+
+
+def _writable_view(host: Any) -> memoryview:
+    try:
+        view = memoryview(host)
+    except TypeError:
+        raise TypeError(
+            f"out must be a writable buffer, numpy array or tensor, not {type(host).__name__}"
+        ) from None
+    if view.readonly:
+        raise TypeError("out must be writable")
+    if not view.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _copy_duplicates(keys: list[str], first: dict[str, int], view: memoryview, n: int) -> None:
+    """Fills each repeated key's position from its first occurrence."""
+    if len(first) == len(keys):
+        return
+    for index, key in enumerate(keys):
+        source = first[key]
+        if source != index:
+            view[index * n : (index + 1) * n] = view[source * n : (source + 1) * n]
+
+
+class _Rows(Sequence[memoryview]):
+    """The rows of one flat buffer as a sequence of views, sliced when read (by the
+    publisher thread, not the caller's)."""
+
+    def __init__(self, data: bytes, row_nbytes: int, count: int) -> None:
+        self._view = memoryview(data)
+        self._n = row_nbytes
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[memoryview]: ...
+    def __getitem__(self, index: int | slice) -> memoryview | Sequence[memoryview]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if not -self._count <= index < self._count:
+            raise IndexError(index)
+        index %= self._count
+        return self._view[index * self._n : (index + 1) * self._n]
+
+
+# (keys, payloads) for the publisher, or None to stop it.
+_Publication = tuple[list[str], Sequence[Any]] | None
+
+
+class TieredBlockObjectStore:
+    """The local aostore arena in front of Mooncake.
+
+    ``TieredBlockObjectStore(local, remote, *, max_pending_batches=8, keep_fetched=True)``:
+    ``local`` is a ``BlockObjectStore`` (the hot tier, with its own eviction and reference
+    counts), ``remote`` a ``MooncakeBlockObjectStore`` of the same ``object_nbytes``. The tiered
+    store owns both: ``close`` closes them.
+
+    - ``put``/``put_blocks`` apply to ``local`` at once (with its semantics and errors,
+      retains and releases included), then queue the batch for Mooncake. A writer thread
+      publishes queued batches with ``put_batch``, joining several into one when they are
+      queued together. The queue holds ``max_pending_batches``; a put waits when it is full.
+      Payloads that are ``bytes`` are published as they are, other buffers are copied once at
+      put time (the caller may reuse them).
+    - A publication error is latched: later publications are skipped and the next ``put``,
+      read, ``flush`` or ``close`` raises ``BlockObjectStoreError`` (``publication failed``)
+      chained from it.
+    - ``get_concatenated``/``get_into``/``get_array`` read ``local``; on a local miss they wait
+      for queued publications, then fetch every key the local store lacks from Mooncake in
+      one batch (bounded in bytes) and, when ``keep_fetched``, put them in ``local`` (a put that
+      the local store cannot take is skipped). A key in neither tier raises
+      ``BlockObjectStoreError`` (``does not exist``, naming the key).
+    - ``flush()`` waits until everything queued is in Mooncake.
+    """
+
+    def __init__(
+        self,
+        local: Any,
+        remote: MooncakeBlockObjectStore,
+        *,
+        max_pending_batches: int = 8,
+        keep_fetched: bool = True,
+    ) -> None:
+        if isinstance(max_pending_batches, bool) or not isinstance(max_pending_batches, int):
+            raise TypeError("max_pending_batches must be an int")
+        if max_pending_batches < 1:
+            raise ValueError("max_pending_batches must be at least 1")
+        if local.object_nbytes != remote.object_nbytes:
+            raise ValueError(
+                f"local object_nbytes={local.object_nbytes} differs from the Mooncake store's "
+                f"{remote.object_nbytes}"
+            )
+        self.local = local
+        self.remote = remote
+        self.object_nbytes: int = local.object_nbytes
+        self.keep_fetched = keep_fetched
+        self._batch_bytes = remote._batch_objects * remote.object_nbytes
+        self._queue: queue.Queue[_Publication] = queue.Queue(maxsize=max_pending_batches)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._stats = dict.fromkeys(
+            (
+                "puts",
+                "queued_objects",
+                "published_objects",
+                "publish_batches",
+                "reads",
+                "local_hit_objects",
+                "remote_hit_objects",
+                "read_misses",
+                "kept_objects",
+                "keep_failures",
+            ),
+            0,
+        )
+        self._thread = threading.Thread(
+            target=self._publish_loop, daemon=True, name="aostore-mooncake-publisher"
+        )
+        self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        max_bytes: int,
+        object_nbytes: int,
+        max_pending_batches: int = 8,
+        keep_fetched: bool = True,
+        **local_options: Any,
+    ) -> TieredBlockObjectStore:
+        """A local ``BlockObjectStore(max_bytes=..., object_nbytes=..., **local_options)`` in
+        front of ``MooncakeBlockObjectStore.from_config(config, object_nbytes=...)``."""
+        from aostore._store import BlockObjectStore
+
+        remote = MooncakeBlockObjectStore.from_config(config, object_nbytes=object_nbytes)
+        try:
+            local = BlockObjectStore(
+                max_bytes=max_bytes, object_nbytes=object_nbytes, **local_options
+            )
+        except BaseException:
+            remote.close()
+            raise
+        return cls(
+            local, remote, max_pending_batches=max_pending_batches, keep_fetched=keep_fetched
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.local.num_slots)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put(
+        self,
+        objects: Iterable[Any],
+        *,
+        retain_keys: Iterable[str] = (),
+        release_keys: Iterable[str] = (),
+    ) -> None:
+        """``local.put(...)``, then queues the objects for Mooncake."""
+        self._check_usable()
+        batch = list(objects)
+        self.local.put(batch, retain_keys=retain_keys, release_keys=release_keys)
+        self._stats["puts"] += 1
+        if batch:
+            latest: dict[str, Any] = {}
+            for item in batch:
+                latest[item.key] = item.payload
+            payloads = [
+                payload if type(payload) is bytes else _snapshot(payload)
+                for payload in latest.values()
+            ]
+            self._enqueue(list(latest), payloads)
+
+    def put_blocks(
+        self,
+        keys: Iterable[str],
+        blocks: Any,
+        *,
+        retain_keys: Iterable[str] = (),
+        release_keys: Iterable[str] = (),
+    ) -> None:
+        """``local.put_blocks(...)``, then queues the rows for Mooncake (one copy)."""
+        self._check_usable()
+        key_list = list(keys)
+        host = _tensors.block_bytes(blocks, len(key_list), self.object_nbytes)
+        self.local.put_blocks(key_list, host, retain_keys=retain_keys, release_keys=release_keys)
+        self._stats["puts"] += 1
+        if key_list:
+            data = host if type(host) is bytes else _snapshot(host)
+            self._enqueue(key_list, _Rows(data, self.object_nbytes, len(key_list)))
+
+    def _enqueue(self, keys: list[str], payloads: Sequence[Any]) -> None:
+        self._queue.put((keys, payloads))
+        self._stats["queued_objects"] += len(keys)
+
+    def _publish_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            taken = 1
+            stop = item is None
+            keys: list[str] = []
+            payloads: list[Any] = []
+            if item is not None:
+                keys, payloads = list(item[0]), list(item[1])
+            # Join what else is queued, up to one batch of bytes.
+            while not stop and len(keys) * self.object_nbytes < self._batch_bytes:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                taken += 1
+                if more is None:
+                    stop = True
+                else:
+                    keys.extend(more[0])
+                    payloads.extend(more[1])
+            try:
+                if keys and self._error is None:
+                    unique = dict(zip(keys, payloads, strict=True))  # the last payload wins
+                    self.remote._write(list(unique), list(unique.values()))
+                    self._stats["published_objects"] += len(unique)
+                    self._stats["publish_batches"] += 1
+            except BaseException as error:  # latched; raised on the caller's next call
+                self._error = error
+                logger.error("publishing auxiliary outputs to Mooncake failed: %s", error)
+            finally:
+                for _ in range(taken):
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def flush(self) -> None:
+        """Waits until every queued batch is in Mooncake; raises a latched error."""
+        self._check_open()
+        self._queue.join()
+        self._raise_if_failed()
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get_concatenated(self, keys: Iterable[str]) -> bytes:
+        """The payloads of ``keys`` in order, from the local store or else from Mooncake."""
+        self._check_usable()
+        key_list = list(keys)
+        try:
+            data: bytes = self.local.get_concatenated(key_list)
+        except BlockObjectStoreError as error:
+            if "does not exist" not in str(error):
+                raise
+        else:
+            self._count_local_hit(len(key_list))
+            return data
+        out = bytearray(len(key_list) * self.object_nbytes)
+        self._read_tiers(key_list, memoryview(out))
+        return bytes(out)
+
+    def get_into(self, keys: Iterable[str], out: Any) -> Any:
+        """Writes the payloads of ``keys`` into ``out`` (local first, misses from Mooncake)."""
+        self._check_usable()
+        key_list = list(keys)
+        host, pending = _tensors.writable_host_bytes(out)
+        try:
+            self.local.get_into(key_list, host)
+        except BlockObjectStoreError as error:
+            if "does not exist" not in str(error):
+                raise
+            self._read_tiers(key_list, _writable_view(host))
+        else:
+            self._count_local_hit(len(key_list))
+        _tensors.finish_device_copy(pending)
+        return out
+
+    def get_array(self, keys: Sequence[str], *, dtype: Any, shape_per_token: Sequence[int]) -> Any:
+        """A new numpy array of the payloads of ``keys``, shape ``(-1, *shape_per_token)``."""
+        import numpy as np
+
+        key_list = list(keys)
+        out = np.empty(len(key_list) * self.object_nbytes, dtype=np.uint8)
+        self.get_into(key_list, out)
+        return out.view(np.dtype(dtype)).reshape((-1, *shape_per_token))
+
+    def _count_local_hit(self, count: int) -> None:
+        self._stats["reads"] += 1
+        self._stats["local_hit_objects"] += count
+
+    def _read_tiers(self, keys: list[str], view: memoryview) -> None:
+        """The slow path: each key from the local store, the rest from Mooncake in one batch."""
+        n = self.object_nbytes
+        if view.nbytes != len(keys) * n:
+            raise ValueError(
+                f"out holds {view.nbytes} bytes, expected {len(keys)} x {n} = {len(keys) * n}"
+            )
+        self._stats["reads"] += 1
+        first: dict[str, int] = {}
+        for index, key in enumerate(keys):
+            first.setdefault(_check_key(key), index)
+        absent: list[str] = []
+        for key, index in first.items():
+            try:
+                self.local.get_into([key], view[index * n : (index + 1) * n])
+            except BlockObjectStoreError as error:
+                if "does not exist" not in str(error):
+                    raise
+                absent.append(key)
+        self._stats["local_hit_objects"] += len(first) - len(absent)
+        # What this process queued but did not publish yet is not in Mooncake: wait for it.
+        self._queue.join()
+        self._raise_if_failed()
+        targets = [view[first[key] * n : (first[key] + 1) * n] for key in absent]
+        missing = self.remote.read_unique(absent, targets)
+        if missing:
+            self._stats["read_misses"] += 1
+            raise BlockObjectStoreError(
+                f'auxiliary output object "{missing[0]}" does not exist in the local store or '
+                f"in Mooncake"
+                f"{' (and ' + str(len(missing) - 1) + ' more)' if len(missing) > 1 else ''}; "
+                f"it was evicted from both or never published. Increase "
+                f"aux_output_config.max_bytes or Mooncake's memory when a KV cache hit needs it."
+            )
+        self._stats["remote_hit_objects"] += len(absent)
+        if absent and self.keep_fetched:
+            # The last ones fit in the local tier when the batch is larger than it.
+            keep = list(zip(absent, targets, strict=True))[-int(self.local.num_slots) :]
+            try:
+                self.local.put([BlockObject(key, target) for key, target in keep])
+                self._stats["kept_objects"] += len(keep)
+            except BlockObjectStoreError as error:  # the local tier is full of referenced keys
+                self._stats["keep_failures"] += 1
+                logger.debug("keeping objects fetched from Mooncake failed: %s", error)
+        _copy_duplicates(keys, first, view, n)
+
+    # -- the rest ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("auxiliary output store is closed")
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise BlockObjectStoreError(
+                f"auxiliary output publication failed: {self._error}"
+            ) from self._error
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        self._raise_if_failed()
+
+    def stats(self) -> dict[str, int]:
+        """The tier's counters, the local store's as ``local_*`` and Mooncake's as ``remote_*``.
+
+        Tier counters: puts, queued/published objects, publish batches, pending batches,
+        reads (calls), objects served locally and from Mooncake, read misses (calls that
+        raised), objects kept locally after a fetch and the puts that could not keep them.
+        """
+        out = dict(self._stats)
+        out["pending_batches"] = self._queue.qsize()
+        if not self._closed:
+            out.update({f"local_{k}": v for k, v in self.local.stats().items()})
+        out.update({f"remote_{k}": v for k, v in self.remote.stats().items()})
+        return out
+
+    def close(self) -> None:
+        """Publishes what is queued, stops the writer, closes both stores, then raises any
+        latched error; idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            self.local.close()
+        finally:
+            self.remote.close()
+        self._raise_if_failed()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"<{type(self).__name__} closed>"
+        return f"<{type(self).__name__} local={self.local!r} remote={self.remote!r}>"
+
+
+def _snapshot(payload: Any) -> bytes:
+    """A private copy of a buffer's bytes (the caller may reuse the buffer)."""
+    if _tensors.is_tensor(payload):
+        payload = _tensors.block_bytes(payload.reshape(1, -1), 1, payload.nbytes)
+    with memoryview(payload) as view:
+        return view.tobytes()

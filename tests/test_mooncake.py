@@ -1,0 +1,613 @@
+"""aostore.mooncake (SPEC section 8) against a real Mooncake master on 127.0.0.1.
+
+The ``mooncake``-marked tests start ``mooncake_master`` and a segment holder themselves (free
+ports, loopback only) and stop them by PID. Without the Mooncake package they skip with the
+install command; ``AOSTORE_REQUIRE_MOONCAKE=1`` (CI) turns that skip into a failure. Every wait
+is bounded: subprocesses get timeouts and no test waits on Mooncake without a limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aostore
+import mooncake_util
+import numpy as np
+import pytest
+from aostore import BlockObject, BlockObjectStore, BlockObjectStoreError
+from aostore.mooncake import (
+    MOONCAKE_PIP_PACKAGE,
+    MooncakeBlockObjectStore,
+    MooncakeConfig,
+    MooncakeError,
+    TieredBlockObjectStore,
+    connect,
+)
+
+NBYTES = 5888  # one GLM-4.5-Air block of routed-expert ids
+SUBPROCESS_TIMEOUT = 60.0  # seconds; only reached when something is broken
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def require_mooncake() -> None:
+    reason = mooncake_util.missing_reason()
+    if reason is None:
+        return
+    if os.environ.get("AOSTORE_REQUIRE_MOONCAKE"):
+        pytest.fail(f"AOSTORE_REQUIRE_MOONCAKE is set but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mooncake_util.Cluster]:
+    """One master and one 64 MB segment holder for the module; stopped by PID at the end."""
+    require_mooncake()
+    with mooncake_util.cluster(tmp_path_factory.mktemp("mooncake")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def client(cluster: mooncake_util.Cluster) -> Iterator[Any]:
+    """One Mooncake client for the module's stores (a client takes about a second to close)."""
+    shared = connect(cluster.config())
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def make_remote(
+    cluster: mooncake_util.Cluster, client: Any, request: pytest.FixtureRequest
+) -> Iterator[Any]:
+    """Factory of Mooncake stores on the shared client, under a key prefix per test."""
+    made: list[MooncakeBlockObjectStore] = []
+
+    def factory(**kwargs: Any) -> MooncakeBlockObjectStore:
+        store = MooncakeBlockObjectStore(
+            client,
+            object_nbytes=NBYTES,
+            key_prefix=f"{request.node.name}/",
+            master_address=cluster.master_address,
+            close_client=False,
+            **kwargs,
+        )
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        store.close()
+
+
+@pytest.fixture
+def remote(make_remote: Any) -> Any:
+    return make_remote()
+
+
+@dataclass
+class Obj:
+    """An object with ``.key`` and ``.payload`` that checks nothing (for bad input)."""
+
+    key: Any
+    payload: Any
+
+
+def blob(fill: int, nbytes: int = NBYTES) -> bytes:
+    return bytes([fill % 256]) * nbytes
+
+
+def objects(prefix: str, fills: range) -> list[Any]:
+    return [BlockObject(f"{prefix}{i}", blob(i)) for i in fills]
+
+
+# -- without a cluster ---------------------------------------------------------------------
+
+
+def test_import_does_not_load_mooncake() -> None:
+    code = (
+        "import sys, aostore.mooncake as m; "
+        "assert 'mooncake' not in sys.modules and 'mooncake.store' not in sys.modules, "
+        "sorted(k for k in sys.modules if k.startswith('mooncake')); print('ok')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        cwd=TESTS_DIR,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_missing_package_names_pip_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(ImportError, match=re.escape(MOONCAKE_PIP_PACKAGE)):
+        connect({"master_server_address": "127.0.0.1:1"})
+    assert MOONCAKE_PIP_PACKAGE == mooncake_util.PIP_PACKAGE
+
+
+def test_config_from_dict_and_file(tmp_path: Path) -> None:
+    values = {
+        "master_server_address": "127.0.0.1:50051",
+        "metadata_server": "http://127.0.0.1:8080/metadata",
+        "global_segment_size": "1GB",
+        "local_buffer_size": "16 MiB",
+        "protocol": "tcp",
+        "device_name": "",
+        "max_batch_bytes": 1 << 20,
+    }
+    config = MooncakeConfig.from_dict(values)
+    assert config.global_segment_size == 1 << 30
+    assert config.local_buffer_size == 16 << 20
+    assert config.batch_bytes == 1 << 20
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(values))
+    assert MooncakeConfig.from_file(path) == config
+    assert MooncakeConfig.coerce(str(path)) == config
+    # The batch bound never exceeds half of the local buffer.
+    assert MooncakeConfig.from_dict({**values, "max_batch_bytes": "1GB"}).batch_bytes == 8 << 20
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({}, "needs master_server_address"),
+        ({"master_server_address": "127.0.0.1:1", "master_addr": "x"}, "unknown Mooncake"),
+        ({"master_server_address": "no-port"}, "'host:port'"),
+        ({"master_server_address": "h:1", "local_buffer_size": "lots"}, "size like '64MB'"),
+        ({"master_server_address": "h:1", "local_buffer_size": 0}, "must be positive"),
+        ({"master_server_address": "h:1", "connect_timeout_s": 0}, "positive number"),
+        ({"master_server_address": "h:1", "protocol": ""}, "non-empty string"),
+    ],
+)
+def test_config_rejects_bad_values(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MooncakeConfig.from_dict(values)
+
+
+def test_config_file_must_be_json_object(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        MooncakeConfig.from_file(path)
+    path.write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        MooncakeConfig.from_file(path)
+
+
+# -- against a fake client (the paths a healthy master rarely takes) ------------------------
+
+
+class FakeClient:
+    """The parts of ``MooncakeDistributedStore`` that aostore calls, over a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.put_code = 0
+        self.exist_code: int | None = None
+        self.unread: set[str] = set()  # present, but batch_get_buffer returns None for them
+        self.put_calls: list[list[str]] = []
+        self.get_calls: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def put_batch(self, keys: list[str], values: list[Any]) -> int:
+        self.gate.wait(SUBPROCESS_TIMEOUT)
+        self.put_calls.append(list(keys))
+        if self.put_code:
+            return self.put_code
+        for key, value in zip(keys, values, strict=True):
+            self.data.setdefault(key, bytes(value))
+        return 0
+
+    def batch_get_buffer(self, keys: list[str]) -> list[bytes | None]:
+        assert len(set(keys)) == len(keys), "a key repeated in one batch_get_buffer call"
+        self.get_calls.append(list(keys))
+        return [None if key in self.unread else self.data.get(key) for key in keys]
+
+    def get_buffer(self, key: str) -> bytes | None:
+        return self.data.get(key)
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        if self.exist_code is not None:
+            return [self.exist_code] * len(keys)
+        return [int(key in self.data) for key in keys]
+
+    def health_check(self) -> int:
+        return 0
+
+    def close(self) -> int:
+        return 0
+
+
+def fake_store(**kwargs: Any) -> tuple[MooncakeBlockObjectStore, FakeClient]:
+    client = FakeClient()
+    return MooncakeBlockObjectStore(client, object_nbytes=NBYTES, **kwargs), client
+
+
+def test_reads_pass_each_key_once_in_bounded_batches() -> None:
+    store, client = fake_store(max_batch_bytes=2 * NBYTES, key_prefix="p/")
+    store.put(objects("k", range(5)))
+    assert client.put_calls == [["p/k0", "p/k1"], ["p/k2", "p/k3"], ["p/k4"]]
+    keys = ["k4", "k0", "k4", "k1", "k0"]
+    assert store.get_concatenated(keys) == b"".join(blob(int(k[1])) for k in keys)
+    assert client.get_calls == [["p/k4", "p/k0"], ["p/k1"]]
+
+
+def test_present_key_that_batch_read_missed_is_read_alone() -> None:
+    store, client = fake_store()
+    store.put(objects("k", range(3)))
+    client.unread = {"k1"}  # e.g. the local buffer was full
+    assert store.get_concatenated(["k0", "k1", "k2"]) == blob(0) + blob(1) + blob(2)
+    assert store.stats()["read_misses"] == 0
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        (-200, r"-200 \(NO_AVAILABLE_HANDLE\).*no mounted segment has room"),
+        (-600, r"-600 \(INVALID_PARAMS\).*local_buffer_size"),
+        (-900, "is unreachable"),
+        (-12345, r"-12345 \(unknown error\)"),
+    ],
+)
+def test_put_errors_are_named(code: int, message: str) -> None:
+    store, client = fake_store()
+    client.put_code = code
+    with pytest.raises(MooncakeError, match=message):
+        store.put(objects("k", range(2)))
+
+
+def test_lookup_error_and_wrong_size_fail_closed() -> None:
+    store, client = fake_store()
+    client.data["short"] = b"abc"
+    with pytest.raises(MooncakeError, match="holds 3 bytes under 'short'"):
+        store.get_concatenated(["short"])
+    client.exist_code = -1
+    with pytest.raises(MooncakeError, match="could not look up 'absent'"):
+        store.get_concatenated(["absent"])
+
+
+def test_publisher_joins_queued_batches() -> None:
+    remote, client = fake_store()
+    local = BlockObjectStore(max_bytes=16 * NBYTES, object_nbytes=NBYTES)
+    tiered = TieredBlockObjectStore(local, remote, max_pending_batches=8)
+    try:
+        client.gate.clear()  # the publisher blocks in its first put_batch
+        tiered.put(objects("a", range(2)))
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+        while tiered.stats()["pending_batches"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for start in (2, 4, 6):
+            tiered.put(objects("a", range(start, start + 2)))
+        client.gate.set()
+        tiered.flush()
+        assert client.put_calls == [["a0", "a1"], [f"a{i}" for i in range(2, 8)]]
+        assert tiered.stats()["publish_batches"] == 2
+    finally:
+        tiered.close()
+
+
+def test_tiered_keeps_what_fits_of_a_large_fetch() -> None:
+    remote, _ = fake_store()
+    remote.put(objects("r", range(6)))
+    local = BlockObjectStore(max_bytes=4 * NBYTES, object_nbytes=NBYTES)
+    tiered = TieredBlockObjectStore(local, remote)
+    try:
+        keys = [f"r{i}" for i in range(6)]
+        assert tiered.get_concatenated(keys) == b"".join(blob(i) for i in range(6))
+        assert tiered.stats()["kept_objects"] == 4
+        assert local.snapshot()["objects"].keys() >= {"r2", "r3", "r4", "r5"}
+    finally:
+        tiered.close()
+
+
+# -- against a real master -----------------------------------------------------------------
+
+
+@pytest.mark.mooncake
+def test_unreachable_master_fails_fast() -> None:
+    require_mooncake()
+    port = mooncake_util.free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(MooncakeError, match=f"master at 127.0.0.1:{port} is unreachable"):
+        MooncakeBlockObjectStore.from_config(
+            {"master_server_address": f"127.0.0.1:{port}", "connect_timeout_s": 1.0},
+            object_nbytes=NBYTES,
+        )
+    assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.mooncake
+def test_mooncake_store_round_trip(remote: MooncakeBlockObjectStore) -> None:
+    remote.put(objects("a", range(10)), retain_keys=["a1", "a2"], release_keys=["a2"])
+    assert remote.get_concatenated([]) == b""
+    assert remote.get_concatenated(["a3", "a1", "a3"]) == blob(3) + blob(1) + blob(3)
+    # Blocks from one array; a key given twice keeps its last payload (dict semantics).
+    rows = np.arange(4 * NBYTES, dtype=np.uint32).astype(np.uint8).reshape(4, NBYTES)
+    remote.put_blocks(["b0", "b1", "b2", "b3"], rows)
+    remote.put([BlockObject("c", blob(1)), BlockObject("c", bytearray(blob(2)))])
+    out = np.zeros((5, NBYTES), dtype=np.uint8)
+    assert remote.get_into(["b0", "b1", "b2", "b3", "c"], out) is out
+    np.testing.assert_array_equal(out[:4], rows)
+    assert bytes(out[4]) == blob(2)
+    array = remote.get_array(["b1", "b1"], dtype=np.uint8, shape_per_token=(46, 8))
+    assert array.shape == (2 * NBYTES // 368, 46, 8)
+    # Objects are immutable in Mooncake as in the local store: a re-put keeps the bytes.
+    remote.put([BlockObject("a1", blob(99))])
+    assert remote.get_concatenated(["a1"]) == blob(1)
+    stats = remote.stats()
+    assert stats["retains"] == 2 and stats["releases"] == 1  # accepted and counted
+    assert stats["objects_written"] == 10 + 4 + 1 + 1
+    assert stats["objects_read"] == 2 + 5 + 1 + 1  # each key once per call
+
+
+@pytest.mark.mooncake
+def test_mooncake_store_batches_are_bounded(make_remote: Any) -> None:
+    # 3 objects per batch: 20 objects take 7 put_batch calls and 7 batch_get_buffer calls.
+    store = make_remote(max_batch_bytes=3 * NBYTES + 100)
+    store.put(objects("k", range(20)))
+    keys = [f"k{i}" for i in range(20)]
+    assert store.get_concatenated(keys) == b"".join(blob(i) for i in range(20))
+    stats = store.stats()
+    assert stats["put_batches"] == 7
+    assert stats["get_batches"] == 7
+    with pytest.raises(ValueError, match="must hold at least one object"):
+        make_remote(max_batch_bytes=NBYTES - 1)
+
+
+@pytest.mark.mooncake
+def test_mooncake_store_miss_fails_closed(remote: MooncakeBlockObjectStore) -> None:
+    remote.put(objects("m", range(2)))
+    with pytest.raises(BlockObjectStoreError, match='"absent-key" does not exist in Mooncake'):
+        remote.get_concatenated(["m0", "absent-key", "m1"])
+    out = bytearray(2 * NBYTES)
+    with pytest.raises(BlockObjectStoreError, match="does not exist"):
+        remote.get_into(["m0", "other-absent"], out)
+    assert remote.stats()["read_misses"] == 2
+
+
+@pytest.mark.mooncake
+def test_mooncake_store_bad_input(remote: MooncakeBlockObjectStore) -> None:
+    with pytest.raises(TypeError, match="keys must be str"):
+        remote.put([Obj(7, blob(1))])
+    with pytest.raises(ValueError, match=r"'short' holds 3 bytes, expected object_nbytes=5888"):
+        remote.put([BlockObject("ok", blob(1)), BlockObject("short", b"abc")])
+    with pytest.raises(TypeError, match="C-contiguous buffer"):
+        remote.put([Obj("obj", object())])
+    with pytest.raises(ValueError, match=r"blocks must have shape \(2, \.\.\.\)"):
+        remote.put_blocks(["x", "y"], np.zeros((3, NBYTES), dtype=np.uint8))
+    with pytest.raises(ValueError, match="out holds"):
+        remote.get_into(["ok"], bytearray(3))
+    # Nothing was written by the calls that failed validation.
+    with pytest.raises(BlockObjectStoreError, match='"ok" does not exist'):
+        remote.get_concatenated(["ok"])
+    assert remote.stats()["objects_written"] == 0
+
+
+@pytest.mark.mooncake
+def test_closed_mooncake_store(make_remote: Any, client: Any) -> None:
+    store = make_remote()
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put([])
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put_blocks([], b"")
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get_concatenated([])
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get_into([], bytearray())
+    assert client.health_check() == 0  # close_client=False left the shared client open
+
+
+@pytest.mark.mooncake
+def test_config_file_and_p2p_handshake(tmp_path: Path) -> None:
+    """P2P handshake mode (no metadata server), set up from a JSON file: a writer that mounts
+    a segment, as engines that contribute memory do, and a reader that mounts none. Metadata
+    modes do not mix in one cluster (a P2P client cannot reach a segment registered over
+    HTTP), so this test has a master of its own and no segment holder."""
+    require_mooncake()
+    with mooncake_util.cluster(tmp_path, holder_segment=None) as own:
+        path = tmp_path / "mooncake.json"
+        values = own.config(metadata_server="P2PHANDSHAKE", global_segment_size="16MB")
+        path.write_text(json.dumps(values))
+        writer = MooncakeBlockObjectStore.from_config(path, object_nbytes=NBYTES)
+        reader = MooncakeBlockObjectStore.from_config(
+            {**values, "global_segment_size": 0}, object_nbytes=NBYTES
+        )
+        try:
+            writer.put(objects("p2p-", range(8)))
+            keys = [f"p2p-{i}" for i in range(8)]
+            assert reader.get_concatenated(keys) == b"".join(blob(i) for i in range(8))
+        finally:
+            reader.close()
+            writer.close()
+
+
+@pytest.mark.mooncake
+def test_tiered_round_trip(make_remote: Any) -> None:
+    local = BlockObjectStore(max_bytes=64 * NBYTES, object_nbytes=NBYTES)
+    remote = make_remote()
+    tiered = TieredBlockObjectStore(local, remote, max_pending_batches=2)
+    try:
+        mutable = bytearray(blob(5))
+        tiered.put([BlockObject("t0", mutable), BlockObject("t1", blob(1))], retain_keys=["t0"])
+        mutable[:] = blob(6)  # the caller reuses its buffer: what was put is published
+        rows = np.stack([np.full(NBYTES, i, dtype=np.uint8) for i in range(2, 6)])
+        tiered.put_blocks(["t2", "t3", "t4", "t5"], rows, release_keys=["t0"])
+        tiered.flush()
+        keys = [f"t{i}" for i in range(6)]
+        expected = blob(5) + b"".join(blob(i) for i in range(1, 6))
+        assert tiered.get_concatenated(keys) == expected  # local hits
+        assert remote.get_concatenated(keys) == expected  # and published
+        assert local.stats()["referenced"] == 0
+        stats = tiered.stats()
+        assert stats["published_objects"] == 6
+        assert stats["local_hit_objects"] == 6
+        assert stats["remote_hit_objects"] == 0
+        out = np.empty(6 * NBYTES, dtype=np.uint8)
+        assert bytes(tiered.get_into(keys, out)) == expected
+        # A BackgroundBlockObjectStore takes the tiered store like any store.
+        writer = aostore.BackgroundBlockObjectStore(tiered, max_pending_batches=2)
+        writer.put([BlockObject("t6", blob(6))])
+        assert writer.get_concatenated(["t6"]) == blob(6)
+        writer.close()  # closes the tiered store, which publishes t6 first
+        assert remote.closed
+    finally:
+        tiered.close()
+    assert remote.closed and local.closed
+
+
+@pytest.mark.mooncake
+def test_tiered_local_eviction_served_from_mooncake(make_remote: Any) -> None:
+    local = BlockObjectStore(max_bytes=4 * NBYTES, object_nbytes=NBYTES)
+    remote = make_remote()
+    tiered = TieredBlockObjectStore(local, remote)
+    try:
+        for start in (0, 4, 8):  # 12 objects through a local tier of 4: 8 evicted locally
+            tiered.put(objects("e", range(start, start + 4)))
+        assert local.stats()["evictions"] == 8
+        with pytest.raises(BlockObjectStoreError, match="does not exist"):
+            local.get_concatenated(["e0"])
+        # One read of evicted and resident keys (one repeated): the misses come from
+        # Mooncake in one batch, after the queued publications.
+        keys = ["e0", "e9", "e1", "e0", "e11"]
+        assert tiered.get_concatenated(keys) == b"".join(blob(int(k[1:])) for k in keys)
+        stats = tiered.stats()
+        assert stats["remote_hit_objects"] == 2
+        assert stats["remote_get_batches"] == 1
+        assert stats["kept_objects"] == 2
+        # Kept locally: the next read of them is a local hit.
+        assert tiered.get_concatenated(["e0", "e1"]) == blob(0) + blob(1)
+        assert tiered.stats()["remote_hit_objects"] == 2
+    finally:
+        tiered.close()
+
+
+@pytest.mark.mooncake
+def test_tiered_miss_in_both_fails_closed(make_remote: Any) -> None:
+    local = BlockObjectStore(max_bytes=4 * NBYTES, object_nbytes=NBYTES)
+    remote = make_remote()
+    tiered = TieredBlockObjectStore(local, remote, keep_fetched=False)
+    try:
+        tiered.put(objects("x", range(2)))
+        with pytest.raises(
+            BlockObjectStoreError, match='"nowhere" does not exist in the local store or in Moon'
+        ):
+            tiered.get_concatenated(["x0", "nowhere", "x1"])
+        out = np.zeros(2 * NBYTES, dtype=np.uint8)
+        with pytest.raises(BlockObjectStoreError, match="does not exist"):
+            tiered.get_into(["x1", "nowhere-else"], out)
+        assert tiered.stats()["read_misses"] == 2
+        assert tiered.get_concatenated(["x1"]) == blob(1)  # the store still works
+    finally:
+        tiered.close()
+
+
+def run_worker(mode: str, config: dict[str, Any], prefix: str, count: int) -> dict[str, Any]:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS_DIR / "mooncake_util.py"),
+            mode,
+            json.dumps(config),
+            prefix,
+            str(count),
+            str(NBYTES),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        cwd=TESTS_DIR,
+    )
+    assert done.returncode == 0, f"{mode} worker failed:\n{done.stderr[-3000:]}"
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.mooncake
+def test_second_process_reads_what_the_first_published(cluster: mooncake_util.Cluster) -> None:
+    """Engine A publishes through its tiered store and exits; engine B, another process with
+    an empty local tier, reads every object from Mooncake. Engines mount no memory
+    (global_segment_size=0): the segment holder keeps what A published after A is gone."""
+    config = cluster.config(key_prefix="two-process/")
+    published = run_worker("publish", config, "engine-a", 200)
+    assert published == {"published": 200, "published_objects": 200, "remote_hit_objects": 0}
+    read = run_worker("read", config, "engine-a", 200)
+    assert read["equal"] is True
+    assert read["remote_hit_objects"] == 200
+    # And this process sees them too.
+    remote = MooncakeBlockObjectStore.from_config(config, object_nbytes=NBYTES)
+    try:
+        data = remote.get_concatenated(["engine-a:0", "engine-a:199"])
+        assert data == mooncake_util.payload("engine-a", 0, NBYTES) + mooncake_util.payload(
+            "engine-a", 199, NBYTES
+        )
+    finally:
+        remote.close()
+
+
+@pytest.mark.mooncake
+def test_master_stopped_mid_run_fails_clearly(tmp_path: Path) -> None:
+    """The master goes away under running stores: local hits still work; a read miss, a
+    publication and a direct put raise a clear error (the put after Mooncake's own RPC
+    timeout, about 4 s); close returns; connecting again fails within its timeout."""
+    require_mooncake()
+    with mooncake_util.cluster(tmp_path) as own:
+        local = BlockObjectStore(max_bytes=8 * NBYTES, object_nbytes=NBYTES)
+        remote = MooncakeBlockObjectStore.from_config(own.config(), object_nbytes=NBYTES)
+        direct = MooncakeBlockObjectStore.from_config(own.config(), object_nbytes=NBYTES)
+        tiered = TieredBlockObjectStore(local, remote)
+        unreachable = r"Mooncake master at 127\.0\.0\.1:\d+ is unreachable"
+        try:
+            tiered.put(objects("s", range(4)))
+            tiered.flush()
+            own.stop_master()
+            assert not own.master.running()
+            assert tiered.get_concatenated(["s0", "s3"]) == blob(0) + blob(3)  # local hits
+
+            start = time.monotonic()
+            with pytest.raises(MooncakeError, match=unreachable):
+                tiered.get_concatenated(["s0", "not-local"])
+            tiered.put(objects("s", range(4, 6)))
+            with pytest.raises(BlockObjectStoreError, match="publication failed") as failed:
+                tiered.flush()
+            assert isinstance(failed.value.__cause__, MooncakeError)
+            assert "unreachable" in str(failed.value.__cause__)
+            assert time.monotonic() - start < 5.0
+
+            start = time.monotonic()
+            with pytest.raises(MooncakeError, match=unreachable):
+                direct.put(objects("d", range(2)))
+            with pytest.raises(MooncakeError, match=unreachable):
+                direct.get_concatenated(["s0"])
+            assert time.monotonic() - start < 15.0
+
+            start = time.monotonic()
+            with pytest.raises(BlockObjectStoreError, match="publication failed"):
+                tiered.close()  # closes both stores, then raises the latched error
+            direct.close()
+            assert time.monotonic() - start < 15.0
+            assert local.closed and remote.closed
+
+            start = time.monotonic()
+            with pytest.raises(MooncakeError, match=unreachable):
+                connect(own.config(connect_timeout_s=1.0))
+            assert time.monotonic() - start < 5.0
+        finally:
+            with contextlib.suppress(BlockObjectStoreError):
+                tiered.close()
+            direct.close()
