@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 WHEEL_DIR := dist
 
-.PHONY: venv test-venv build install run test test-rust test-python lint fmt bench valgrind clean
+.PHONY: venv test-venv build install run test test-rust test-python lint fmt bench bench-smoke valgrind clean
 
 # What building and running need.
 $(VENV)/.deps: pyproject.toml
@@ -70,8 +70,17 @@ valgrind:
 			--errors-for-leak-kinds=definite --show-possibly-lost=no $$bin --test-threads=1 || exit 1; \
 	done
 
-bench: install
+# The SPEC section 10 table (bench-out/: results.json, w1_scaling.png, w3_latency.png), the core
+# alone, and the criterion benches.
+bench: install test-venv
+	$(PY) benches/bench.py --out bench-out
+	cargo bench --bench w2_core
 	cargo bench --bench store
+
+# Tiny sizes, so the benchmarks cannot rot (CI).
+bench-smoke: install test-venv
+	$(PY) benches/bench.py --quick --out target/bench-smoke
+	$(PY) -m aostore churn --slots 4096 --batches 50 >/dev/null
 
 clean:
 	rm -rf target $(WHEEL_DIR) $(VENV)
