@@ -39,10 +39,15 @@ def _tensor_rows(blocks: Any, count: int, object_nbytes: int) -> Any:
         )
     if count == 0:
         return b""
+    import torch
+
     if blocks.device.type != "cpu":
-        # One device-to-host copy for the whole batch.
-        blocks = blocks.to("cpu")
-    return blocks.reshape(count, -1).view(__import__("torch").uint8).numpy()
+        # One device-to-host copy for the whole batch, into pinned staging so the DMA engine
+        # writes it directly (a pageable target goes through the driver's own bounce buffer).
+        staging = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+        staging.copy_(blocks)
+        blocks = staging
+    return blocks.reshape(count, -1).view(torch.uint8).numpy()
 
 
 def block_bytes(blocks: Any, count: int, object_nbytes: int) -> Any:
