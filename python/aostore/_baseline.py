@@ -83,19 +83,31 @@ class PythonBlockObjectStore:
                     if len(victims) == need:
                         break
             if len(victims) < need:
-                for key in unique:
-                    if slots.get(key) == _PENDING:
-                        del slots[key]
-                        lru.pop(key, None)
-                raise BlockObjectStoreError(
-                    "auxiliary output store cannot retain the requested batch: "
-                    f"limit={self.num_slots} objects"
-                )
-            for key in victims:
-                del lru[key]
-                slot = slots.pop(key)
-                if slot != _PENDING:
-                    self._free.append(slot)
+                raise self._refuse(unique)
+        else:
+            victims = []
+        self._evict_and_write(victims, unique, arena)
+
+    def _refuse(self, unique: dict[str, Any]) -> BlockObjectStoreError:
+        """Drops the batch's new keys; the error to raise."""
+        for key in unique:
+            if self._slots.get(key) == _PENDING:
+                del self._slots[key]
+                self._lru.pop(key, None)
+        return BlockObjectStoreError(
+            "auxiliary output store cannot retain the requested batch: "
+            f"limit={self.num_slots} objects"
+        )
+
+    def _evict_and_write(
+        self, victims: list[str], unique: dict[str, Any], arena: mmap.mmap
+    ) -> None:
+        slots = self._slots
+        for key in victims:
+            del self._lru[key]
+            slot = slots.pop(key)
+            if slot != _PENDING:
+                self._free.append(slot)
         size = self.object_nbytes
         for key, payload in unique.items():
             if slots.get(key) != _PENDING:
@@ -178,21 +190,7 @@ class RescanBlockObjectStore(PythonBlockObjectStore):
                     if len(victims) == need:
                         break
             if len(victims) < need:
-                raise BlockObjectStoreError(
-                    "auxiliary output store cannot retain the requested batch: "
-                    f"limit={self.num_slots} objects"
-                )
-            for key in victims:
-                del lru[key]
-                slot = slots.pop(key)
-                if slot != _PENDING:
-                    self._free.append(slot)
-        size = self.object_nbytes
-        for key, payload in unique.items():
-            if slots.get(key) != _PENDING:
-                continue
-            slot = self._free.pop() if self._free else self._next
-            if slot == self._next:
-                self._next += 1
-            arena[slot * size : (slot + 1) * size] = payload
-            slots[key] = slot
+                raise self._refuse(unique)
+        else:
+            victims = []
+        self._evict_and_write(victims, unique, arena)
