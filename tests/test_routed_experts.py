@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from aostore._native import NativeStore
 from aostore.routed_experts import (
     materialize_routed_experts,
     publish_routed_experts,
@@ -68,6 +69,12 @@ def reference_materialize(
 ) -> np.ndarray:
     if len(aux_output_keys) == 0:
         raise ValueError("routed-experts auxiliary output key list must not be empty")
+    inner = getattr(store, "store", store)
+    if isinstance(inner, NativeStore):
+        # aostore's reads check dtype and shape before reading, so a bad one changes nothing
+        # (vLLM's helper reads first); the reference follows aostore's contract there.
+        size = len(aux_output_keys) * inner.object_nbytes
+        np.empty(size, dtype=np.uint8).view(np.dtype(dtype)).reshape((-1, *shape_per_token))
     payload = store.get_concatenated(aux_output_keys)
     return np.frombuffer(payload, dtype=dtype).reshape((-1, *shape_per_token))
 
