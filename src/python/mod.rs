@@ -143,6 +143,8 @@ pub struct NativeStore {
     policy: Option<Py<PyAny>>,
     /// Set by `close()`; read without the lock so a closed store fails before argument checks.
     closed: std::sync::atomic::AtomicBool,
+    /// Fixed at construction, so size checks need neither the lock nor a GIL release.
+    object_nbytes: usize,
 }
 
 thread_local! {
@@ -368,13 +370,14 @@ impl NativeStore {
             prefault,
         )
         .map_err(to_py_err)?;
-        Ok(Self { inner: Mutex::new(store), policy, closed: false.into() })
+        let object_nbytes = store.object_nbytes();
+        Ok(Self { inner: Mutex::new(store), policy, closed: false.into(), object_nbytes })
     }
 
     /// Bytes per object.
     #[getter]
-    fn object_nbytes(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with_store(py, |s| s.object_nbytes())
+    fn object_nbytes(&self) -> usize {
+        self.object_nbytes
     }
 
     /// Objects the store holds at most.
@@ -414,7 +417,7 @@ impl NativeStore {
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         self.ensure_open()?;
-        let object_nbytes = self.object_nbytes(py)?;
+        let object_nbytes = self.object_nbytes;
         let mut batch = Gathered::default();
         batch.rows_of(keys, blocks, object_nbytes)?;
         batch.references(retain_keys, release_keys)?;
@@ -432,7 +435,7 @@ impl NativeStore {
         self.ensure_open()?;
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
-        let object_nbytes = self.object_nbytes(py)?;
+        let object_nbytes = self.object_nbytes;
         let buffer = PyUntypedBuffer::get(&out)
             .or_else(|_| gather::flat_view(&out).and_then(|view| PyUntypedBuffer::get(&view)))
             .map_err(|_| {
@@ -497,7 +500,7 @@ impl NativeStore {
         self.ensure_open()?;
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
-        let object_nbytes = self.object_nbytes(py)?;
+        let object_nbytes = self.object_nbytes;
         let len = texts
             .len()
             .checked_mul(object_nbytes)

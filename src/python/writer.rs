@@ -248,7 +248,7 @@ impl NativeWriter {
         retain_keys: Option<&Bound<'_, PyAny>>,
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let object_nbytes = self.store.get().object_nbytes(py)?;
+        let object_nbytes = self.store.get().object_nbytes();
         let mut batch = Gathered::default();
         let gathered = batch
             .rows_of(keys, blocks, object_nbytes)
