@@ -161,6 +161,23 @@ impl NativeWriter {
         self.collect(py)?;
         self.raise_if_failed(py)?;
         let shared = &self.shared;
+        // With room in the queue, hand the job over without releasing the GIL: the writer thread
+        // never waits for the GIL, and other callers hold this lock only briefly, so taking it
+        // with the GIL held cannot deadlock.
+        let job = {
+            let mut state = shared.lock();
+            if state.closed {
+                return Err(PyRuntimeError::new_err("auxiliary output store is closed"));
+            }
+            if state.queue.len() < shared.capacity {
+                state.queue.push_back(job);
+                drop(state);
+                shared.work.notify_one();
+                return self.raise_if_failed(py);
+            }
+            job
+        };
+        // A full queue: wait for room with the GIL released.
         let closed = py.detach(move || {
             let mut state = shared.lock();
             while state.queue.len() >= shared.capacity && !state.closed {
