@@ -173,6 +173,15 @@ impl Arena {
     }
 }
 
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("num_slots", &self.num_slots)
+            .field("object_nbytes", &self.object_nbytes)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Drop for Arena {
     fn drop(&mut self) {
         // SAFETY: base/len describe a mapping we own and nothing borrows it past `drop`.

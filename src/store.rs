@@ -8,10 +8,9 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
-use crate::index::KeyIndex;
-
 use crate::arena::Arena;
 use crate::error::StoreError;
+use crate::index::KeyIndex;
 use crate::slab::{Slab, NIL, NO_SLOT, PENDING_SLOT};
 
 /// One object of a batch: a key and exactly `object_nbytes` bytes.
@@ -75,6 +74,8 @@ pub struct Stats {
 #[derive(Debug, Default)]
 struct Scratch {
     hashes: Vec<u32>,
+    /// Entries of the keys being resolved (a batch's keys, a read's keys), in call order.
+    entries: Vec<u32>,
     /// Unique batch keys in first-occurrence order: (entry, index of the last payload).
     batch: Vec<(u32, usize)>,
     retains: Vec<u32>,
@@ -89,6 +90,7 @@ struct Scratch {
 impl Scratch {
     fn clear(&mut self) {
         self.hashes.clear();
+        self.entries.clear();
         self.batch.clear();
         self.retains.clear();
         self.releases.clear();
@@ -196,12 +198,6 @@ pub struct BlockStore {
     referenced: usize,
     counters: Counters,
     scratch: Scratch,
-}
-
-impl std::fmt::Debug for Arena {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Arena").field("num_slots", &self.num_slots()).finish_non_exhaustive()
-    }
 }
 
 /// Largest slot count: slot indices are `u32` and two values are reserved markers.
@@ -323,8 +319,8 @@ impl BlockStore {
     /// Resolves `keys` to entries, appending to `out`, in passes so that their cache misses
     /// overlap: hash every key and prefetch its home bucket; take each key's candidate from the
     /// buckets' 32-bit hashes alone (no entry read) and prefetch the candidate's entry; then
-    /// confirm each key's bytes. Missing keys get new entries (recorded in `created`) when `created` is
-    /// given, and resolve to `NIL` otherwise.
+    /// confirm each key's bytes. Missing keys get new entries (recorded in `created`) when
+    /// `created` is given, and resolve to `NIL` otherwise.
     fn resolve(
         &mut self,
         keys: &[&str],
@@ -422,10 +418,8 @@ impl BlockStore {
             return Err(error);
         }
         let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
-        let mut entries = std::mem::take(&mut s.victims);
-        self.resolve(&keys, &mut s.hashes, &mut entries, Some(&mut s.created));
-        s.batch.extend(entries.drain(..).enumerate().map(|(position, idx)| (idx, position)));
-        s.victims = entries;
+        self.resolve(&keys, &mut s.hashes, &mut s.entries, Some(&mut s.created));
+        s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
         self.dedupe_batch(s);
         if self.profile == Profile::Grow {
             // vLLM 0.33 replaces a re-put object that nothing references: drop its bytes here,
@@ -843,18 +837,26 @@ impl BlockStore {
             return Err(StoreError::Closed);
         }
         assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
-        let mut found = std::mem::take(&mut self.scratch.victims);
-        let mut hashes = std::mem::take(&mut self.scratch.hashes);
-        found.clear();
-        self.resolve(keys, &mut hashes, &mut found, None);
-        self.scratch.hashes = hashes;
-        let missing = found
+        let mut s = std::mem::take(&mut self.scratch);
+        let result = self.read_into(&mut s, keys, out);
+        s.clear();
+        self.scratch = s;
+        result
+    }
+
+    fn read_into(
+        &mut self,
+        s: &mut Scratch,
+        keys: &[&str],
+        out: &mut [u8],
+    ) -> Result<(), StoreError> {
+        self.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        let missing = s
+            .entries
             .iter()
             .position(|&idx| idx == NIL || matches!(self.slab[idx].slot, NO_SLOT | PENDING_SLOT));
         if let Some(at) = missing {
             self.counters.read_misses += 1;
-            found.clear();
-            self.scratch.victims = found;
             return Err(StoreError::Missing {
                 key: keys[at].to_owned(),
                 used: self.stored,
@@ -863,18 +865,16 @@ impl BlockStore {
             });
         }
         let arena = self.arena.as_ref().expect("checked open");
-        for (chunk, &idx) in out.chunks_exact_mut(self.object_nbytes).zip(&found) {
+        for (chunk, &idx) in out.chunks_exact_mut(self.object_nbytes).zip(&s.entries) {
             chunk.copy_from_slice(arena.slot(self.slab[idx].slot));
         }
-        for &idx in &found {
+        for &idx in &s.entries {
             if self.slab[idx].refs == 0 {
                 self.slab.move_to_back(idx);
             }
         }
         self.counters.reads += keys.len() as u64;
         self.counters.bytes_read += out.len() as u64;
-        found.clear();
-        self.scratch.victims = found;
         Ok(())
     }
 
