@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore
 from aostore._baseline import PythonBlockObjectStore, RescanBlockObjectStore
-from aostore.replay import RolloutShape, generate, pool, run
+from aostore.replay import RolloutShape, compare, generate, pool
 
 GLM_OBJECT_NBYTES = 5_888  # 46 MoE layers x top-8 x uint8 x 16 tokens
 GLM_SLOTS = 167_341
@@ -239,18 +239,8 @@ def w3(quick: bool) -> dict[str, Any]:
     rows = pool(shape.object_nbytes)
     out: dict[str, Any] = {"steps": len(steps)}
     for prefault in (False, True):
-        for name, make, as_bytes in (
-            ("aostore", BlockObjectStore, True),
-            ("baseline", PythonBlockObjectStore, True),
-        ):
-            store = make(
-                max_bytes=shape.store_slots * shape.object_nbytes,
-                object_nbytes=shape.object_nbytes,
-                prefault=prefault,
-            )
-            result = run(name, store, steps, rows, as_bytes=as_bytes)
-            store.close()
-            label = f"{name}/{'warm' if prefault else 'cold'}"
+        for result in compare(shape, steps, rows, prefault=prefault):
+            label = f"{result.name}/{'warm' if prefault else 'cold'}"
             out[label] = {
                 "writer_s": result.writer_seconds,
                 "p50_us": result.percentile_us(50),

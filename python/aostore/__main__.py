@@ -13,7 +13,6 @@ blocks with 64 retains and 64 releases, and reads of 64 random live blocks, in n
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 import sys
 import time
@@ -105,8 +104,7 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def replay(args: argparse.Namespace) -> int:
-    from aostore._baseline import PythonBlockObjectStore
-    from aostore.replay import RolloutShape, generate, pool, run
+    from aostore.replay import RolloutShape, compare, generate, pool
 
     shape = RolloutShape(rollout_steps=3 if args.scale else 1, seed=args.seed)
     print(
@@ -117,28 +115,8 @@ def replay(args: argparse.Namespace) -> int:
     )
     steps = generate(shape)
     rows = pool(shape.object_nbytes, shape.seed)
-    results = []
-    for name, make, as_bytes in (
-        ("aostore", BlockObjectStore, True),
-        ("baseline", PythonBlockObjectStore, True),
-    ):
-        store = make(
-            max_bytes=shape.store_slots * shape.object_nbytes,
-            object_nbytes=shape.object_nbytes,
-            prefault=args.prefault,
-        )
-        results.append(
-            run(
-                name,
-                store,
-                steps,
-                rows,
-                as_bytes=as_bytes,
-                progress=functools.partial(_progress, name),
-            )
-        )
-        store.close()
-    ours, base = results
+    ours, base = compare(shape, steps, rows, prefault=args.prefault, progress=_progress)
+    results = [ours, base]
     table: list[tuple[str, float, str, float]] = [
         ("puts", float(ours.puts), "", float(base.puts)),
         ("objects written", float(ours.objects), "", float(base.objects)),

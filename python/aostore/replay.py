@@ -16,6 +16,7 @@ same work a writer thread does).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import random
 import time
@@ -240,3 +241,29 @@ def run(
         objects_read=objects_read,
         evictions=int(stats.get("evictions", -1)),
     )
+
+
+def compare(
+    shape: RolloutShape,
+    steps: list[Step],
+    rows: np.ndarray,
+    *,
+    prefault: bool,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[ReplayResult, ReplayResult]:
+    """Replays ``steps`` on a fresh aostore store, then on a fresh pure-Python baseline, both
+    handed the ``bytes`` that vLLM's worker makes; returns (aostore, baseline)."""
+    from aostore._baseline import PythonBlockObjectStore
+    from aostore._store import BlockObjectStore
+
+    results = []
+    for name, make in (("aostore", BlockObjectStore), ("baseline", PythonBlockObjectStore)):
+        store = make(
+            max_bytes=shape.store_slots * shape.object_nbytes,
+            object_nbytes=shape.object_nbytes,
+            prefault=prefault,
+        )
+        report = None if progress is None else functools.partial(progress, name)
+        results.append(run(name, store, steps, rows, as_bytes=True, progress=report))
+        store.close()
+    return results[0], results[1]
