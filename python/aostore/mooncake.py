@@ -955,7 +955,13 @@ class TieredBlockObjectStore:
             self._enqueue(key_list, _Rows(data, self.object_nbytes, len(key_list)))
 
     def _enqueue(self, keys: list[str], payloads: Sequence[Any]) -> None:
-        self._queue.put((keys, payloads))
+        # As in BackgroundBlockObjectStore: the closed check and the enqueue are one step under
+        # close()'s lock, so no batch lands behind the stop sentinel (lost, or blocking on a
+        # queue nobody drains).
+        with self._close_lock:
+            if self._closed:
+                raise RuntimeError("auxiliary output store is closed")
+            self._queue.put((keys, payloads))
         self._stats["queued_objects"] += len(keys)
 
     def _publish_loop(self) -> None:
