@@ -525,10 +525,12 @@ impl NativeStore {
         Ok(())
     }
 
-    /// Whether `close()` was called.
+    /// Whether `close()` was called (and finished).
     #[getter]
-    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
-        self.with_store(py, |s| s.is_closed())
+    fn closed(&self) -> bool {
+        // The flag is set once the core has closed, so it needs neither the lock nor a GIL
+        // release (the façade checks it before every tensor call).
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Raises `AssertionError` naming the first broken store invariant.
