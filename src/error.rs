@@ -20,6 +20,8 @@ pub enum StoreError {
     PayloadSize { key: String, expected: usize, actual: usize },
     /// A release of a key whose count would drop below zero; nothing changed.
     NotReferenced { key: String },
+    /// A retain of a key whose count would pass `u32::MAX`; nothing changed.
+    ReferenceOverflow { key: String },
     /// Too few evictable keys to make room for the batch. No victim was evicted and the
     /// batch's new keys were not stored; the call's reference changes and LRU moves stay.
     CannotRetain { limit: usize },
@@ -53,6 +55,12 @@ impl fmt::Display for StoreError {
                 "auxiliary output object {key:?} has {actual} bytes, expected object_nbytes={expected}"
             ),
             Self::NotReferenced { key } => write!(f, "{key:?}"),
+            Self::ReferenceOverflow { key } => write!(
+                f,
+                "auxiliary output object {key:?} cannot be retained again: its reference count \
+                 is at the limit of {}",
+                u32::MAX
+            ),
             Self::CannotRetain { limit } => write!(
                 f,
                 "auxiliary output store cannot retain the requested batch: limit={limit} objects"

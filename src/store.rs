@@ -85,6 +85,9 @@ struct Scratch {
     /// Entries created by this call, freed again when validation fails.
     created: Vec<u32>,
     victims: Vec<u32>,
+    /// Profile `grow`: batch keys stored and unreferenced when the call started, whose bytes
+    /// are replaced in place once the put is sure to succeed.
+    replaced: Vec<(u32, usize)>,
 }
 
 impl Scratch {
@@ -97,6 +100,7 @@ impl Scratch {
         self.released.clear();
         self.created.clear();
         self.victims.clear();
+        self.replaced.clear();
     }
 }
 
@@ -197,6 +201,12 @@ pub struct BlockStore {
     stored: usize,
     referenced: usize,
     counters: Counters,
+    /// Ledger for `check()`: stored objects removed by eviction, and objects whose bytes a
+    /// `grow` re-put replaced in place. Every object written and not yet removed is stored, so
+    /// `stored == objects_written - evicted_stored - replaced`: a stored key lost any other way
+    /// (a rollback forgetting it) breaks the equation.
+    evicted_stored: u64,
+    replaced: u64,
     scratch: Scratch,
 }
 
@@ -256,6 +266,8 @@ impl BlockStore {
             stored: 0,
             referenced: 0,
             counters: Counters::default(),
+            evicted_stored: 0,
+            replaced: 0,
             scratch: Scratch::default(),
         })
     }
@@ -413,7 +425,7 @@ impl BlockStore {
         // slot, so they are invisible until something below gives them a count or a slot.
         self.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
         self.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
-        if let Err(error) = self.validate_releases(s) {
+        if let Err(error) = self.validate_references(s) {
             self.forget_orphans(&s.created);
             return Err(error);
         }
@@ -422,15 +434,13 @@ impl BlockStore {
         s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
         self.dedupe_batch(s);
         if self.profile == Profile::Grow {
-            // vLLM 0.33 replaces a re-put object that nothing references: drop its bytes here,
-            // and the batch stores it again below.
-            for &(idx, _) in &s.batch {
+            // vLLM 0.33 replaces a re-put object that nothing references. The old bytes stay in
+            // their slot until the put cannot fail any more (`write_batch`), so a refused put
+            // leaves them readable. Counting the key as stored rather than dropped and re-added
+            // gives the same `need`, LRU order and growth size as vLLM.
+            for &(idx, position) in &s.batch {
                 if self.slab[idx].is_evictable() {
-                    let slot = self.slab[idx].slot;
-                    self.slab.unlink(idx);
-                    self.slab[idx].slot = NO_SLOT;
-                    self.free_slots.push(slot);
-                    self.stored -= 1;
+                    s.replaced.push((idx, position));
                 }
             }
         }
@@ -478,7 +488,7 @@ impl BlockStore {
             }
         }
         let removed = self.evict_victims(s, policy.is_some());
-        self.write_new_keys(s, objects);
+        self.write_batch(s, objects);
         if let Some(policy) = policy {
             if !removed.is_empty() {
                 let keys: Vec<&str> = removed.iter().map(String::as_str).collect();
@@ -720,10 +730,11 @@ impl BlockStore {
         }
     }
 
-    /// Counts each release against the key's references plus this call's retains; the first
-    /// release below zero is the error. Touches nothing but `mark`.
-    fn validate_releases(&mut self, s: &Scratch) -> Result<(), StoreError> {
-        if s.releases.is_empty() {
+    /// Counts each retain and release against the key's references, in call order (retains
+    /// first); the first count that would leave `0..=u32::MAX` is the error. Touches nothing
+    /// but `mark`.
+    fn validate_references(&mut self, s: &Scratch) -> Result<(), StoreError> {
+        if s.releases.is_empty() && s.retains.is_empty() {
             return Ok(());
         }
         for &idx in s.retains.iter().chain(&s.releases) {
@@ -731,7 +742,11 @@ impl BlockStore {
             entry.mark = entry.refs;
         }
         for &idx in &s.retains {
-            self.slab[idx].mark += 1;
+            let entry = &mut self.slab[idx];
+            match entry.mark.checked_add(1) {
+                Some(count) => entry.mark = count,
+                None => return Err(StoreError::ReferenceOverflow { key: entry.key().to_owned() }),
+            }
         }
         for &idx in &s.releases {
             let entry = &mut self.slab[idx];
@@ -781,6 +796,7 @@ impl BlockStore {
         if slot != PENDING_SLOT {
             self.free_slots.push(slot);
             self.stored -= 1;
+            self.evicted_stored += 1;
         }
         self.slab[idx].slot = NO_SLOT;
         self.counters.evictions += 1;
@@ -805,7 +821,9 @@ impl BlockStore {
         }
     }
 
-    fn write_new_keys(&mut self, s: &Scratch, objects: &[BlockRef<'_>]) {
+    /// Writes the batch's new keys into free slots and, profile `grow`, the replaced keys'
+    /// new bytes into their own slots (those that were not evicted by this call).
+    fn write_batch(&mut self, s: &Scratch, objects: &[BlockRef<'_>]) {
         let arena = self.arena.as_mut().expect("checked open");
         for &(idx, position) in &s.batch {
             let entry = &mut self.slab[idx];
@@ -825,6 +843,15 @@ impl BlockStore {
             self.stored += 1;
             self.counters.objects_written += 1;
             self.counters.bytes_written += self.object_nbytes as u64;
+        }
+        for &(idx, position) in &s.replaced {
+            // A replaced key this call released may have been evicted; its entry is gone then.
+            if self.slab.is_live(idx) && self.slab[idx].has_slot() {
+                arena.write_slot(self.slab[idx].slot, objects[position].payload);
+                self.replaced += 1;
+                self.counters.objects_written += 1;
+                self.counters.bytes_written += self.object_nbytes as u64;
+            }
         }
         arena.flush_writes();
     }
@@ -1018,6 +1045,14 @@ impl BlockStore {
                  neither"
             ));
         }
+        let ledger = self.counters.objects_written - self.evicted_stored - self.replaced;
+        if ledger != stored as u64 {
+            return Err(format!(
+                "every object written and not evicted or replaced is stored: {stored} stored, \
+                 {ledger} by the ledger ({} written, {} evicted, {} replaced)",
+                self.counters.objects_written, self.evicted_stored, self.replaced
+            ));
+        }
         if stored != self.stored || referenced != self.referenced {
             return Err(format!(
                 "counters match contents: stored {stored} vs {}, referenced {referenced} vs {}",
@@ -1025,5 +1060,83 @@ impl BlockStore {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block<'a>(key: &'a str, payload: &'a [u8]) -> BlockRef<'a> {
+        BlockRef { key, payload }
+    }
+
+    /// Puts `key` retained once, then sets its count to `count` directly (2^32 real retains
+    /// would take minutes).
+    fn store_with_count(key: &str, count: u32) -> BlockStore {
+        let mut store = BlockStore::new(4, 1).unwrap();
+        store.put(&[block(key, b"a")], &[key], &[]).unwrap();
+        let idx = store.find(key, store.hash_key(key)).unwrap();
+        store.slab[idx].refs = count;
+        store.check().unwrap();
+        store
+    }
+
+    #[test]
+    fn retain_at_the_count_limit_fails_and_changes_nothing() {
+        let mut store = store_with_count("k", u32::MAX);
+        let before = (store.stats(), store.lru_keys().len());
+        let error = store.put(&[block("other", b"b")], &["other", "k"], &[]).unwrap_err();
+        assert_eq!(error, StoreError::ReferenceOverflow { key: "k".to_owned() });
+        assert_eq!((store.stats(), store.lru_keys().len()), before);
+        assert_eq!(store.reference_count("k"), u32::MAX);
+        assert_eq!(store.reference_count("other"), 0);
+        assert!(!store.contains("other"));
+        store.check().unwrap();
+        // Two retains from one below the limit overflow on the second: still nothing changes.
+        let mut store = store_with_count("k", u32::MAX - 1);
+        let error = store.put(&[], &["k", "k"], &[]).unwrap_err();
+        assert!(matches!(error, StoreError::ReferenceOverflow { .. }));
+        assert_eq!(store.reference_count("k"), u32::MAX - 1);
+        // A retain and a release in one call at the limit is still an overflow (retains first).
+        let error = store.put(&[], &["k", "k"], &["k"]).unwrap_err();
+        assert!(matches!(error, StoreError::ReferenceOverflow { .. }));
+        // One retain reaches the limit exactly; a release brings it back.
+        store.put(&[], &["k"], &[]).unwrap();
+        assert_eq!(store.reference_count("k"), u32::MAX);
+        store.put(&[], &[], &["k"]).unwrap();
+        assert_eq!(store.reference_count("k"), u32::MAX - 1);
+        store.check().unwrap();
+    }
+
+    #[test]
+    fn check_catches_a_stored_key_lost_outside_eviction() {
+        let mut store = BlockStore::new(4, 1).unwrap();
+        store.put(&[block("a", b"1"), block("b", b"2")], &[], &[]).unwrap();
+        store.check().unwrap();
+        // What the old `grow` rollback did: drop a stored key's slot and forget the entry, with
+        // every structural count kept consistent.
+        let idx = store.find("a", store.hash_key("a")).unwrap();
+        let slot = store.slab[idx].slot;
+        store.slab.unlink(idx);
+        store.slab[idx].slot = NO_SLOT;
+        store.free_slots.push(slot);
+        store.stored -= 1;
+        store.forget(idx);
+        let message = store.check().unwrap_err();
+        assert!(message.contains("not evicted or replaced is stored"), "{message}");
+    }
+
+    #[test]
+    fn grow_replaces_in_place_and_keeps_the_ledger() {
+        let mut store = BlockStore::with_profile(2, 1, Profile::Grow).unwrap();
+        store.put(&[block("a", b"1"), block("b", b"2")], &[], &[]).unwrap();
+        store.put(&[block("a", b"3")], &[], &[]).unwrap();
+        assert_eq!(store.lru_keys(), ["b", "a"]);
+        assert_eq!(store.get_concatenated(&["a", "b"]).unwrap(), b"32");
+        // Replaced, retained and released in one call, and evicted by the same call's need.
+        store.put(&[block("a", b"4"), block("c", b"5")], &["a"], &["a"]).unwrap();
+        store.check().unwrap();
+        assert_eq!(store.stats().stored, 2);
     }
 }
