@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import os
 import queue
 import threading
 from collections.abc import Iterable, Sequence
@@ -9,6 +11,18 @@ from typing import Any, Protocol
 
 from aostore import _tensors
 from aostore._native import BlockObjectStoreError, NativeStore, NativeWriter
+from aostore._store import BlockObjectStore
+
+# Bumped in a forked child: a Python writer's thread does not exist there.
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Store(Protocol):
@@ -38,12 +52,23 @@ class _PythonWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._close_lock = threading.Lock()
+        # Set once close() has finished, so a second closer waits for the first.
+        self._close_done = threading.Event()
+        self._closer: int | None = None
+        self._generation = _fork_generation
         self._thread = threading.Thread(target=self._run, daemon=True, name="aostore-writer")
         self._thread.start()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _check_process(self) -> None:
+        if self._generation != _fork_generation:
+            raise RuntimeError(
+                "this aostore background writer was created in the parent process before "
+                "fork(); its thread does not exist here: create a new store and writer in the child"
+            )
 
     def _run(self) -> None:
         while True:
@@ -57,6 +82,9 @@ class _PythonWriter:
             except BaseException as error:  # latched and re-raised on the caller's thread
                 self._error = error
             finally:
+                # The update's payloads are not needed any more: release them now, not when the
+                # next update replaces this frame's variable.
+                update = None
                 self._queue.task_done()
 
     def _raise_if_failed(self) -> None:
@@ -64,6 +92,7 @@ class _PythonWriter:
             raise BlockObjectStoreError("auxiliary output publication failed") from self._error
 
     def _enqueue(self, update: _Update) -> None:
+        self._check_process()
         # The closed check and the enqueue are one step under the lock that close() takes, so
         # no update can land behind the stop sentinel (lost, with later calls blocked forever).
         with self._close_lock:
@@ -89,28 +118,57 @@ class _PythonWriter:
         self._enqueue(("put_blocks", (keys, blocks), retain_keys, release_keys))
 
     def wait(self) -> None:
+        self._check_process()
         self._queue.join()
         self._raise_if_failed()
 
     def close(self) -> None:
+        """A caller that arrives while another close runs returns once the store is closed and
+        raises the latched error too; a close after a finished one, or from inside the first
+        one (the store's ``close`` calling back), returns at once."""
+        self._check_process()
+        me = threading.get_ident()
         with self._close_lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
-        self._queue.join()
-        self._queue.put(None)
-        self._thread.join()
-        self._store.close()
+            if first:
+                self._closer = me
+        if not first:
+            # A close in progress on another thread: wait for it and raise what it raises. A
+            # finished one (idempotent, as vLLM's) or our own, re-entered: return at once.
+            if self._closer != me and not self._close_done.is_set():
+                self._close_done.wait()
+                self._raise_if_failed()
+            return
+        try:
+            self._queue.join()
+            self._queue.put(None)
+            self._thread.join()
+            self._store.close()
+        finally:
+            self._close_done.set()
         self._raise_if_failed()
+
+
+# The methods the Rust writer calls in the core directly; any other definition of them (on the
+# instance or on a subclass) must be honoured, so the store then gets the Python writer.
+_CORE_METHODS = {
+    name: (inspect.getattr_static(NativeStore, name), inspect.getattr_static(BlockObjectStore, name))
+    for name in ("put", "put_blocks")
+}
 
 
 def _native_eligible(store: object) -> bool:
     """Whether the Rust writer can drive ``store``: an aostore store without a Python policy
-    and without methods replaced on the instance (a test's mocks must still be called)."""
+    whose ``put``/``put_blocks`` are aostore's own (not replaced on the instance, as a test's
+    mocks are, nor overridden by a subclass)."""
     if not isinstance(store, NativeStore) or store.policy is not None:
         return False
-    replaced = getattr(store, "__dict__", {})
-    return not any(name in replaced for name in ("put", "put_blocks", "close"))
+    if any(name in getattr(store, "__dict__", {}) for name in ("put", "put_blocks")):
+        return False
+    return all(
+        inspect.getattr_static(type(store), name) in own for name, own in _CORE_METHODS.items()
+    )
 
 
 class BackgroundBlockObjectStore:
@@ -123,10 +181,26 @@ class BackgroundBlockObjectStore:
     the thread, closes ``store`` once and raises any latched error; it is idempotent.
 
     ``store`` may be any object with ``put``, ``get_concatenated`` and ``close``. An aostore store
-    (without a Python policy) gets a writer thread in Rust that never takes the GIL: the
-    engine thread only hands the batch over. With an aostore store, argument errors (a key that
-    is not ``str``, a payload that is not a buffer) are latched at once and raised from that
-    ``put``; other stores see them when the writer applies the batch.
+    (without a Python policy, and with aostore's own ``put``/``put_blocks``) gets a writer
+    thread in Rust that never takes the GIL: the engine thread only hands the batch over. With
+    an aostore store, argument errors (a key that is not ``str``, a payload that is not a
+    buffer) are latched at once and raised from that ``put``; other stores see them when the
+    writer applies the batch.
+
+    Payload lifetime, as in vLLM: ``put`` keeps a reference to each payload (and, for a buffer
+    such as a ``bytearray`` or numpy array, its export, which keeps it from resizing) until the
+    writer has applied the batch; the Rust writer then releases them at once (on the main
+    thread, through the interpreter's pending calls) or at the next call. The writer copies
+    the bytes when it applies the batch, so bytes written into a payload buffer after ``put``
+    returns may land in the store: hand over a buffer you no longer write, or ``bytes``.
+    The same holds for ``put_blocks``'s ``blocks``. A torch tensor given to ``put_blocks`` is
+    held (tensor and storage) until it is applied; ``set_()`` on it afterwards is harmless,
+    while ``resize_()`` that reallocates its storage before a read or ``close()`` is a caller
+    error (torch frees the old memory in place).
+
+    After ``fork()``, a child that uses a writer created by the parent gets ``RuntimeError``
+    (the writer's thread exists only in the parent); ``close()`` may be called from several
+    threads, and each returns once the store is closed.
     """
 
     def __init__(self, store: _Store, *, max_pending_batches: int) -> None:
@@ -187,7 +261,9 @@ class BackgroundBlockObjectStore:
             raise RuntimeError("auxiliary output store is closed")
         if isinstance(self._writer, NativeWriter) and _tensors.is_tensor(blocks):
             # The Rust writer reads plain buffers: a tensor becomes its host bytes here (a CUDA
-            # tensor is copied to the host once, on the caller's thread).
+            # tensor is copied to the host once, on the caller's thread). The numpy view's base
+            # is a tensor of its own over the same storage, so ``set_()`` on the caller's
+            # tensor leaves the memory the writer reads alive.
             object_nbytes = self._store.object_nbytes  # type: ignore[attr-defined]
             blocks = _tensors.block_bytes(blocks, len(key_list), object_nbytes)
         self._writer.put_blocks(key_list, blocks, retain_keys=retains, release_keys=releases)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ class BlockObjectStore(NativeStore):
 
     __slots__ = ("__dict__",)
     _pinned: bool
+    _pin_lock: threading.Lock
 
     def __new__(
         cls,
@@ -48,6 +50,7 @@ class BlockObjectStore(NativeStore):
             prefault=prefault,
         )
         self._pinned = False
+        self._pin_lock = threading.Lock()
         if pin_memory:
             self._pin_arena()
         return self
@@ -69,15 +72,30 @@ class BlockObjectStore(NativeStore):
             raise RuntimeError(f"cudaHostRegister of the arena failed with CUDA error {int(error)}")
         self._pinned = True
 
-    def close(self) -> None:
-        """Unregisters a pinned arena, then frees it; idempotent."""
-        if getattr(self, "_pinned", False):
+    def _unpin_arena(self) -> None:
+        """Unregisters a pinned arena exactly once, whichever thread or path gets here first."""
+        lock = getattr(self, "_pin_lock", None)
+        if lock is None:
+            return
+        with lock:
+            if not self._pinned:
+                return
             import torch
 
             address, _ = self.arena_span()
             torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
             self._pinned = False
+
+    def close(self) -> None:
+        """Unregisters a pinned arena, then frees it; idempotent."""
+        self._unpin_arena()
         super().close()
+
+    def __del__(self) -> None:
+        # A pinned store collected without close(): CUDA must forget the arena before the
+        # native store unmaps it (which happens right after this, in deallocation).
+        if getattr(self, "_pinned", False) and not self.closed:
+            self._unpin_arena()
 
     def _ensure_open(self) -> None:
         if self.closed:

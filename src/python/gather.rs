@@ -21,8 +21,11 @@ pub(crate) struct RawBytes {
     pub(crate) len: usize,
 }
 
-// SAFETY: the bytes belong to immutable `str`/`bytes` objects or exported buffers that the batch
-// keeps alive; they are only read, and only while the batch's owners live.
+// SAFETY: the bytes belong to `str`/`bytes` objects or exported buffers that the batch keeps
+// alive (an export also keeps a bytearray or numpy array from resizing), so the memory stays
+// valid and in place while the owners live. They are only read. A caller may still write a
+// writable buffer from another thread while it is read: the copy then holds whichever bytes it
+// saw (documented for `put` and `put_blocks`), as a `memcpy` of shared memory would.
 unsafe impl Send for RawBytes {}
 
 impl RawBytes {
@@ -64,9 +67,10 @@ pub(crate) fn flat_view<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, P
 }
 
 /// Owned forms of a batch's owners, for a batch that outlives the call (the writer thread).
-#[expect(dead_code, reason = "held only so the memory stays alive and in place")]
+/// Dropping one needs the GIL (a `PyUntypedBuffer` releases its export by taking it).
 pub(crate) enum Owner {
     Object(Py<PyAny>),
+    #[expect(dead_code, reason = "held only so the export stays alive and in place")]
     Buffer(PyUntypedBuffer),
 }
 
@@ -263,6 +267,7 @@ impl<'py> Gathered<'py> {
 }
 
 /// A batch's views without the GIL-bound owners (those travel as `Owner`s).
+#[derive(Default)]
 pub(crate) struct OwnedViews {
     pub(crate) blocks: Vec<(RawBytes, RawBytes)>,
     pub(crate) retains: Vec<RawBytes>,

@@ -4,16 +4,19 @@
 mod gather;
 mod writer;
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Once, PoisonError, TryLockError};
+use std::time::{Duration, Instant};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{
     PyAssertionError, PyKeyError, PyMemoryError, PyOverflowError, PyRuntimeError, PyTypeError,
     PyValueError,
 };
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
-use pyo3::{ffi, intern};
+use pyo3::{ffi, intern, PyTraverseError};
 
 use crate::error::StoreError;
 use crate::store::{BlockStore, Candidates, Profile, RemoveReason, VictimPolicy};
@@ -33,7 +36,9 @@ pub(crate) fn to_py_err(error: StoreError) -> PyErr {
         StoreError::ObjectSizeNotPositive
         | StoreError::CapacityBelowOneObject
         | StoreError::PayloadSize { .. } => PyValueError::new_err(message),
-        StoreError::CapacityTooLarge { .. } => PyOverflowError::new_err(message),
+        StoreError::CapacityTooLarge { .. } | StoreError::ReferenceOverflow { .. } => {
+            PyOverflowError::new_err(message)
+        }
         StoreError::ArenaUnavailable { .. } => PyMemoryError::new_err(message),
         StoreError::NotReferenced { key } => PyKeyError::new_err(key),
         StoreError::CannotRetain { .. } | StoreError::Missing { .. } | StoreError::Policy(_) => {
@@ -86,6 +91,13 @@ impl BlockObject {
     fn __getnewargs__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, [self.key.clone_ref(py), self.payload.clone_ref(py)])
     }
+
+    // The fields never change, so a cycle through a `BlockObject` is broken by clearing one of
+    // the other (mutable) objects in it; the collector only needs to see these edges.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.key)?;
+        visit.call(&self.payload)
+    }
 }
 
 pub(crate) fn key_text<'a>(key: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
@@ -110,7 +122,21 @@ fn type_name(value: &Bound<'_, PyAny>) -> String {
 /// Whether a buffer holds Python object references (numpy `dtype=object`, format "O"): copying
 /// those as bytes would store pointers, and writing into them would corrupt the interpreter.
 pub(crate) fn holds_objects(buffer: &PyUntypedBuffer) -> bool {
-    buffer.format().to_bytes().contains(&b'O')
+    format_holds_objects(buffer.format().to_bytes())
+}
+
+/// Whether a `struct`-module format string (PEP 3118) has an `O` item. Field names, written
+/// between colons (`T{B:Open:}` for numpy's `[('Open', 'u1')]`), are not items.
+pub(crate) fn format_holds_objects(format: &[u8]) -> bool {
+    let mut in_name = false;
+    for &c in format {
+        match c {
+            b':' => in_name = !in_name,
+            b'O' if !in_name => return true,
+            _ => {}
+        }
+    }
+    false
 }
 
 /// A capacity hint from `len()`, capped: a lying `__len__` must not allocate (or overflow).
@@ -133,18 +159,52 @@ fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> Vec<&'a str> {
     keys.iter().map(|k| key_text(k).expect("validated key")).collect()
 }
 
+/// The store's core behind its lock, shared by the Python object and a writer thread (which
+/// must not hold the Python object: it never takes the GIL).
+pub(crate) type SharedCore = Arc<Mutex<BlockStore>>;
+
 /// The native store: a `BlockStore` behind a mutex, so one store can be shared by threads.
 ///
 /// The mutex is only ever taken with the GIL released, so a thread holding it can always get
-/// the GIL back and no two threads wait on each other.
+/// the GIL back and no two threads wait on each other. The one exception is a victim policy,
+/// which runs Python while the lock is held: see `lock`.
 #[pyclass(module = "aostore._native", subclass, frozen, name = "NativeStore")]
 pub struct NativeStore {
-    inner: Mutex<BlockStore>,
+    inner: SharedCore,
     policy: Option<Py<PyAny>>,
+    /// Set while a policy callback runs (with the lock held), for `lock_contended`.
+    in_policy: AtomicBool,
     /// Set by `close()`; read without the lock so a closed store fails before argument checks.
-    closed: std::sync::atomic::AtomicBool,
+    closed: AtomicBool,
     /// Fixed at construction, so size checks need neither the lock nor a GIL release.
     object_nbytes: usize,
+    /// `fork_generation()` at construction: a forked child must not touch a lock that another
+    /// thread of the parent may have held at fork time.
+    generation: u64,
+}
+
+/// How long a thread waits for a store whose lock is held by a victim policy callback before it
+/// gives up with an error: a policy that waits for a thread using its store would otherwise
+/// deadlock both.
+pub(crate) const POLICY_WAIT_LIMIT: Duration = Duration::from_secs(2);
+
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+static AT_FORK: Once = Once::new();
+
+extern "C" fn after_fork_in_child() {
+    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Bumped in a child process after each `fork()`: objects created before it refuse to work.
+pub(crate) fn fork_generation() -> u64 {
+    FORK_GENERATION.load(Ordering::Relaxed)
+}
+
+fn forked_error() -> PyErr {
+    PyRuntimeError::new_err(
+        "this aostore store was created in the parent process before fork(); its lock and \
+         threads are not usable here: create a new store in the child",
+    )
 }
 
 thread_local! {
@@ -180,13 +240,60 @@ impl NativeStore {
         }
         // A panic inside the core is a bug; the store's state is still memory-safe to use, and
         // `check()` tells whether it is consistent.
-        let guard = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let guard = match self.inner.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => self.lock_contended()?,
+        };
         HELD.with(|held| held.borrow_mut().push(address));
         Ok(Held { guard, address })
     }
 
+    /// Waits for the lock. Without a policy nothing but the core runs under it, so a plain wait
+    /// is safe. With one, the holder may be running Python that waits for this thread: after
+    /// `POLICY_WAIT_LIMIT` spent waiting while a policy callback runs, give up with an error.
+    fn lock_contended(&self) -> Result<MutexGuard<'_, BlockStore>, StoreError> {
+        if self.policy.is_none() {
+            return Ok(self.inner.lock().unwrap_or_else(PoisonError::into_inner));
+        }
+        let mut waited_in_policy = Duration::ZERO;
+        let mut last = Instant::now();
+        loop {
+            match self.inner.try_lock() {
+                Ok(guard) => return Ok(guard),
+                Err(TryLockError::Poisoned(poisoned)) => return Ok(poisoned.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            std::thread::sleep(Duration::from_micros(100));
+            let now = Instant::now();
+            if self.in_policy.load(Ordering::Acquire) {
+                waited_in_policy += now - last;
+                if waited_in_policy >= POLICY_WAIT_LIMIT {
+                    return Err(StoreError::Policy(format!(
+                        "the store is held by a victim policy callback on another thread and \
+                         was not released within {} s: a policy must not wait for a thread \
+                         that uses its store",
+                        POLICY_WAIT_LIMIT.as_secs()
+                    )));
+                }
+            }
+            last = now;
+        }
+    }
+
+    /// The core, for a writer thread.
+    pub(crate) fn core(&self, _py: Python<'_>) -> PyResult<SharedCore> {
+        if self.generation != fork_generation() {
+            return Err(forked_error());
+        }
+        Ok(Arc::clone(&self.inner))
+    }
+
     fn ensure_open(&self) -> PyResult<()> {
-        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+        if self.generation != fork_generation() {
+            return Err(forked_error());
+        }
+        if self.closed.load(Ordering::Acquire) {
             return Err(to_py_err(StoreError::Closed));
         }
         Ok(())
@@ -197,7 +304,11 @@ impl NativeStore {
     fn put_gathered(&self, py: Python<'_>, batch: &Gathered<'_>) -> PyResult<()> {
         // SAFETY: `batch` outlives the views, which are dropped at the end of this call.
         let (blocks, retains, releases) = unsafe { batch.views() };
-        let mut policy = self.policy.as_ref().map(|policy| PyPolicy { policy, error: None });
+        let mut policy = self.policy.as_ref().map(|policy| PyPolicy {
+            policy,
+            active: &self.in_policy,
+            error: None,
+        });
         let result = self.with_store(py, |s| {
             let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
             s.put_with_policy(&blocks, &retains, &releases, policy)
@@ -207,7 +318,7 @@ impl NativeStore {
         }
         let report = result.map_err(to_py_err)?;
         if let Some(num_slots) = report.grown_to {
-            log_growth(py, num_slots)?;
+            log_growth(py, num_slots);
         }
         Ok(())
     }
@@ -218,6 +329,9 @@ impl NativeStore {
         py: Python<'_>,
         f: impl FnOnce(&mut BlockStore) -> T + Send,
     ) -> PyResult<T> {
+        if self.generation != fork_generation() {
+            return Err(forked_error());
+        }
         py.detach(|| self.lock().map(|mut held| f(&mut held.guard))).map_err(to_py_err)
     }
 }
@@ -226,6 +340,8 @@ impl NativeStore {
 /// exception is kept so the put raises it as it was.
 struct PyPolicy<'a> {
     policy: &'a Py<PyAny>,
+    /// The store's `in_policy` flag, set around each callback.
+    active: &'a AtomicBool,
     error: Option<PyErr>,
 }
 
@@ -235,11 +351,19 @@ impl PyPolicy<'_> {
         self.error.get_or_insert(error);
         message
     }
+
+    /// Runs one callback with the GIL, flagged for threads waiting for the store's lock.
+    fn call<T>(&self, f: impl FnOnce(Python<'_>) -> PyResult<T>) -> PyResult<T> {
+        self.active.store(true, Ordering::Release);
+        let result = Python::attach(f);
+        self.active.store(false, Ordering::Release);
+        result
+    }
 }
 
 impl VictimPolicy for PyPolicy<'_> {
     fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String> {
-        let result = Python::attach(|py| {
+        let result = self.call(|py| {
             self.policy
                 .bind(py)
                 .call_method1(intern!(py, "on_reference_change"), (key, old, new))
@@ -253,7 +377,7 @@ impl VictimPolicy for PyPolicy<'_> {
         candidates: &mut Candidates<'_>,
         count: usize,
     ) -> Result<Option<Vec<String>>, String> {
-        let result = Python::attach(|py| -> PyResult<Option<Vec<String>>> {
+        let result = self.call(|py| -> PyResult<Option<Vec<String>>> {
             let pointer = std::ptr::from_mut(candidates).cast::<Candidates<'static>>();
             let iterator =
                 Bound::new(py, CandidateKeys { walk: Mutex::new(Some(CandidateWalk(pointer))) })?;
@@ -287,7 +411,7 @@ impl VictimPolicy for PyPolicy<'_> {
             RemoveReason::Eviction => "eviction",
             RemoveReason::Rollback => "rollback",
         };
-        let result = Python::attach(|py| -> PyResult<()> {
+        let result = self.call(|py| -> PyResult<()> {
             let kwargs = PyDict::new(py);
             kwargs.set_item(intern!(py, "reason"), reason)?;
             let keys = PyList::new(py, keys)?;
@@ -303,8 +427,10 @@ impl VictimPolicy for PyPolicy<'_> {
 /// A raw pointer to the core's candidate walk, valid only during `select_victims`.
 struct CandidateWalk(*mut Candidates<'static>);
 
-// SAFETY: the walk is only dereferenced under the `CandidateKeys` mutex, by the thread that is
-// inside `select_victims` (the only one that can reach the iterator while the walk is live).
+// SAFETY: the walk is dereferenced only under the `CandidateKeys` mutex (one thread at a time,
+// whichever thread the policy handed the iterator to) and only while `select_victims` runs,
+// during which the core waits for the policy and does not touch the walk; the pointer is
+// cleared under the same mutex before `select_victims` returns.
 unsafe impl Send for CandidateWalk {}
 
 /// The lazy iterable of eligible keys given to `select_victims`, oldest first.
@@ -320,16 +446,21 @@ impl CandidateKeys {
     }
 
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyString>>> {
-        let mut walk = self.walk.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Some(CandidateWalk(pointer)) = walk.as_mut() else {
-            return Err(PyRuntimeError::new_err(
-                "victim candidates are only valid during select_victims()",
-            ));
+        // The key is copied out under the lock and becomes a Python string after it: creating
+        // a Python object may run the collector, and so any Python code.
+        let key: Option<String> = {
+            let mut walk = self.walk.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(CandidateWalk(pointer)) = walk.as_mut() else {
+                return Err(PyRuntimeError::new_err(
+                    "victim candidates are only valid during select_victims()",
+                ));
+            };
+            // SAFETY: see `CandidateWalk`: set only while `select_victims` runs, and read under
+            // this mutex.
+            let candidates = unsafe { &mut **pointer };
+            candidates.next().map(str::to_owned)
         };
-        // SAFETY: the pointer is set only while `select_victims` runs, during which the core
-        // keeps the walk alive and does not touch it; it is cleared before that call returns.
-        let candidates = unsafe { &mut **pointer };
-        Ok(candidates.next().map(|key| PyString::new(py, key)))
+        Ok(key.map(|key| PyString::new(py, &key)))
     }
 }
 
@@ -371,7 +502,14 @@ impl NativeStore {
         )
         .map_err(to_py_err)?;
         let object_nbytes = store.object_nbytes();
-        Ok(Self { inner: Mutex::new(store), policy, closed: false.into(), object_nbytes })
+        Ok(Self {
+            inner: Arc::new(Mutex::new(store)),
+            policy,
+            in_policy: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            object_nbytes,
+            generation: fork_generation(),
+        })
     }
 
     /// Bytes per object.
@@ -508,8 +646,9 @@ impl NativeStore {
         let bytes = new_uninit_bytes(py, len)?;
         let ptr = bytes_ptr(&bytes) as usize;
         self.with_store(py, |s| {
-            // SAFETY: `bytes` is a fresh object of `len` bytes that no one else can see yet; we
-            // hold it for the duration of the call.
+            // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else can
+            // see yet, held for the duration of the call; for `len == 0` it may be the shared
+            // empty bytes object, and nothing is written.
             let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
             s.get_into(&texts, out)
         })?
@@ -521,7 +660,7 @@ impl NativeStore {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         // Closed for good only once the core has closed (a policy calling back in is refused).
         self.with_store(py, BlockStore::close)?;
-        self.closed.store(true, std::sync::atomic::Ordering::Release);
+        self.closed.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -530,7 +669,13 @@ impl NativeStore {
     fn closed(&self) -> bool {
         // The flag is set once the core has closed, so it needs neither the lock nor a GIL
         // release (the façade checks it before every tensor call).
-        self.closed.load(std::sync::atomic::Ordering::Acquire)
+        self.closed.load(Ordering::Acquire)
+    }
+
+    // The policy never changes, so a cycle through the store (a policy that refers to it) is
+    // broken by clearing the policy object; the collector only needs to see this edge.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.policy)
     }
 
     /// Raises `AssertionError` naming the first broken store invariant.
@@ -630,18 +775,25 @@ fn bytes_ptr(bytes: &Bound<'_, PyBytes>) -> *mut u8 {
     unsafe { ffi::PyBytes_AsString(bytes.as_ptr()).cast::<u8>() }
 }
 
-/// The growth warning of profile `grow`, on the `aostore` logger.
-fn log_growth(py: Python<'_>, num_slots: usize) -> PyResult<()> {
-    let logger = py.import("logging")?.call_method1("getLogger", ("aostore",))?;
-    logger.call_method1(
-        "warning",
-        ("auxiliary output store grew to %d slots: every object is referenced", num_slots),
-    )?;
-    Ok(())
+/// The growth warning of profile `grow`, through `aostore._log.store_grew` (which also reaches
+/// vLLM's store logger when the plugin asks). Logging must never lose a batch or skip a close,
+/// so a failure here is reported as unraisable, never raised.
+pub(crate) fn log_growth(py: Python<'_>, num_slots: usize) {
+    let logged = py
+        .import(intern!(py, "aostore._log"))
+        .and_then(|log| log.call_method1(intern!(py, "store_grew"), (num_slots,)));
+    if let Err(error) = logged {
+        error.write_unraisable(py, None);
+    }
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    AT_FORK.call_once(|| {
+        // SAFETY: registers a handler that only bumps an atomic, which is async-signal-safe as
+        // a child-after-fork handler must be.
+        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    });
     m.add_class::<NativeStore>()?;
     m.add_class::<BlockObject>()?;
     m.add_class::<CandidateKeys>()?;

@@ -1,27 +1,45 @@
 //! The background writer in Rust: `put` hands a batch over and returns; a plain OS thread applies
 //! it to the store without ever taking the GIL, so the engine thread keeps the interpreter.
 //!
-//! Python objects cannot be released without the GIL, so the thread never drops them: finished
-//! batches go to a "done" list that the next call from Python (which holds the GIL) drops.
+//! Ownership rules (each one a deadlock or a crash we had):
+//! - The thread never owns a Python reference. A job's owners (the objects whose memory the views
+//!   point into) travel with it, and a finished job goes to a "done" list that only a thread
+//!   holding the GIL drops: the main thread through a pending call scheduled right after the job
+//!   is applied (so exports such as a bytearray's are released at once), or the next call from
+//!   Python, whichever comes first.
+//! - No Python object is created, dropped or called while the state mutex is held: what must be
+//!   dropped is taken out first and dropped after the guard.
+//! - The thread holds the store's core (`SharedCore`), not the Python store object, so an
+//!   abandoned writer does not keep a Python object alive from a thread that cannot release it;
+//!   dropping the writer joins the thread (with the GIL released) and then drops what is left.
 
 use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::os::raw::c_int;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, ThreadId};
 
+use pyo3::exceptions::PyBaseException;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::PyTraverseError;
 
 use super::gather::{Gathered, OwnedViews, Owner};
-use super::{to_py_err, BlockObjectStoreError, NativeStore};
+use super::{
+    fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore, SharedCore,
+};
 use crate::error::StoreError;
 use crate::store::BlockRef;
 
 /// One queued `put` or `put_blocks`: views into Python memory, and the objects that own it.
 struct Job {
     views: OwnedViews,
-    /// Never read: held so the memory stays alive and in place until a thread holding the GIL
-    /// drops the job.
-    #[expect(dead_code, reason = "held only so the memory stays alive and in place")]
+    /// Held so the memory stays alive and in place; dropped only by a thread holding the GIL.
     owners: Vec<Owner>,
 }
 
@@ -30,11 +48,20 @@ struct State {
     queue: VecDeque<Job>,
     busy: bool,
     stop: bool,
+    /// `close()` has started: no more puts.
+    closing: bool,
+    /// `close()` has finished (the store is closed): later closers stop waiting.
     closed: bool,
+    /// The thread running `close()`, so a re-entrant close from that thread does not wait for
+    /// itself.
+    closer: Option<ThreadId>,
     /// The first error; later jobs are skipped.
     error: Option<StoreError>,
-    /// An argument error raised on the caller's thread, latched like a writer error.
-    input_error: Option<PyErr>,
+    /// A panic in the writer thread, latched like an error.
+    panic: Option<String>,
+    /// The owners of the job being applied (taken off the queue, so the queue's length counts
+    /// only waiting jobs, as `queue.Queue(maxsize)` does in vLLM).
+    in_flight: Option<Vec<Owner>>,
     /// Finished jobs, to be dropped by a thread holding the GIL.
     done: Vec<Job>,
     /// Profile `grow`: arena growths to log from a thread holding the GIL.
@@ -45,14 +72,22 @@ struct Shared {
     state: Mutex<State>,
     /// Signalled when a job is queued or the writer must stop.
     work: Condvar,
-    /// Signalled when a job finishes (room in the queue; maybe idle).
+    /// Signalled when a job finishes (room in the queue; maybe idle) or `close()` finishes.
     finished: Condvar,
     capacity: usize,
+    /// A pending call that drops `done` is scheduled and has not run yet.
+    release_scheduled: AtomicBool,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Finished jobs and growths, taken out under the lock; the caller drops them after it.
+    fn take_done(&self) -> (Vec<Job>, Vec<usize>) {
+        let mut state = self.lock();
+        (std::mem::take(&mut state.done), std::mem::take(&mut state.growths))
     }
 }
 
@@ -62,16 +97,22 @@ pub struct NativeWriter {
     shared: Arc<Shared>,
     store: Py<NativeStore>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// An argument error raised on a caller's thread, latched like a writer error. Read and
+    /// written only with the GIL held, never under a Rust mutex.
+    input_error: PyOnceLock<Py<PyBaseException>>,
+    /// `fork_generation()` at construction: in a forked child the thread does not exist.
+    generation: u64,
 }
 
-fn run(shared: &Shared, store: &NativeStore) {
+fn run(shared: &Arc<Shared>, core: &SharedCore) {
     loop {
-        let job = {
+        let (views, skip) = {
             let mut state = shared.lock();
             loop {
-                if let Some(job) = state.queue.pop_front() {
+                if let Some(Job { views, owners }) = state.queue.pop_front() {
                     state.busy = true;
-                    break job;
+                    state.in_flight = Some(owners);
+                    break (views, state.error.is_some() || state.panic.is_some());
                 }
                 if state.stop {
                     return;
@@ -79,27 +120,39 @@ fn run(shared: &Shared, store: &NativeStore) {
                 state = shared.work.wait(state).unwrap_or_else(PoisonError::into_inner);
             }
         };
-        let skip = shared.lock().error.is_some();
-        let outcome = if skip { None } else { Some(apply(store, &job)) };
+        let outcome = if skip {
+            None
+        } else {
+            Some(std::panic::catch_unwind(AssertUnwindSafe(|| apply(core, &views))))
+        };
         let mut state = shared.lock();
         match outcome {
-            Some(Ok(Some(num_slots))) => state.growths.push(num_slots),
-            Some(Err(error)) => {
+            Some(Ok(Ok(Some(num_slots)))) => state.growths.push(num_slots),
+            Some(Ok(Err(error))) => {
                 state.error.get_or_insert(error);
+            }
+            Some(Err(panic)) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".to_owned());
+                state.panic.get_or_insert(message);
             }
             _ => {}
         }
-        state.done.push(job);
+        let owners = state.in_flight.take().unwrap_or_default();
+        state.done.push(Job { views, owners });
         state.busy = false;
         drop(state);
         shared.finished.notify_all();
+        schedule_release(shared);
     }
 }
 
-fn apply(store: &NativeStore, job: &Job) -> Result<Option<usize>, StoreError> {
-    let views = &job.views;
-    // SAFETY: every view borrows from `job.owners`, alive until the job is dropped (on a thread
-    // holding the GIL, after this returns).
+fn apply(core: &SharedCore, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
+    // SAFETY: every view borrows from the owners of this job, kept in `State::in_flight` until
+    // this returns and dropped only later, by a thread holding the GIL.
     let (blocks, retains, releases) = unsafe {
         let blocks: Vec<BlockRef<'_>> = views
             .blocks
@@ -110,41 +163,84 @@ fn apply(store: &NativeStore, job: &Job) -> Result<Option<usize>, StoreError> {
         let releases: Vec<&str> = views.releases.iter().map(|k| k.text()).collect();
         (blocks, retains, releases)
     };
-    let mut held = store.lock()?;
-    held.guard.put(&blocks, &retains, &releases).map(|report| report.grown_to)
+    let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
+    store.put(&blocks, &retains, &releases).map(|report| report.grown_to)
+}
+
+/// Asks the interpreter to drop finished jobs on its main thread soon (`Py_AddPendingCall`
+/// needs neither the GIL nor a thread state), so exports are released once a batch is applied
+/// and not at the next call. At most one such call is outstanding; if the interpreter refuses
+/// (its queue is full, or it is finalizing), the next call from Python collects instead.
+fn schedule_release(shared: &Arc<Shared>) {
+    if shared.release_scheduled.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let arg = Arc::into_raw(Arc::clone(shared)).cast_mut().cast::<c_void>();
+    // SAFETY: `release_done` takes back the reference passed as `arg` exactly once.
+    let status = unsafe { ffi::Py_AddPendingCall(Some(release_done), arg) };
+    if status != 0 {
+        shared.release_scheduled.store(false, Ordering::Release);
+        // SAFETY: the interpreter did not take `arg`; take back the reference made above (not
+        // the last one: the writer object holds another while this thread runs).
+        drop(unsafe { Arc::from_raw(arg.cast_const().cast::<Shared>()) });
+    }
+}
+
+/// The pending call: runs on the main thread with the GIL held.
+extern "C" fn release_done(arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the reference `schedule_release` made with `Arc::into_raw`.
+    let shared = unsafe { Arc::from_raw(arg.cast_const().cast::<Shared>()) };
+    shared.release_scheduled.store(false, Ordering::Release);
+    let (done, growths) = shared.take_done();
+    drop(done);
+    if !growths.is_empty() {
+        // SAFETY: pending calls run with the GIL held.
+        let py = unsafe { Python::assume_attached() };
+        for num_slots in growths {
+            log_growth(py, num_slots);
+        }
+    }
+    // Drops the writer's shared state if this was the last reference (the writer object and
+    // its thread are gone): with the GIL held, as dropping owners requires.
+    drop(shared);
+    0
 }
 
 impl NativeWriter {
-    /// Drops finished jobs and logs growths; needs the GIL, which every caller holds.
-    fn collect(&self, py: Python<'_>) -> PyResult<()> {
-        let (done, growths) = {
-            let mut state = self.shared.lock();
-            (std::mem::take(&mut state.done), std::mem::take(&mut state.growths))
-        };
-        drop(done);
-        if !growths.is_empty() {
-            let logger = py.import("logging")?.call_method1("getLogger", ("aostore",))?;
-            for num_slots in growths {
-                logger.call_method1(
-                    "warning",
-                    (
-                        "auxiliary output store grew to %d slots: every object is referenced",
-                        num_slots,
-                    ),
-                )?;
-            }
+    fn ensure_same_process(&self) -> PyResult<()> {
+        if self.generation != fork_generation() {
+            return Err(PyRuntimeError::new_err(
+                "this aostore background writer was created in the parent process before fork(); \
+                 its thread does not exist here: create a new store and writer in the child",
+            ));
         }
         Ok(())
     }
 
+    /// Drops finished jobs and logs growths; needs the GIL, which every caller holds.
+    fn collect(&self, py: Python<'_>) {
+        let (done, growths) = self.shared.take_done();
+        drop(done);
+        for num_slots in growths {
+            log_growth(py, num_slots);
+        }
+    }
+
     /// `BlockObjectStoreError("auxiliary output publication failed")` from the latched cause.
     fn raise_if_failed(&self, py: Python<'_>) -> PyResult<()> {
-        let cause = {
-            let state = self.shared.lock();
-            if let Some(error) = &state.input_error {
-                Some(error.clone_ref(py))
-            } else {
-                state.error.clone().map(to_py_err)
+        let cause = if let Some(error) = self.input_error.get(py) {
+            Some(PyErr::from_value(error.bind(py).clone().into_any()))
+        } else {
+            let (error, panic) = {
+                let state = self.shared.lock();
+                (state.error.clone(), state.panic.clone())
+            };
+            match (error, panic) {
+                (_, Some(panic)) => Some(PyRuntimeError::new_err(format!(
+                    "the aostore writer thread panicked: {panic}"
+                ))),
+                (Some(error), None) => Some(to_py_err(error)),
+                (None, None) => None,
             }
         };
         match cause {
@@ -158,16 +254,18 @@ impl NativeWriter {
     }
 
     fn enqueue(&self, py: Python<'_>, job: Job) -> PyResult<()> {
-        self.collect(py)?;
+        self.collect(py);
         self.raise_if_failed(py)?;
         let shared = &self.shared;
         // With room in the queue, hand the job over without releasing the GIL: the writer thread
-        // never waits for the GIL, and other callers hold this lock only briefly, so taking it
-        // with the GIL held cannot deadlock.
+        // never waits for the GIL, and other holders of this lock hold it only briefly and never
+        // wait for the GIL while holding it, so taking it with the GIL held cannot deadlock.
         let job = {
             let mut state = shared.lock();
-            if state.closed {
-                return Err(PyRuntimeError::new_err("auxiliary output store is closed"));
+            if state.closing {
+                drop(state);
+                drop(job);
+                return Err(closed_error());
             }
             if state.queue.len() < shared.capacity {
                 state.queue.push_back(job);
@@ -177,29 +275,32 @@ impl NativeWriter {
             }
             job
         };
-        // A full queue: wait for room with the GIL released.
-        let closed = py.detach(move || {
+        // A full queue: wait for room with the GIL released. A refused job comes back out and
+        // is dropped here, with the GIL held again.
+        let refused = py.detach(move || {
             let mut state = shared.lock();
-            while state.queue.len() >= shared.capacity && !state.closed {
+            while state.queue.len() >= shared.capacity && !state.closing {
                 state = shared.finished.wait(state).unwrap_or_else(PoisonError::into_inner);
             }
-            if state.closed {
-                return Err(job);
+            if state.closing {
+                return Some(job);
             }
             state.queue.push_back(job);
             drop(state);
             shared.work.notify_one();
-            Ok(())
+            None
         });
-        if closed.is_err() {
-            return Err(PyRuntimeError::new_err("auxiliary output store is closed"));
+        if let Some(job) = refused {
+            drop(job);
+            return Err(closed_error());
         }
         self.raise_if_failed(py)
     }
 
     /// Latches an argument error like a writer error and raises "publication failed".
     fn latch_input(&self, py: Python<'_>, error: PyErr) -> PyErr {
-        self.shared.lock().input_error.get_or_insert(error);
+        // A second error is dropped here, after `set` returned it: no lock is held.
+        let _ = self.input_error.set(py, error.into_value(py));
         self.raise_if_failed(py).expect_err("just latched")
     }
 
@@ -214,30 +315,62 @@ impl NativeWriter {
     }
 
     fn is_closed(&self) -> bool {
-        self.shared.lock().closed
+        self.shared.lock().closing
     }
+
+    /// Stops the thread once the queue is empty and joins it, with the GIL released.
+    fn stop_and_join(&self, py: Python<'_>) {
+        self.wait_idle(py);
+        self.shared.lock().stop = true;
+        self.shared.work.notify_all();
+        let thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(thread) = thread {
+            // A panic outside `apply` would be a bug in this file; `apply`'s are latched.
+            let _ = py.detach(|| thread.join());
+        }
+    }
+
+    /// Marks the close finished and wakes the callers waiting for it.
+    fn finish_close(&self) {
+        let mut state = self.shared.lock();
+        state.closed = true;
+        state.closer = None;
+        drop(state);
+        self.shared.finished.notify_all();
+    }
+}
+
+fn closed_error() -> PyErr {
+    PyRuntimeError::new_err("auxiliary output store is closed")
 }
 
 #[pymethods]
 impl NativeWriter {
     #[new]
-    fn new(store: Py<NativeStore>, max_pending_batches: usize) -> PyResult<Self> {
+    fn new(py: Python<'_>, store: Py<NativeStore>, max_pending_batches: usize) -> PyResult<Self> {
         if max_pending_batches == 0 {
             return Err(PyValueError::new_err("max_pending_batches must be at least 1"));
         }
+        let core = store.get().core(py)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             work: Condvar::new(),
             finished: Condvar::new(),
             capacity: max_pending_batches,
+            release_scheduled: AtomicBool::new(false),
         });
         let thread_shared = Arc::clone(&shared);
-        let thread_store = Python::attach(|py| store.clone_ref(py));
         let thread = std::thread::Builder::new()
             .name("aostore-writer".to_owned())
-            .spawn(move || run(&thread_shared, thread_store.get()))
+            .spawn(move || run(&thread_shared, &core))
             .map_err(|e| PyRuntimeError::new_err(format!("cannot start the writer thread: {e}")))?;
-        Ok(Self { shared, store, thread: Mutex::new(Some(thread)) })
+        Ok(Self {
+            shared,
+            store,
+            thread: Mutex::new(Some(thread)),
+            input_error: PyOnceLock::new(),
+            generation: fork_generation(),
+        })
     }
 
     /// Queues one `put`; see `aostore.BackgroundBlockObjectStore.put`.
@@ -249,6 +382,7 @@ impl NativeWriter {
         retain_keys: Option<&Bound<'_, PyAny>>,
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.ensure_same_process()?;
         let mut batch = Gathered::default();
         let gathered =
             batch.objects(objects).and_then(|()| batch.references(retain_keys, release_keys));
@@ -265,6 +399,7 @@ impl NativeWriter {
         retain_keys: Option<&Bound<'_, PyAny>>,
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.ensure_same_process()?;
         let object_nbytes = self.store.get().object_nbytes();
         let mut batch = Gathered::default();
         let gathered = batch
@@ -275,31 +410,52 @@ impl NativeWriter {
 
     /// Waits for queued puts, then raises a latched error, if any.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        self.ensure_same_process()?;
         self.wait_idle(py);
-        self.collect(py)?;
+        self.collect(py);
         self.raise_if_failed(py)
     }
 
     /// Drains the queue, stops the thread, closes the store once, raises a latched error.
+    ///
+    /// A caller that arrives while another close runs returns only once the store is closed,
+    /// and raises the latched error too; a close after a finished one, or from inside the
+    /// first one (the store's `close` calling back), returns at once.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        {
+        self.ensure_same_process()?;
+        let me = std::thread::current().id();
+        let first = {
             let mut state = self.shared.lock();
-            if state.closed {
-                return Ok(());
+            if state.closing {
+                // Finished before: idempotent, as vLLM's. From inside the first close: return.
+                if state.closed || state.closer == Some(me) {
+                    return Ok(());
+                }
+                false
+            } else {
+                state.closing = true;
+                state.closer = Some(me);
+                true
             }
-            state.closed = true;
+        };
+        if !first {
+            let shared = &self.shared;
+            py.detach(|| {
+                let mut state = shared.lock();
+                while !state.closed {
+                    state = shared.finished.wait(state).unwrap_or_else(PoisonError::into_inner);
+                }
+            });
+            self.collect(py);
+            return self.raise_if_failed(py);
         }
+        // Wake writers blocked on a full queue: they see `closing` and refuse.
         self.shared.finished.notify_all();
-        self.wait_idle(py);
-        self.shared.lock().stop = true;
-        self.shared.work.notify_all();
-        let thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(thread) = thread {
-            py.detach(|| thread.join())
-                .map_err(|_| PyRuntimeError::new_err("the aostore writer thread panicked"))?;
-        }
-        self.collect(py)?;
-        self.store.bind(py).call_method0("close")?;
+        self.stop_and_join(py);
+        self.collect(py);
+        let closed = self.store.bind(py).call_method0("close");
+        self.finish_close();
+        closed?;
         self.raise_if_failed(py)
     }
 
@@ -314,6 +470,34 @@ impl NativeWriter {
     fn store(&self, py: Python<'_>) -> Py<NativeStore> {
         self.store.clone_ref(py)
     }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.store)?;
+        if let Some(error) = self.input_error.get(unsafe_py_for_traverse()) {
+            visit.call(error)?;
+        }
+        // Queued and finished jobs' objects; skipped if the writer holds the lock right now
+        // (traversal must not block), which only hides them from this one collection.
+        if let Ok(state) = self.shared.state.try_lock() {
+            let jobs = state.queue.iter().chain(&state.done).map(|job| &job.owners);
+            for owners in jobs.chain(&state.in_flight) {
+                for owner in owners {
+                    if let Owner::Object(object) = owner {
+                        visit.call(object)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `PyOnceLock::get` wants a GIL token, which traversal may not create; the collector holds
+/// the GIL while it traverses, so reading the cell is sound.
+fn unsafe_py_for_traverse() -> Python<'static> {
+    // SAFETY: only called from `__traverse__`, which CPython runs with the GIL held; the token
+    // is used for a read of a cell and nothing else.
+    unsafe { Python::assume_attached() }
 }
 
 impl NativeWriter {
@@ -323,7 +507,7 @@ impl NativeWriter {
             return Ok(());
         }
         if self.is_closed() {
-            return Err(PyRuntimeError::new_err("auxiliary output store is closed"));
+            return Err(closed_error());
         }
         match gathered {
             Ok(batch) => {
@@ -343,8 +527,19 @@ impl NativeWriter {
 
 impl Drop for NativeWriter {
     fn drop(&mut self) {
-        // An abandoned writer: let the thread finish what is queued and exit on its own.
-        self.shared.lock().stop = true;
-        self.shared.work.notify_all();
+        if self.generation != fork_generation() {
+            // A forked child: the thread does not exist here and its lock may be held forever.
+            // Leak the handle rather than join or lock.
+            if let Ok(mut thread) = self.thread.try_lock() {
+                std::mem::forget(thread.take());
+            }
+            return;
+        }
+        // An abandoned writer (never closed): let the thread apply what is queued and exit,
+        // then drop every job here. Deallocation runs with the GIL held.
+        Python::attach(|py| {
+            self.stop_and_join(py);
+            self.collect(py);
+        });
     }
 }
