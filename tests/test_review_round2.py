@@ -248,9 +248,7 @@ def test_a_raising_log_filter_loses_no_batch_and_skips_no_close(raising_aostore_
     keys = [f"k{i}" for i in range(4)]
     writer.put([BlockObject(k, fill(i)) for i, k in enumerate(keys)], retain_keys=keys)
     writer.put([BlockObject("after", fill(9))], retain_keys=["after"])
-    assert writer.get_concatenated([*keys, "after"]) == b"".join(
-        fill(i) for i in [0, 1, 2, 3, 9]
-    )
+    assert writer.get_concatenated([*keys, "after"]) == b"".join(fill(i) for i in [0, 1, 2, 3, 9])
     assert store.stats()["growths"] >= 1
     writer.close()
     assert store.closed
@@ -540,7 +538,7 @@ class FakeCudart:
         self.unregistered: list[int] = []
         self.lock = threading.Lock()
 
-    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802 (CUDA's name)
+    def cudaHostUnregister(self, address: int) -> int:
         time.sleep(0.05)  # widen the window for a second closer
         with self.lock:
             self.unregistered.append(address)

@@ -153,7 +153,7 @@ class _PythonWriter:
 # The methods the Rust writer calls in the core directly; any other definition of them (on the
 # instance or on a subclass) must be honoured, so the store then gets the Python writer.
 _CORE_METHODS = {
-    name: (inspect.getattr_static(NativeStore, name), inspect.getattr_static(BlockObjectStore, name))
+    name: {inspect.getattr_static(cls, name) for cls in (NativeStore, BlockObjectStore)}
     for name in ("put", "put_blocks")
 }
 
