@@ -135,6 +135,23 @@ impl Slab {
         }
     }
 
+    /// An empty slab that holds `capacity` entries before it reallocates, if the allocator
+    /// grants that much address space; otherwise it reserves what it can and grows later.
+    pub fn with_reserve(capacity: usize) -> Self {
+        let mut slab = Self::default();
+        // Large reservations are fresh anonymous mappings: untouched pages cost nothing.
+        let reserved = slab.entries.try_reserve_exact(capacity).is_ok()
+            && slab.hashes.try_reserve_exact(capacity).is_ok()
+            && slab.links.try_reserve_exact(capacity).is_ok();
+        if !reserved {
+            let fallback = capacity.min(1 << 20);
+            slab.entries.reserve_exact(fallback.saturating_sub(slab.entries.capacity()));
+            slab.hashes.reserve_exact(fallback.saturating_sub(slab.hashes.capacity()));
+            slab.links.reserve_exact(fallback.saturating_sub(slab.links.capacity()));
+        }
+        slab
+    }
+
     /// Number of live entries.
     pub fn len(&self) -> usize {
         self.live

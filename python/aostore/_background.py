@@ -289,6 +289,43 @@ class BackgroundBlockObjectStore:
         payload = self._store.get_concatenated(keys)
         return np.frombuffer(payload, dtype=dtype).reshape((-1, *shape_per_token))
 
+    def flush(self) -> None:
+        """Waits until every queued update is applied; raises a latched error, if any."""
+        self._writer.wait()
+
+    def get_optional(self, key: str) -> bytes | None:
+        """Waits for queued puts, then the payload of ``key``, or ``None`` when it is not
+        stored (no error, no LRU move for a miss)."""
+        self._writer.wait()
+        store = self._store
+        get_optional = getattr(store, "get_optional", None)
+        if get_optional is not None:
+            result: bytes | None = get_optional(key)
+            return result
+        get_many = getattr(store, "get_many", None)
+        if get_many is not None:
+            data, missing = get_many([key])
+            return None if missing else bytes(data)
+        try:
+            return bytes(store.get_concatenated([key]))
+        except Exception as error:
+            # A store without non-raising reads (vLLM's, a test double): its own
+            # BlockObjectStoreError for a missing key means None; anything else propagates.
+            if type(error).__name__ == "BlockObjectStoreError" and "does not exist" in str(error):
+                return None
+            raise
+
+    def get_many(self, keys: Sequence[str]) -> Any:
+        """Waits for queued puts, then ``store.get_many(keys)``: the payloads of the stored keys,
+        concatenated in order, and the list of keys that are not stored (no error)."""
+        self._writer.wait()
+        return self._store.get_many(keys)  # type: ignore[attr-defined]
+
+    def contains(self, keys: Sequence[str]) -> Any:
+        """Waits for queued puts, then ``store.contains(keys)`` (no LRU move)."""
+        self._writer.wait()
+        return self._store.contains(keys)  # type: ignore[attr-defined]
+
     def close(self) -> None:
         """Drains, stops the writer, closes the store once; raises any latched error."""
         self._writer.close()
