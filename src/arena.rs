@@ -4,8 +4,29 @@
 //! the worst case costs memory only for the slots that were used.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use crate::error::StoreError;
+
+/// When the arena's pages are committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefault {
+    /// On first write to each page (an arena sized for the worst case costs only what is used).
+    OnWrite,
+    /// All of them at construction, which waits for it.
+    Now,
+    /// All of them, by a thread started at construction: construction does not wait, and a
+    /// put that writes a page before the thread got to it takes the fault itself.
+    Background,
+}
+
+/// The thread committing the arena's pages in the background, and its stop flag.
+struct Populator {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
 
 /// Fixed-size byte slots in one anonymous mapping.
 pub struct Arena {
@@ -13,6 +34,7 @@ pub struct Arena {
     len: usize,
     object_nbytes: usize,
     num_slots: usize,
+    populator: Option<Populator>,
 }
 
 // SAFETY: the arena owns its mapping exclusively; shared access only reads (`&self`), writes need
@@ -35,11 +57,23 @@ impl Arena {
         object_nbytes: usize,
         prefault: bool,
     ) -> Result<Self, StoreError> {
+        let prefault = if prefault { Prefault::Now } else { Prefault::OnWrite };
+        Self::with_commit(num_slots, object_nbytes, prefault)
+    }
+
+    /// As `new`, with pages committed as `prefault` says.
+    pub fn with_commit(
+        num_slots: usize,
+        object_nbytes: usize,
+        prefault: Prefault,
+    ) -> Result<Self, StoreError> {
         let len = Self::checked_len(num_slots, object_nbytes)?;
         let base = map_anonymous(len)?;
-        let arena = Self { base, len, object_nbytes, num_slots };
-        if prefault {
-            arena.populate();
+        let mut arena = Self { base, len, object_nbytes, num_slots, populator: None };
+        match prefault {
+            Prefault::OnWrite => {}
+            Prefault::Now => arena.populate(),
+            Prefault::Background => arena.populate_in_background(),
         }
         Ok(arena)
     }
@@ -47,13 +81,10 @@ impl Arena {
     /// Commits every page: huge pages first (fewer faults and TLB misses on random slots), then
     /// a write fault on each page.
     fn populate(&self) {
+        self.advise_huge_pages();
         let base = self.base.as_ptr().cast::<libc::c_void>();
-        // SAFETY: base/len describe our own mapping; madvise changes only how it is backed.
-        unsafe {
-            libc::madvise(base, self.len, libc::MADV_HUGEPAGE);
-        }
-        // SAFETY: as above; MADV_POPULATE_WRITE (Linux 5.14) faults pages in without changing
-        // their (zero) contents.
+        // SAFETY: base/len describe our own mapping; MADV_POPULATE_WRITE (Linux 5.14) faults
+        // pages in without changing their (zero) contents.
         let populated = unsafe { libc::madvise(base, self.len, MADV_POPULATE_WRITE) } == 0;
         if !populated {
             let page = 4096;
@@ -62,6 +93,59 @@ impl Arena {
                 unsafe { self.base.as_ptr().add(offset).write_volatile(0) };
             }
         }
+    }
+
+    fn advise_huge_pages(&self) {
+        // SAFETY: base/len describe our own mapping; madvise changes only how it is backed.
+        unsafe {
+            libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE);
+        }
+    }
+
+    /// Starts a thread that commits the pages chunk by chunk with `MADV_POPULATE_WRITE`, which
+    /// never changes a page's contents, so puts may write slots meanwhile. The thread stops
+    /// between chunks when asked (`stop_populating`: before the mapping is unmapped or moved).
+    /// Without that advice (kernels before 5.14) it stops at once: touching pages by writing
+    /// would race with puts.
+    fn populate_in_background(&mut self) {
+        self.advise_huge_pages();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (base, len) = (self.base.as_ptr() as usize, self.len);
+        let flag = Arc::clone(&stop);
+        let spawned =
+            std::thread::Builder::new().name("aostore-prefault".to_owned()).spawn(move || {
+                const CHUNK: usize = 32 << 20;
+                let mut offset = 0;
+                while offset < len && !flag.load(Ordering::Acquire) {
+                    let n = CHUNK.min(len - offset);
+                    // SAFETY: [base + offset, +n) lies in the mapping, which stays mapped until
+                    // this thread is joined (`stop_populating` runs before munmap or mremap).
+                    let rc = unsafe {
+                        libc::madvise((base + offset) as *mut libc::c_void, n, MADV_POPULATE_WRITE)
+                    };
+                    if rc != 0 {
+                        return;
+                    }
+                    offset += n;
+                }
+            });
+        // No thread (a process at its thread limit): pages are committed on first write.
+        if let Ok(thread) = spawned {
+            self.populator = Some(Populator { stop, thread });
+        }
+    }
+
+    /// Stops and joins the background populator, if any (at most one chunk's worth of work).
+    fn stop_populating(&mut self) {
+        if let Some(populator) = self.populator.take() {
+            populator.stop.store(true, Ordering::Release);
+            let _ = populator.thread.join();
+        }
+    }
+
+    /// Whether a background populator is still committing pages.
+    pub fn is_populating(&self) -> bool {
+        self.populator.as_ref().is_some_and(|p| !p.thread.is_finished())
     }
 
     fn checked_len(num_slots: usize, object_nbytes: usize) -> Result<usize, StoreError> {
@@ -159,6 +243,7 @@ impl Arena {
     pub fn grow(&mut self, num_slots: usize) -> Result<(), StoreError> {
         assert!(num_slots >= self.num_slots, "an arena never shrinks");
         let len = Self::checked_len(num_slots, self.object_nbytes)?;
+        self.stop_populating();
         // SAFETY: base/len describe our own live mapping; MREMAP_MAYMOVE lets the kernel move it,
         // and we replace `base` with the result before anyone reads it again.
         let moved =
@@ -184,6 +269,7 @@ impl std::fmt::Debug for Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
+        self.stop_populating();
         // SAFETY: base/len describe a mapping we own and nothing borrows it past `drop`.
         let rc = unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
         debug_assert_eq!(rc, 0, "munmap failed");
@@ -244,6 +330,26 @@ fn last_errno() -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn background_prefault_keeps_what_puts_write_meanwhile() {
+        let slots = 4096;
+        let mut arena = Arena::with_commit(slots, 4096, Prefault::Background).unwrap();
+        for slot in 0..slots as u32 {
+            arena.write_slot(slot, &[(slot % 251) as u8; 4096]);
+        }
+        arena.flush_writes();
+        while arena.is_populating() {
+            std::thread::yield_now();
+        }
+        for slot in 0..slots as u32 {
+            assert!(arena.slot(slot).iter().all(|&b| b == (slot % 251) as u8), "slot {slot}");
+        }
+        // Dropped (and grown) while populating: the thread is stopped before the unmap.
+        let mut arena = Arena::with_commit(1 << 14, 1 << 14, Prefault::Background).unwrap();
+        arena.grow(1 << 15).unwrap();
+        drop(arena);
+    }
 
     #[test]
     fn slots_are_disjoint_and_zeroed() {

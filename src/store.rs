@@ -8,7 +8,7 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
-use crate::arena::Arena;
+use crate::arena::{Arena, Prefault};
 use crate::error::StoreError;
 use crate::index::KeyIndex;
 use crate::slab::{Slab, NIL, NO_SLOT, PENDING_SLOT};
@@ -253,6 +253,17 @@ impl BlockStore {
         profile: Profile,
         prefault: bool,
     ) -> Result<Self, StoreError> {
+        let prefault = if prefault { Prefault::Now } else { Prefault::OnWrite };
+        Self::with_commit(max_bytes, object_nbytes, profile, prefault)
+    }
+
+    /// A store following `profile`, whose arena's pages are committed as `prefault` says.
+    pub fn with_commit(
+        max_bytes: usize,
+        object_nbytes: usize,
+        profile: Profile,
+        prefault: Prefault,
+    ) -> Result<Self, StoreError> {
         if object_nbytes == 0 {
             return Err(StoreError::ObjectSizeNotPositive);
         }
@@ -266,7 +277,7 @@ impl BlockStore {
                 object_nbytes: object_nbytes as u64,
             });
         }
-        let arena = Arena::with_prefault(num_slots, object_nbytes, prefault)?;
+        let arena = Arena::with_commit(num_slots, object_nbytes, prefault)?;
         Ok(Self {
             arena: Some(arena),
             object_nbytes,

@@ -51,7 +51,7 @@ class NativeStore:
         object_nbytes: int,
         policy: Any | None = None,
         profile: str = "fail-closed",
-        prefault: bool = False,
+        prefault: bool | Literal["background"] | None = None,
     ) -> Self: ...
     @property
     def object_nbytes(self) -> int: ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from aostore import _tensors
 from aostore._native import NativeStore
@@ -18,7 +18,8 @@ class BlockObjectStore(NativeStore):
     objects of ``object_nbytes`` bytes. Referenced keys are never evicted; unreferenced ones
     leave in LRU order. The arena's pages are committed on first write; ``prefault=True``
     commits them all at construction (in huge pages where the kernel allows), so no put waits
-    for a page fault. ``pin_memory=True`` registers the arena with CUDA (``cudaHostRegister``
+    for a page fault; ``prefault="background"`` commits them from a thread started by the
+    constructor, which returns at once (a put that reaches a page first takes its fault). ``pin_memory=True`` registers the arena with CUDA (``cudaHostRegister``
     through torch) so device-to-host copies into it run at full speed.
 
     Instances accept attribute assignment (tests replace methods with mocks). All methods are
@@ -37,7 +38,7 @@ class BlockObjectStore(NativeStore):
         policy: Any | None = None,
         profile: str = "fail-closed",
         pin_memory: bool = False,
-        prefault: bool = False,
+        prefault: bool | Literal["background"] = False,
     ) -> BlockObjectStore:
         if pin_memory and profile == "grow":
             raise ValueError("pin_memory=True needs a fixed arena; profile 'grow' may move it")

@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::{ffi, intern, PyTraverseError};
 
+use crate::arena::Prefault;
 use crate::error::StoreError;
 use crate::store::{BlockStore, Candidates, Profile, RemoveReason, VictimPolicy};
 use gather::Gathered;
@@ -467,14 +468,15 @@ impl CandidateKeys {
 #[pymethods]
 impl NativeStore {
     #[new]
-    #[pyo3(signature = (*, max_bytes, object_nbytes, policy = None, profile = "fail-closed", prefault = false))]
+    #[pyo3(signature = (*, max_bytes, object_nbytes, policy = None, profile = "fail-closed", prefault = None))]
     fn new(
         max_bytes: &Bound<'_, PyAny>,
         object_nbytes: &Bound<'_, PyAny>,
         policy: Option<&Bound<'_, PyAny>>,
         profile: &str,
-        prefault: bool,
+        prefault: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let prefault = prefault.map_or(Ok(Prefault::OnWrite), prefault_arg)?;
         let object_nbytes = size_arg(object_nbytes, "object_nbytes")?;
         let max_bytes = size_arg(max_bytes, "max_bytes")?;
         if object_nbytes <= 0 {
@@ -494,7 +496,7 @@ impl NativeStore {
         };
         let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
         let to_usize = |v: i128| usize::try_from(v).map_err(|_| too_large(v));
-        let store = BlockStore::with_options(
+        let store = BlockStore::with_commit(
             to_usize(max_bytes)?,
             to_usize(object_nbytes)?,
             profile,
@@ -740,6 +742,21 @@ impl NativeStore {
         dict.set_item("references", references)?;
         dict.set_item("objects", objects)?;
         Ok(dict)
+    }
+}
+
+/// `prefault=`: `False` (pages committed on first write), `True` (all now), or `"background"`
+/// (all, by a thread, without making the constructor wait).
+fn prefault_arg(value: &Bound<'_, PyAny>) -> PyResult<Prefault> {
+    if let Ok(flag) = value.cast::<pyo3::types::PyBool>() {
+        return Ok(if flag.is_true() { Prefault::Now } else { Prefault::OnWrite });
+    }
+    match value.cast::<PyString>().ok().and_then(|s| s.to_str().ok().map(str::to_owned)) {
+        Some(text) if text == "background" => Ok(Prefault::Background),
+        _ => Err(PyValueError::new_err(format!(
+            "prefault must be True, False or \"background\", not {}",
+            value.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
+        ))),
     }
 }
 
