@@ -19,8 +19,9 @@ class BlockObjectStore(NativeStore):
     leave in LRU order. The arena's pages are committed on first write; ``prefault=True``
     commits them all at construction (in huge pages where the kernel allows), so no put waits
     for a page fault; ``prefault="background"`` commits them from a thread started by the
-    constructor, which returns at once (a put that reaches a page first takes its fault). ``pin_memory=True`` registers the arena with CUDA (``cudaHostRegister``
-    through torch) so device-to-host copies into it run at full speed.
+    constructor, which returns at once (a put that reaches a page first takes its fault).
+    ``pin_memory=True`` registers the arena with CUDA (``cudaHostRegister`` through torch) so
+    device-to-host copies into it run at full speed.
 
     Instances accept attribute assignment (tests replace methods with mocks). All methods are
     safe to call from several threads; payload copies run with the GIL released.
