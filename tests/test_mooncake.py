@@ -472,6 +472,32 @@ def test_tiered_round_trip(make_remote: Any) -> None:
 
 
 @pytest.mark.mooncake
+@pytest.mark.parametrize("flush_between", [False, True])
+def test_tiered_tiers_agree_on_a_key_put_twice(make_remote: Any, flush_between: bool) -> None:
+    # The local tier keeps the first stored bytes of a key (fail-closed: objects are immutable);
+    # Mooncake must end up with the same bytes, whatever the batching, and a local eviction
+    # must not change what the engine reads.
+    local = BlockObjectStore(max_bytes=2 * NBYTES, object_nbytes=NBYTES)
+    remote = make_remote()
+    tiered = TieredBlockObjectStore(local, remote, max_pending_batches=8)
+    try:
+        tiered.put([BlockObject("k", blob(1))])
+        if flush_between:
+            tiered.flush()
+        tiered.put([BlockObject("k", blob(2)), BlockObject("k", blob(3))])
+        tiered.put_blocks(["k"], np.full((1, NBYTES), 4, dtype=np.uint8))
+        tiered.flush()
+        assert tiered.get_concatenated(["k"]) == blob(1)
+        assert remote.get_concatenated(["k"]) == blob(1)
+        tiered.put(objects("other", range(2)))  # evicts k locally
+        with pytest.raises(BlockObjectStoreError, match="does not exist"):
+            local.get_concatenated(["k"])
+        assert tiered.get_concatenated(["k"]) == blob(1)  # from Mooncake: the same bytes
+    finally:
+        tiered.close()
+
+
+@pytest.mark.mooncake
 def test_tiered_local_eviction_served_from_mooncake(make_remote: Any) -> None:
     local = BlockObjectStore(max_bytes=4 * NBYTES, object_nbytes=NBYTES)
     remote = make_remote()

@@ -924,17 +924,32 @@ class TieredBlockObjectStore:
         """``local.put(...)``, then queues the objects for Mooncake."""
         self._check_usable()
         batch = list(objects)
+        latest: dict[str, Any] = {}
+        for item in batch:
+            latest[item.key] = item.payload
+        publish = self._written_by_put(list(latest))
         self.local.put(batch, retain_keys=retain_keys, release_keys=release_keys)
         self._stats["puts"] += 1
-        if batch:
-            latest: dict[str, Any] = {}
-            for item in batch:
-                latest[item.key] = item.payload
+        keys = [key for key, write in zip(latest, publish, strict=True) if write]
+        if keys:
             payloads = [
                 payload if type(payload) is bytes else _snapshot(payload)
-                for payload in latest.values()
+                for payload in (latest[key] for key in keys)
             ]
-            self._enqueue(list(latest), payloads)
+            self._enqueue(keys, payloads)
+
+    def _written_by_put(self, keys: list[str]) -> list[bool]:
+        """Which of a put's distinct keys the local tier will write, i.e. store new or replace:
+        only those are published, so Mooncake gets the bytes the local tier holds. A key the
+        local tier already stores keeps its bytes (``fail-closed``: objects are immutable;
+        ``grow``: unless nothing references it), and so keeps the ones published with it."""
+        if not keys:
+            return []
+        stored = self.local.contains(keys)
+        if getattr(self.local, "profile", "fail-closed") == "grow":
+            counts = self.local.reference_counts(keys)
+            return [not s or c == 0 for s, c in zip(stored, counts, strict=True)]
+        return [not s for s in stored]
 
     def put_blocks(
         self,
@@ -948,11 +963,21 @@ class TieredBlockObjectStore:
         self._check_usable()
         key_list = list(keys)
         host = _tensors.block_bytes(blocks, len(key_list), self.object_nbytes)
+        last = {key: i for i, key in enumerate(key_list)}  # the last row of a key wins
+        publish = self._written_by_put(list(last))
         self.local.put_blocks(key_list, host, retain_keys=retain_keys, release_keys=release_keys)
         self._stats["puts"] += 1
-        if key_list:
+        rows = [last[key] for key, write in zip(last, publish, strict=True) if write]
+        if rows:
             data = host if type(host) is bytes else _snapshot(host)
-            self._enqueue(key_list, _Rows(data, self.object_nbytes, len(key_list)))
+            n = self.object_nbytes
+            if len(rows) == len(key_list):
+                self._enqueue(key_list, _Rows(data, n, len(key_list)))
+            else:
+                view = memoryview(data).cast("B")
+                self._enqueue(
+                    [key_list[i] for i in rows], [view[i * n : (i + 1) * n] for i in rows]
+                )
 
     def _enqueue(self, keys: list[str], payloads: Sequence[Any]) -> None:
         # As in BackgroundBlockObjectStore: the closed check and the enqueue are one step under
@@ -987,7 +1012,9 @@ class TieredBlockObjectStore:
                     payloads.extend(more[1])
             try:
                 if keys and self._error is None:
-                    unique = dict(zip(keys, payloads, strict=True))  # the last payload wins
+                    # Every queued key was written by the local tier, a later one after an earlier:
+                    # the last payload is what the local tier holds.
+                    unique = dict(zip(keys, payloads, strict=True))
                     self.remote._write(list(unique), list(unique.values()))
                     self._stats["published_objects"] += len(unique)
                     self._stats["publish_batches"] += 1

@@ -680,6 +680,15 @@ impl NativeStore {
         visit.call(&self.policy)
     }
 
+    /// The reference count of each of `keys` (0 for a key the store does not know), in order,
+    /// without touching LRU order.
+    fn reference_counts(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        self.ensure_open()?;
+        let keys = collect_keys(keys)?;
+        let texts = as_texts(&keys);
+        self.with_store(py, |s| texts.iter().map(|key| s.reference_count(key)).collect())
+    }
+
     /// Raises `AssertionError` naming the first broken store invariant.
     fn check(&self, py: Python<'_>) -> PyResult<()> {
         self.with_store(py, |s| s.check())?.map_err(PyAssertionError::new_err)
