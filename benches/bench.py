@@ -47,6 +47,7 @@ from aostore.replay import (
     compare,
     contenders,
     generate,
+    plugin_contender,
     pool,
 )
 
@@ -335,13 +336,17 @@ def w3(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
     )
     steps = generate(shape)
     rows = pool(shape.object_nbytes)
-    # aostore's arena as the vLLM plugin builds it for vLLM 0.33: profile "grow", not
-    # prefaulted ("fresh"). Nothing grows in this replay: the store is 1.1x the KV cache.
-    plugin_built = [aostore_contender(profile="grow"), *stores[1:]]
+    # "fresh": every store built as vLLM's worker builds it, aostore's through the class the
+    # plugin installs for vLLM 0.33 (profile "grow", the plugin's arena defaults).
+    # "prefaulted": every arena committed first. Nothing grows: the store is 1.1x the KV cache.
+    arenas = {
+        "fresh": [plugin_contender(), *stores[1:]],
+        "prefaulted": [aostore_contender(profile="grow"), *stores[1:]],
+    }
     out: dict[str, Any] = {"steps": len(steps), "store_slots": shape.store_slots}
-    for prefault in (False, True):
-        arena = "prefaulted" if prefault else "fresh"
-        for result in compare(shape, steps, rows, prefault=prefault, stores=plugin_built):
+    for arena, built in arenas.items():
+        prefault = arena == "prefaulted"
+        for result in compare(shape, steps, rows, prefault=prefault, stores=built):
             out[f"{result.name}/{arena}"] = replay_figures(result)
         out[f"floor/{arena}"] = {"writer_s": w3_floor(shape, steps, rows, prefault)}
     return out

@@ -208,7 +208,11 @@ class Contender:
             )
         store = self.store_class(max_bytes=max_bytes, object_nbytes=object_nbytes, **self.options)
         if prefault:
-            commit_pages(store._arena)
+            arena = getattr(store, "_arena", None)
+            if not isinstance(arena, mmap.mmap):
+                store.close()
+                raise ValueError(f"{self.label}: cannot prefault a store without an mmap _arena")
+            commit_pages(arena)
         return store
 
 
@@ -224,6 +228,24 @@ def aostore_contender(profile: str = "fail-closed") -> Contender:
         block_object=BlockObject,
         background=BackgroundBlockObjectStore,
         options={"profile": profile},
+    )
+
+
+def plugin_contender() -> Contender:
+    """aostore's store as vLLM builds its store once the aostore plugin is in: the class the
+    plugin installs for vLLM 0.33 (``profile="grow"``), called as vLLM's worker calls it, with
+    ``max_bytes`` and ``object_nbytes`` only (so whatever arena defaults it has apply).
+    ``build(prefault=True)`` is refused: use :func:`aostore_contender` for that."""
+    from aostore._background import BackgroundBlockObjectStore
+    from aostore.vllm_plugin import GrowBlockObjectStore
+
+    return Contender(
+        name="aostore",
+        label="aostore",
+        store_class=GrowBlockObjectStore,
+        block_object=BlockObject,
+        background=BackgroundBlockObjectStore,
+        takes_prefault=False,
     )
 
 
