@@ -107,11 +107,21 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def replay(args: argparse.Namespace) -> int:
-    from aostore.replay import RolloutShape, compare, contenders, generate, pool
+    from aostore.replay import (
+        RolloutShape,
+        compare,
+        contenders,
+        generate,
+        plugin_contender,
+        pool,
+    )
 
     shape = RolloutShape(rollout_steps=3 if args.scale else 1, seed=args.seed)
-    # aostore as the vLLM plugin builds it for vLLM 0.33 (profile "grow"); nothing grows here.
+    # aostore as the vLLM plugin builds it for vLLM 0.33 (profile "grow"; nothing grows here),
+    # or with prefault=True when every arena is committed first.
     stores, why = contenders(vllm=not args.no_vllm, profile="grow")
+    if not args.prefault:
+        stores[0] = plugin_contender()
     print(
         f"replaying {shape.rollout_steps} rollout(s) of {shape.prompts} prompts x "
         f"{shape.samples} samples; store of {shape.store_slots:,} slots x "
