@@ -1,12 +1,18 @@
-"""The benchmarks of SPEC section 9, reported as the ratios of SPEC section 10.
+"""The benchmarks of SPEC section 9, reported as the targets of SPEC section 10.
 
-Every figure is a ratio measured in this one run on this one machine: aostore against the
-pure-Python baseline (``aostore._baseline``: dict of slots + OrderedDict LRU of evictable keys +
-mmap arena, the design vLLM ships), against the store that rescans (the seed's "main"), or
-against the memcpy floor of the same scatter/gather done by numpy.
+Every figure comes from this one run on this one machine. The reference is vLLM's own
+``BlockObjectStore`` (``vllm.distributed.aux_output_connector.store``, imported lazily when
+``vllm`` is importable; the bench environment installs ``vllm==0.33.0``), measured beside
+aostore with its own ``BlockObject`` and ``BackgroundBlockObjectStore``. The pure-Python replica
+of it (``aostore._baseline.PythonBlockObjectStore``: dict of slots + OrderedDict LRU of evictable
+keys + mmap arena) is a second reference that needs no vLLM; when vLLM is not importable its
+column says why and the targets that compare with vLLM are judged against the replica, which
+the table says. Other references: a store that rescans (the seed's "main") and the memcpy floor
+of the same bytes, measured with numpy. Only store calls are timed.
 
-    python benches/bench.py                  # full sizes, table + bench-out/results.json + PNGs
+    python benches/bench.py                  # full sizes: table, bench-out/results.json, PNGs
     python benches/bench.py --quick          # tiny sizes: a smoke run (CI)
+    python benches/bench.py --no-vllm        # leave vLLM out (its import takes seconds)
 """
 
 from __future__ import annotations
@@ -14,27 +20,47 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import mmap
 import os
 import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore
-from aostore._baseline import PythonBlockObjectStore, RescanBlockObjectStore
-from aostore.replay import RolloutShape, compare, generate, pool
+from aostore._baseline import RescanBlockObjectStore
+from aostore.replay import (
+    POOL_ROWS,
+    Contender,
+    ReplayResult,
+    RolloutShape,
+    Step,
+    aostore_contender,
+    commit_pages,
+    compare,
+    contenders,
+    generate,
+    plugin_contender,
+    pool,
+)
 
 GLM_OBJECT_NBYTES = 5_888  # 46 MoE layers x top-8 x uint8 x 16 tokens
 GLM_SLOTS = 167_341
 BATCH = 64
+WARMUP_PUTS = 20  # SPEC 10: steady-state figures come after 20 warm-up puts
+VARIABLE_BENCH = Path(__file__).resolve().parent / "variable_bench.py"
+WORKLOADS = ("w4", "t7", "w1", "w2", "w3", "t8", "t6")
 
 
 def key(i: int) -> str:
+    """vLLM-shaped routed-experts key: a fixed prefix and 64 hex digits (80 bytes)."""
     return f"vllm-artifact/0/{i * 0x9E3779B97F4A7C15 % (1 << 256):064x}"
 
 
@@ -43,26 +69,36 @@ def payloads(nbytes: int, count: int = BATCH) -> list[bytes]:
     return [rng.integers(0, 128, nbytes, dtype=np.uint8).tobytes() for _ in range(count)]
 
 
-def fill(store: Any, slots: int, nbytes: int) -> None:
+def fill(store: Any, block_object: Any, slots: int, nbytes: int) -> None:
+    """Stores keys ``0..slots-1``, unreferenced, in batches of 64."""
     data = payloads(nbytes)
     for start in range(0, slots, BATCH):
         n = min(BATCH, slots - start)
-        store.put([BlockObject(key(start + i), data[i]) for i in range(n)])
+        store.put([block_object(key(start + i), data[i]) for i in range(n)])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else float("nan")
 
 
 # W1: referenced-heavy stores.
 def w1_per_put_us(
-    make: Callable[..., Any], slots: int, referenced_pct: int, batch: int, puts: int
+    make: Callable[..., Any],
+    block_object: Any,
+    slots: int,
+    referenced_pct: int,
+    batch: int,
+    puts: int,
 ) -> float:
     nbytes = 64
     store = make(max_bytes=slots * nbytes, object_nbytes=nbytes)
-    fill(store, slots, nbytes)
+    fill(store, block_object, slots, nbytes)
     referenced = slots * referenced_pct // 100
     for start in range(0, referenced, 4096):
         store.put([], retain_keys=[key(i) for i in range(start, min(start + 4096, referenced))])
     data = payloads(nbytes, batch)
     batches = [
-        [BlockObject(key(slots + p * batch + i), data[i]) for i in range(batch)]
+        [block_object(key(slots + p * batch + i), data[i]) for i in range(batch)]
         for p in range(puts)
     ]
     gc.collect()
@@ -75,35 +111,42 @@ def w1_per_put_us(
     return statistics.median(times) / 1e3
 
 
-def w1(quick: bool) -> dict[str, Any]:
+def w1(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
     slots = 10_000 if quick else 300_000
     puts = 20 if quick else 200
-    rows: dict[str, Any] = {"slots": slots, "aostore": {}, "baseline": {}, "rescan": {}}
+    rows: dict[str, Any] = {"slots": slots}
     for batch in (1, 64):
         for pct in (0, 90, 99):
-            for name, make in (("aostore", BlockObjectStore), ("baseline", PythonBlockObjectStore)):
-                rows[name][f"{pct}%/{batch}"] = w1_per_put_us(make, slots, pct, batch, puts)
+            for c in stores:
+                rows.setdefault(c.name, {})[f"{pct}%/{batch}"] = w1_per_put_us(
+                    c.build, c.block_object, slots, pct, batch, puts
+                )
+    aostore = aostore_contender()
     for rescan_slots in (7_000, 10_000) if quick else (10_000, 100_000):
         for pct in (0, 90, 99):
-            for name, make in (("rescan", RescanBlockObjectStore), ("aostore", BlockObjectStore)):
+            for name, make, block_object in (
+                ("rescan", RescanBlockObjectStore, aostore.block_object),
+                ("aostore", aostore.build, aostore.block_object),
+            ):
                 rows.setdefault(f"scaling/{name}", {})[f"{rescan_slots}/{pct}%"] = w1_per_put_us(
-                    make, rescan_slots, pct, 64, max(10, puts // 10)
+                    make, block_object, rescan_slots, pct, 64, max(10, puts // 10)
                 )
     return rows
 
 
 # W2: steady churn at vLLM scale.
-def w2_store(make: Callable[..., Any], slots: int, nbytes: int, batches: int) -> dict[str, float]:
-    store = make(max_bytes=slots * nbytes, object_nbytes=nbytes, prefault=True)
-    fill(store, slots, nbytes)
+def w2_store(c: Contender, slots: int, nbytes: int, batches: int) -> dict[str, float]:
+    """ns per object of put (64 new, 64 retains, 64 releases) and get (64 random live keys),
+    after WARMUP_PUTS untimed rounds on the full store."""
+    store = c.build(max_bytes=slots * nbytes, object_nbytes=nbytes, prefault=True)
+    fill(store, c.block_object, slots, nbytes)
     data = payloads(nbytes)
     rng = random.Random(0)
     next_key = slots
     referenced: list[int] = []
-    put_ns = get_ns = 0
     plan = []
-    for _ in range(batches):
-        objects = [BlockObject(key(next_key + i), data[i]) for i in range(BATCH)]
+    for _ in range(WARMUP_PUTS + batches):
+        objects = [c.block_object(key(next_key + i), data[i]) for i in range(BATCH)]
         retains = [key(next_key + i) for i in range(BATCH)]
         releases = [key(k) for k in referenced]
         referenced = list(range(next_key, next_key + BATCH))
@@ -112,22 +155,29 @@ def w2_store(make: Callable[..., Any], slots: int, nbytes: int, batches: int) ->
         wanted = [key(rng.randrange(next_key - slots // 2, next_key)) for _ in range(BATCH)]
         plan.append((objects, retains, releases, wanted))
     gc.collect()
-    for objects, retains, releases, wanted in plan:
+    put_ns = get_ns = 0
+    for n, (objects, retains, releases, wanted) in enumerate(plan):
         t0 = time.perf_counter_ns()
         store.put(objects, retain_keys=retains, release_keys=releases)
         t1 = time.perf_counter_ns()
         store.get_concatenated(wanted)
         t2 = time.perf_counter_ns()
-        put_ns += t1 - t0
-        get_ns += t2 - t1
+        if n >= WARMUP_PUTS:
+            put_ns += t1 - t0
+            get_ns += t2 - t1
     store.close()
-    objects_moved = batches * BATCH
-    return {"put_ns": put_ns / objects_moved, "get_ns": get_ns / objects_moved}
+    moved = batches * BATCH
+    return {
+        "put_ns": put_ns / moved,
+        "get_ns": get_ns / moved,
+        "put_gb_s": moved * nbytes / put_ns,
+        "get_gb_s": moved * nbytes / get_ns,
+    }
 
 
 def w2_floor(slots: int, nbytes: int, batches: int) -> dict[str, float]:
     """numpy's scatter (put) and gather (get) of the same bytes between a batch and random
-    slots of an arena of the same size: the memcpy floor."""
+    slots of a committed arena of the same size: the memcpy floor."""
     arena = np.ones((slots, nbytes), dtype=np.uint8)
     batch = np.frombuffer(b"".join(payloads(nbytes)), dtype=np.uint8).reshape(BATCH, nbytes)
     rng = np.random.default_rng(0)
@@ -141,32 +191,22 @@ def w2_floor(slots: int, nbytes: int, batches: int) -> dict[str, float]:
         np.take(arena, p, axis=0, out=out)
     t2 = time.perf_counter_ns()
     del arena
-    return {"put_ns": (t1 - t0) / (batches * BATCH), "get_ns": (t2 - t1) / (batches * BATCH)}
+    moved = batches * BATCH
+    return {"put_ns": (t1 - t0) / moved, "get_ns": (t2 - t1) / moved}
 
 
-def w2(quick: bool) -> dict[str, Any]:
+def w2(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
     slots = 4_096 if quick else GLM_SLOTS
     batches = 50 if quick else 2_000
-    rows: dict[str, Any] = {"slots": slots}
+    rows: dict[str, Any] = {"slots": slots, "batches": batches, "warmup_puts": WARMUP_PUTS}
     for nbytes in (64, GLM_OBJECT_NBYTES):
-        rows[f"aostore/{nbytes}"] = w2_store(BlockObjectStore, slots, nbytes, batches)
-        rows[f"baseline/{nbytes}"] = w2_store(PythonBlockObjectStore, slots, nbytes, batches)
+        for c in stores:
+            rows[f"{c.name}/{nbytes}"] = w2_store(c, slots, nbytes, batches)
         rows[f"floor/{nbytes}"] = w2_floor(slots, nbytes, batches)
     return rows
 
 
-# W4: the engine thread next to the writer.
-class NoopStore:
-    def put(self, objects: Any, *, retain_keys: Any = (), release_keys: Any = ()) -> None:
-        pass
-
-    def get_concatenated(self, keys: Any) -> bytes:
-        return b""
-
-    def close(self) -> None:
-        pass
-
-
+# The engine thread's work between puts: pure Python, a fixed iteration count.
 def engine_work(iterations: int) -> int:
     total = 0
     for i in range(iterations):
@@ -185,9 +225,23 @@ def calibrate(target_us: float = 200.0) -> int:
         iterations *= 2
 
 
-def w4_loop(store: Any, iterations: int, rounds: int, slots: int) -> float:
+class NoopStore:
+    def put(self, objects: Any, *, retain_keys: Any = (), release_keys: Any = ()) -> None:
+        pass
+
+    def get_concatenated(self, keys: Any) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+# W4: the engine thread next to the writer.
+def w4_loop(store: Any, block_object: Any, iterations: int, rounds: int) -> float:
     data = payloads(GLM_OBJECT_NBYTES)
-    plan = [[BlockObject(key(r * BATCH + i), data[i]) for i in range(BATCH)] for r in range(rounds)]
+    plan = [
+        [block_object(key(r * BATCH + i), data[i]) for i in range(BATCH)] for r in range(rounds)
+    ]
     gc.collect()
     t0 = time.perf_counter()
     for objects in plan:
@@ -198,38 +252,83 @@ def w4_loop(store: Any, iterations: int, rounds: int, slots: int) -> float:
     return elapsed
 
 
-def w4(quick: bool) -> dict[str, Any]:
+def w4(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
     iterations = calibrate()
     rounds = 40 if quick else 400
     slots = 2_048 if quick else 16_384
+    repetitions = 5
     nbytes = GLM_OBJECT_NBYTES
+    aostore = stores[0]
 
-    def writer(make: Callable[..., Any]) -> BackgroundBlockObjectStore:
-        return BackgroundBlockObjectStore(
-            make(max_bytes=slots * nbytes, object_nbytes=nbytes, prefault=True),
-            max_pending_batches=8,
-        )
+    def writer(c: Contender) -> Any:
+        store = c.build(max_bytes=slots * nbytes, object_nbytes=nbytes, prefault=True)
+        return c.background(store, max_pending_batches=8)
 
-    # Three alternating repetitions, medians: one 400-round loop lasts ~0.1 s, so a single
-    # run is at the mercy of whatever else the machine does.
-    runs: dict[str, list[float]] = {"noop": [], "native": [], "python": []}
-    for _ in range(3):
-        runs["noop"].append(w4_loop(NoopStore(), iterations, rounds, slots))
-        runs["native"].append(w4_loop(writer(BlockObjectStore), iterations, rounds, slots))
-        runs["python"].append(w4_loop(writer(PythonBlockObjectStore), iterations, rounds, slots))
-    noop, native, python = (statistics.median(runs[k]) for k in ("noop", "native", "python"))
+    # Alternating repetitions: one 400-round loop lasts ~0.1 s, so a single run is at the
+    # mercy of whatever else the machine does; each store's speed is taken against the no-op
+    # loop of the same repetition.
+    runs: dict[str, list[float]] = {"noop": [], **{c.name: [] for c in stores}}
+    for _ in range(repetitions):
+        runs["noop"].append(w4_loop(NoopStore(), aostore.block_object, iterations, rounds))
+        for c in stores:
+            runs[c.name].append(w4_loop(writer(c), c.block_object, iterations, rounds))
+    out: dict[str, Any] = {"iterations": iterations, "rounds": rounds, "seconds": runs}
+    for c in stores:
+        speeds = [noop / run for noop, run in zip(runs["noop"], runs[c.name], strict=True)]
+        out[f"{c.name}_speed"] = {
+            "median": statistics.median(speeds),
+            "min": min(speeds),
+            "max": max(speeds),
+            "runs": speeds,
+        }
+    return out
+
+
+# W3: the rollout replay, and the memcpy floor of the same objects.
+def w3_floor(shape: RolloutShape, steps: list[Step], rows: np.ndarray, prefault: bool) -> float:
+    """Seconds numpy takes to copy each step's published objects into an mmap arena of the
+    store's size (fresh, or committed as the stores' prefault does), slot after slot and round
+    again: the memcpy floor of the writer's work. Each step's batch is gathered untimed."""
+    slots, nbytes = shape.store_slots, shape.object_nbytes
+    raw = mmap.mmap(-1, slots * nbytes)
+    if prefault:
+        commit_pages(raw)
+    arena = np.frombuffer(raw, dtype=np.uint8).reshape(slots, nbytes)
+    position = 0
+    total = 0
+    clock = time.perf_counter_ns
+    for step in steps:
+        if not step.publish:
+            continue
+        batch = rows[[b % POOL_ROWS for b in step.publish]]
+        t0 = clock()
+        done = 0
+        while done < len(batch):
+            n = min(len(batch) - done, slots - position)
+            arena[position : position + n] = batch[done : done + n]
+            done += n
+            position = (position + n) % slots
+        total += clock() - t0
+    del arena
+    raw.close()
+    return total / 1e9
+
+
+def replay_figures(result: ReplayResult) -> dict[str, Any]:
     return {
-        "iterations": iterations,
-        "noop_s": noop,
-        "aostore_s": native,
-        "python_writer_s": python,
-        "aostore_speed": noop / native,
-        "python_writer_speed": noop / python,
+        "label": result.label,
+        "writer_s": result.writer_seconds,
+        "p50_us": result.percentile_us(50),
+        "p99_us": result.percentile_us(99),
+        "p999_us": result.percentile_us(99.9),
+        "worst_us": result.worst_us,
+        "objects": result.objects,
+        "puts": result.puts,
+        "latencies_us": [ns / 1e3 for ns in result.put_ns],
     }
 
 
-# W3: the rollout replay.
-def w3(quick: bool) -> dict[str, Any]:
+def w3(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
     shape = (
         RolloutShape(prompts=8, samples=4, output_tokens=(256, 1024), kv_blocks=2_000)
         if quick
@@ -237,152 +336,568 @@ def w3(quick: bool) -> dict[str, Any]:
     )
     steps = generate(shape)
     rows = pool(shape.object_nbytes)
-    out: dict[str, Any] = {"steps": len(steps)}
-    for prefault in (False, True):
-        for result in compare(shape, steps, rows, prefault=prefault):
-            label = f"{result.name}/{'warm' if prefault else 'cold'}"
-            out[label] = {
-                "writer_s": result.writer_seconds,
-                "p50_us": result.percentile_us(50),
-                "p99_us": result.percentile_us(99),
-                "objects": result.objects,
-                "puts": result.puts,
-            }
-            out[f"{label}/latencies_us"] = [ns / 1e3 for ns in result.put_ns]
+    # "fresh": every store built as vLLM's worker builds it, aostore's through the class the
+    # plugin installs for vLLM 0.33 (profile "grow", the plugin's arena defaults).
+    # "prefaulted": every arena committed first. Nothing grows: the store is 1.1x the KV cache.
+    arenas = {
+        "fresh": [plugin_contender(), *stores[1:]],
+        "prefaulted": [aostore_contender(profile="grow"), *stores[1:]],
+    }
+    out: dict[str, Any] = {"steps": len(steps), "store_slots": shape.store_slots}
+    for arena, built in arenas.items():
+        prefault = arena == "prefaulted"
+        for result in compare(shape, steps, rows, prefault=prefault, stores=built):
+            out[f"{result.name}/{arena}"] = replay_figures(result)
+        out[f"floor/{arena}"] = {"writer_s": w3_floor(shape, steps, rows, prefault)}
     return out
 
 
 # T6: memory per stored key, measured in a fresh process.
 _T6_CHILD = r"""
-import gc, os, sys
-from aostore import BlockObject, BlockObjectStore
-from aostore._baseline import PythonBlockObjectStore
+import gc, json, mmap, sys
+from aostore.replay import aostore_contender, replica_contender, vllm_contender
 
 def rss():
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(f.read().split()[1]) * mmap.PAGESIZE
 
-kind, slots = sys.argv[1], int(sys.argv[2])
-make = BlockObjectStore if kind == "aostore" else PythonBlockObjectStore
+name, slots = sys.argv[1], int(sys.argv[2])
+if name == "vllm":
+    contender, why = vllm_contender()
+    assert contender is not None, why
+else:
+    contender = aostore_contender() if name == "aostore" else replica_contender()
+block_object = contender.block_object
 payload = b"x" * 64
-store = make(max_bytes=slots * 64, object_nbytes=64, prefault=True)
 gc.collect()
 before = rss()
+store = contender.build(max_bytes=slots * 64, object_nbytes=64, prefault=True)
+built = rss()
 for start in range(0, slots, 1024):
-    store.put([BlockObject(f"vllm-artifact/0/{i * 0x9E3779B97F4A7C15 % (1 << 256):064x}", payload)
+    store.put([block_object(f"vllm-artifact/0/{i * 0x9E3779B97F4A7C15 % (1 << 256):064x}", payload)
                for i in range(start, min(start + 1024, slots))])
 gc.collect()
-print((rss() - before) / slots)
+after = rss()
+arena = -(-store.num_slots * 64 // mmap.PAGESIZE) * mmap.PAGESIZE
+print(json.dumps({
+    "bytes_per_key": (after - before - arena) / slots,
+    "arena_bytes": arena,
+    "construction_rss": built - before,
+    "fill_rss": after - built,
+}))
 """
 
 
-def t6(quick: bool) -> dict[str, float]:
+def t6(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
+    """RSS after filling minus RSS before constructing the store, less the arena's committed
+    bytes (prefault=True commits it all), per key; 64-byte objects, 80-byte keys."""
     slots = 20_000 if quick else GLM_SLOTS
-    out = {}
-    for kind in ("aostore", "baseline"):
+    out: dict[str, Any] = {"slots": slots}
+    for c in stores:
         result = subprocess.run(
-            [sys.executable, "-c", _T6_CHILD, kind, str(slots)],
+            [sys.executable, "-c", _T6_CHILD, c.name, str(slots)],
             capture_output=True,
             text=True,
             check=True,
         )
-        out[f"{kind}_bytes_per_key"] = float(result.stdout.strip())
+        out[c.name] = json.loads(result.stdout.strip().splitlines()[-1])
     return out
 
 
-def targets(r: dict[str, Any]) -> list[tuple[str, str, float, str, bool, str]]:
-    """(id, measure, value, target, met, baseline figure) rows of SPEC section 10."""
-    w1r, w2r, w4r, w3r, t6r = r["w1"], r["w2"], r["w4"], r["w3"], r["t6"]
+# T7: the engine thread's cost of one BackgroundBlockObjectStore.put.
+@contextmanager
+def busy_interpreter(busy: bool) -> Iterator[None]:
+    """While active (when ``busy``), another thread runs a pure-Python loop: it wants the GIL."""
+    if not busy:
+        yield
+        return
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            engine_work(1_000)
+
+    thread = threading.Thread(target=spin, daemon=True, name="bench-busy")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@dataclass(frozen=True)
+class PutShape:
+    """One T7 case: objects per put, their size, and the store's slots."""
+
+    name: str
+    objects: int
+    nbytes: int
+    slots: int
+    retains: bool  # (a): 8 retains + 4 releases per put; (b): none
+
+
+T7_SHAPES = (
+    PutShape("a", objects=4, nbytes=128, slots=1_024, retains=True),
+    PutShape("b", objects=BATCH, nbytes=GLM_OBJECT_NBYTES, slots=4_096, retains=False),
+)
+T7_HOLD = 4  # puts a block stays referenced after its data is stored
+
+
+def t7_plan(
+    shape: PutShape, c: Contender, puts: int
+) -> list[tuple[list[Any], list[str], list[str], list[str]]]:
+    """Per put: (objects, retains, releases, the releases of an untimed put right after).
+
+    Shape (a) drives the store as vLLM's worker does: put i stores blocks B(i), which put i-1
+    retained twice (two samples sharing them, before their data); retains B(i+1) twice; and
+    releases B(i-4) once. The next, untimed put releases B(i-4) again, so references balance
+    and B(i-4) becomes evictable. Shape (b) stores 64 new blocks per put.
+    """
+    data = payloads(shape.nbytes, shape.objects)
+
+    def blocks(i: int) -> list[str]:
+        return [key(i * shape.objects + j) for j in range(shape.objects)]
+
+    plan: list[tuple[list[Any], list[str], list[str], list[str]]] = []
+    for i in range(puts):
+        objects = [c.block_object(k, data[j]) for j, k in enumerate(blocks(i))]
+        if not shape.retains:
+            plan.append((objects, [], [], []))
+            continue
+        retains = blocks(i + 1) * 2
+        releases = blocks(i - T7_HOLD) if i >= T7_HOLD else []
+        plan.append((objects, retains, releases, releases))
+    return plan
+
+
+def t7_costs(
+    c: Contender, shape: PutShape, puts: int, iterations: int, busy: bool
+) -> dict[str, float]:
+    """Engine-thread ns of each timed ``put`` to ``c``'s background writer, one put per
+    ~200 µs of pure-Python engine work, after enough untimed puts to fill the store plus
+    WARMUP_PUTS, so every timed put evicts."""
+    warmup = shape.slots // shape.objects + WARMUP_PUTS
+    store = c.build(max_bytes=shape.slots * shape.nbytes, object_nbytes=shape.nbytes)
+    # vLLM sizes the queue at 2 x max_num_seqs; 512 sequences as in W3.
+    writer = c.background(store, max_pending_batches=1_024)
+    first = [key(j) for j in range(shape.objects)]
+    if shape.retains:
+        writer.put([], retain_keys=first * 2)
+    plan = t7_plan(shape, c, warmup + puts)
+    costs = []
+    clock = time.perf_counter_ns
+    gc.collect()
+    with busy_interpreter(busy):
+        for n, (objects, retains, releases, balance) in enumerate(plan):
+            engine_work(iterations)
+            t0 = clock()
+            writer.put(objects, retain_keys=retains, release_keys=releases)
+            t1 = clock()
+            if balance:
+                writer.put([], release_keys=balance)
+            if n >= warmup:
+                costs.append(t1 - t0)
+        writer.close()
+    return {
+        "median_us": statistics.median(costs) / 1e3,
+        "p99_us": percentile(costs, 99) / 1e3,
+        "worst_us": max(costs) / 1e3,
+        "puts": len(costs),
+    }
+
+
+def t7(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
+    iterations = calibrate()
+    puts = 200 if quick else 2_000
+    out: dict[str, Any] = {"iterations": iterations, "puts": puts}
+    for shape in T7_SHAPES:
+        for busy in (False, True):
+            for c in stores:
+                mode = "busy" if busy else "quiet"
+                out[f"{shape.name}/{c.name}/{mode}"] = t7_costs(c, shape, puts, iterations, busy)
+    return out
+
+
+# T8: the worst single put into a full store.
+def t8_store(c: Contender, slots: int, nbytes: int) -> dict[str, float]:
+    """A full store, then 20 evicting puts (64 new objects retained as they are stored, the
+    previous put's 64 released), then 20 puts that retain the next batch's 64 keys before their
+    data (and release the batch they store, retained a put earlier): the first of those needs
+    more entries than the store has slots."""
+    store = c.build(max_bytes=slots * nbytes, object_nbytes=nbytes)
+    fill(store, c.block_object, slots, nbytes)
+    data = payloads(nbytes)
+
+    def batch(p: int) -> list[str]:
+        return [key(slots + p * BATCH + i) for i in range(BATCH)]
+
+    def objects(p: int) -> list[Any]:
+        return [c.block_object(k, data[i]) for i, k in enumerate(batch(p))]
+
+    previous = [key(i) for i in range(BATCH)]
+    store.put([], retain_keys=previous)  # so the first evicting put releases too
+    evicting = [(objects(p), batch(p), previous if p == 0 else batch(p - 1)) for p in range(20)]
+    # Then batch p is stored, batch p+1 retained ahead of its data, and the batch that the
+    # previous put retained released (batch 19 for the first, else the one stored now).
+    ahead = [(objects(p), batch(p + 1), batch(p - 1 if p == 20 else p)) for p in range(20, 40)]
+    gc.collect()
+    clock = time.perf_counter_ns
+    evicting_ns: list[int] = []
+    ahead_ns: list[int] = []
+    for plan, times in ((evicting, evicting_ns), (ahead, ahead_ns)):
+        for objs, retains, releases in plan:
+            t0 = clock()
+            store.put(objs, retain_keys=retains, release_keys=releases)
+            times.append(clock() - t0)
+    store.close()
+    return {
+        "evicting_worst_us": max(evicting_ns) / 1e3,
+        "evicting_p999_us": percentile(evicting_ns, 99.9) / 1e3,
+        "first_beyond_slots_us": ahead_ns[0] / 1e3,
+        "beyond_worst_us": max(ahead_ns) / 1e3,
+    }
+
+
+def t8(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
+    # 1M slots hold 64-byte objects (1M x 5,888 B would not fit beside the others); vLLM's
+    # 167,341 slots hold GLM-4.5-Air's 5,888-byte objects.
+    sizes = (
+        ((40_000, 64), (10_000, GLM_OBJECT_NBYTES))
+        if quick
+        else (
+            (1_000_000, 64),
+            (GLM_SLOTS, GLM_OBJECT_NBYTES),
+        )
+    )
+    out: dict[str, Any] = {"sizes": [list(s) for s in sizes]}
+    for slots, nbytes in sizes:
+        for c in stores:
+            out[f"{c.name}/{slots}"] = t8_store(c, slots, nbytes)
+    return out
+
+
+# SPEC section 10: the table.
+@dataclass
+class Target:
+    """One row: the aostore figure judged against the target, and the references beside it."""
+
+    id: str
+    measure: str
+    value: float | None
+    aostore: str
+    target: str
+    met: bool | None
+    vllm: str
+    replica: str
+
+
+@dataclass(frozen=True)
+class References:
+    """Which store a target stated against vLLM's is judged against in this run."""
+
+    has_vllm: bool
+    name: str  # "vllm", or "replica" when vLLM is not importable
+    label: str
+    vllm_missing: str
+
+    @classmethod
+    def of(cls, stores: Sequence[Contender], vllm_missing: str) -> References:
+        ref = next((c for c in stores if c.name == "vllm"), None) or next(
+            c for c in stores if c.name == "replica"
+        )
+        return cls(ref.name == "vllm", ref.name, ref.label, vllm_missing)
+
+    @property
+    def against(self) -> str:
+        """Said in the measure of a row judged against the replica instead of vLLM."""
+        return "" if self.has_vllm else " [judged vs replica: vLLM not importable]"
+
+    def cells(self, text: Callable[[str], str]) -> tuple[str, str]:
+        """The vLLM and replica cells, from ``text(store name)``."""
+        vllm = text("vllm") if self.has_vllm else f"vLLM {self.vllm_missing}"
+        return vllm, text("replica")
+
+
+def t1_rows(w: dict[str, Any], refs: References) -> list[Target]:
     rows = []
     for batch in (1, 64):
-        ratio = w1r["aostore"][f"99%/{batch}"] / w1r["aostore"][f"0%/{batch}"]
-        base = w1r["baseline"][f"99%/{batch}"] / w1r["baseline"][f"0%/{batch}"]
+
+        def text(name: str, batch: int = batch) -> str:
+            ratio = w[name][f"99%/{batch}"] / w[name][f"0%/{batch}"]
+            return f"{ratio:.2f} ({w[name][f'99%/{batch}']:.0f} µs/put)"
+
+        value = w["aostore"][f"99%/{batch}"] / w["aostore"][f"0%/{batch}"]
         rows.append(
-            (
+            Target(
                 "T1",
                 f"W1 put of {batch}, 99% / 0% referenced",
-                ratio,
+                value,
+                f"{value:.2f}",
                 "<= 1.2",
-                ratio <= 1.2,
-                f"baseline {base:.2f}",
+                value <= 1.2,
+                *refs.cells(text),
             )
         )
-    for op, goal in (("put", 12.0), ("get", 8.0)):
-        a, b = w2r["aostore/64"][f"{op}_ns"], w2r["baseline/64"][f"{op}_ns"]
-        rows.append(
-            (
-                "T2",
-                f"W2 64 B {op}, baseline / aostore",
-                b / a,
-                f">= {goal:g}",
-                b / a >= goal,
-                f"{b:.0f} vs {a:.0f} ns/object",
-            )
-        )
-    for op in ("put", "get"):
-        a = w2r[f"aostore/{GLM_OBJECT_NBYTES}"][f"{op}_ns"]
-        f = w2r[f"floor/{GLM_OBJECT_NBYTES}"][f"{op}_ns"]
-        b = w2r[f"baseline/{GLM_OBJECT_NBYTES}"][f"{op}_ns"]
-        rows.append(
-            (
-                "T3",
-                f"W2 5,888 B {op}, aostore / memcpy floor",
-                a / f,
-                "<= 1.2",
-                a / f <= 1.2,
-                f"baseline {b / f:.2f}x floor",
-            )
-        )
-    speed = w4r["aostore_speed"]
-    rows.append(
-        (
-            "T4",
-            "W4 engine speed, aostore writer / no-op",
-            speed,
-            ">= 0.9",
-            speed >= 0.9,
-            f"Python writer {w4r['python_writer_speed']:.2f}",
-        )
-    )
-    for arena in ("warm", "cold"):
-        a, b = w3r[f"aostore/{arena}"]["writer_s"], w3r[f"baseline/{arena}"]["writer_s"]
-        rows.append(
-            (
-                "T5",
-                f"W3 writer time, baseline / aostore ({arena} arena)",
-                b / a,
-                ">= 10",
-                b / a >= 10,
-                f"{b:.2f} s vs {a:.2f} s",
-            )
-        )
-    per_key = t6r["aostore_bytes_per_key"]
-    rows.append(
-        (
-            "T6",
-            "bytes beyond the arena per stored key",
-            per_key,
-            "<= 160",
-            per_key <= 160,
-            f"baseline {t6r['baseline_bytes_per_key']:.0f} B",
-        )
-    )
     return rows
 
 
-def table(rows: list[tuple[str, str, float, str, bool, str]]) -> str:
-    lines = [
-        "| id | measure | aostore | target | met | reference in the same run |",
-        "|---|---|---|---|---|---|",
+def t2_t3_rows(w: dict[str, Any], refs: References) -> list[Target]:
+    rows = []
+    for op, goal in (("put", 12.0), ("get", 10.0)):
+        ours = w["aostore/64"][f"{op}_ns"]
+
+        def times(name: str, op: str = op, ours: float = ours) -> str:
+            theirs = w[f"{name}/64"][f"{op}_ns"]
+            return f"{theirs / ours:.1f}x ({theirs:.0f} vs {ours:.0f} ns/object)"
+
+        value = w[f"{refs.name}/64"][f"{op}_ns"] / ours
+        rows.append(
+            Target(
+                "T2",
+                f"W2 64 B {op}, {refs.label} / aostore{refs.against}",
+                value,
+                f"{value:.1f}x",
+                f">= {goal:g}",
+                value >= goal,
+                *refs.cells(times),
+            )
+        )
+    big = GLM_OBJECT_NBYTES
+    for op in ("put", "get"):
+        floor = w[f"floor/{big}"][f"{op}_ns"]
+
+        def floors(name: str, op: str = op, floor: float = floor) -> str:
+            return f"{w[f'{name}/{big}'][f'{op}_ns'] / floor:.2f}x floor"
+
+        value = w[f"aostore/{big}"][f"{op}_ns"] / floor
+        rows.append(
+            Target(
+                "T3",
+                f"W2 5,888 B {op}, aostore / memcpy floor",
+                value,
+                f"{value:.2f}",
+                "<= 1.1",
+                value <= 1.1,
+                *refs.cells(floors),
+            )
+        )
+    return rows
+
+
+def t4_rows(w: dict[str, Any], refs: References) -> list[Target]:
+    def speed(name: str) -> str:
+        s = w[f"{name}_speed"]
+        return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+    s = w["aostore_speed"]
+    return [
+        Target(
+            "T4",
+            f"W4 engine speed, writer / no-op store (median, range of {len(s['runs'])})",
+            s["median"],
+            speed("aostore"),
+            ">= 0.95",
+            s["median"] >= 0.95,
+            *refs.cells(speed),
+        )
     ]
-    for tid, measure, value, goal, met, note in rows:
+
+
+def t5_rows(w: dict[str, Any], refs: References) -> list[Target]:
+    rows = []
+    for arena, how in (("fresh", "as the plugin builds it"), ("prefaulted", "prefaulted")):
+        floor = w[f"floor/{arena}"]["writer_s"]
+        ours = w[f"aostore/{arena}"]["writer_s"]
+
+        def text(name: str, arena: str = arena, floor: float = floor, ours: float = ours) -> str:
+            theirs = w[f"{name}/{arena}"]["writer_s"]
+            return f"{theirs / ours:.1f}x aostore, {theirs / floor:.2f}x floor ({theirs:.2f} s)"
+
+        value = ours / floor
+        rows.append(
+            Target(
+                "T5",
+                f"W3 writer time, aostore / memcpy floor (arena {how})",
+                value,
+                f"{value:.2f} ({ours:.2f} s)",
+                "<= 1.3",
+                value <= 1.3,
+                *refs.cells(text),
+            )
+        )
+    return rows
+
+
+def t6_rows(t: dict[str, Any], refs: References) -> list[Target]:
+    def text(name: str) -> str:
+        return f"{t[name]['bytes_per_key']:.0f} B"
+
+    value = t["aostore"]["bytes_per_key"]
+    return [
+        Target(
+            "T6",
+            "memory beyond the arena per stored key (key text included)",
+            value,
+            f"{value:.0f} B",
+            "<= 100 B",
+            value <= 100,
+            *refs.cells(text),
+        )
+    ]
+
+
+def t7_rows(t: dict[str, Any], refs: References) -> list[Target]:
+    rows = []
+    for shape, what in (("a", "4 x 128 B + 8 retains + 4 releases"), ("b", "64 x 5,888 B")):
+
+        def median(name: str, shape: str = shape) -> str:
+            return f"{t[f'{shape}/{name}/quiet']['median_us']:.1f} µs"
+
+        def p99(name: str, shape: str = shape) -> str:
+            return f"{t[f'{shape}/{name}/busy']['p99_us']:.1f} µs"
+
+        ours = t[f"{shape}/aostore/quiet"]["median_us"]
+        rows.append(
+            Target(
+                "T7",
+                f"engine-thread cost of BackgroundBlockObjectStore.put ({shape}) {what}: "
+                f"median{refs.against}",
+                ours,
+                f"{ours:.1f} µs",
+                f"<= {refs.label}'s",
+                ours <= t[f"{shape}/{refs.name}/quiet"]["median_us"],
+                *refs.cells(median),
+            )
+        )
+        busy = t[f"{shape}/aostore/busy"]["p99_us"]
+        rows.append(
+            Target(
+                "T7",
+                f"engine-thread cost of BackgroundBlockObjectStore.put ({shape}): p99 while "
+                "another thread runs Python",
+                busy,
+                f"{busy:.1f} µs",
+                "<= 25 µs",
+                busy <= 25,
+                *refs.cells(p99),
+            )
+        )
+    return rows
+
+
+def t8_w3_rows(w: dict[str, Any], refs: References) -> list[Target]:
+    def worst(name: str) -> str:
+        f = w[f"{name}/fresh"]
+        return f"{f['worst_us'] / 1e3:.2f} ms (p99.9 {f['p999_us'] / 1e3:.2f})"
+
+    value = w["aostore/fresh"]["worst_us"] / 1e3
+    return [
+        Target(
+            "T8",
+            "worst put over W3 (arena as the plugin builds it)",
+            value,
+            worst("aostore"),
+            "<= 1 ms",
+            value <= 1,
+            *refs.cells(worst),
+        )
+    ]
+
+
+def t8_rows(t: dict[str, Any], refs: References) -> list[Target]:
+    rows = []
+    for slots, nbytes in t["sizes"]:
+        for field, what, detail, detail_text in (
+            ("evicting_worst_us", "first 20 evicting puts", "evicting_p999_us", "p99.9"),
+            (
+                "first_beyond_slots_us",
+                "first put with more keys than slots",
+                "beyond_worst_us",
+                "worst of 20",
+            ),
+        ):
+
+            def figure(
+                name: str,
+                slots: int = slots,
+                field: str = field,
+                detail: str = detail,
+                detail_text: str = detail_text,
+            ) -> str:
+                f = t[f"{name}/{slots}"]
+                return f"{f[field] / 1e3:.2f} ms ({detail_text} {f[detail] / 1e3:.2f})"
+
+            value = t[f"aostore/{slots}"][field] / 1e3
+            rows.append(
+                Target(
+                    "T8",
+                    f"worst put, full store of {slots:,} x {nbytes:,} B: {what}",
+                    value,
+                    figure("aostore"),
+                    "<= 1 ms",
+                    value <= 1,
+                    *refs.cells(figure),
+                )
+            )
+    return rows
+
+
+def t9_rows() -> list[Target]:
+    """T9 is measured by the variable-size store's own benchmark, when it exists."""
+    found = VARIABLE_BENCH.exists()
+    return [
+        Target(
+            "T9",
+            "variable-size store: put, get / fixed store; bytes held / arena",
+            None,
+            "see benches/variable_bench.py" if found else "not built",
+            "<= 1.5; >= 0.85",
+            None,
+            "-",
+            "-",
+        )
+    ]
+
+
+def targets(r: dict[str, Any], stores: Sequence[Contender], vllm_missing: str) -> list[Target]:
+    """SPEC section 10's rows for the workloads in ``r``. A target stated against vLLM's store
+    is judged against the replica when vLLM is not importable, and the row says so."""
+    refs = References.of(stores, vllm_missing)
+    sections: list[tuple[str, Callable[[dict[str, Any], References], list[Target]]]] = [
+        ("w1", t1_rows),
+        ("w2", t2_t3_rows),
+        ("w4", t4_rows),
+        ("w3", t5_rows),
+        ("t6", t6_rows),
+        ("t7", t7_rows),
+        ("w3", t8_w3_rows),
+        ("t8", t8_rows),
+    ]
+    rows = [row for name, make in sections if name in r for row in make(r[name], refs)]
+    return rows + t9_rows()
+
+
+def table(rows: Sequence[Target], stores: Sequence[Contender], vllm_missing: str) -> str:
+    vllm_label = next((c.label for c in stores if c.name == "vllm"), "vLLM")
+    lines = [
+        f"| id | measure | aostore | target | met | {vllm_label} (same run) | replica (same run) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in rows:
+        met = "-" if t.met is None else ("yes" if t.met else "NO")
         lines.append(
-            f"| {tid} | {measure} | {value:.2f} | {goal} | {'yes' if met else 'NO'} | {note} |"
+            f"| {t.id} | {t.measure} | {t.aostore} | {t.target} | {met} | {t.vllm} | {t.replica} |"
+        )
+    if vllm_missing:
+        lines.append(
+            f"\nvLLM's store: {vllm_missing}. Targets stated against vLLM's store are judged "
+            "against the pure-Python replica in this run (marked in the measure)."
         )
     return "\n".join(lines)
 
 
-def plots(results: dict[str, Any], out: Path) -> list[str]:
+def plots(results: dict[str, Any], stores: Sequence[Contender], out: Path) -> list[str]:
     try:
         import matplotlib
 
@@ -392,64 +907,98 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         print("matplotlib is not installed: no plots", file=sys.stderr)
         return []
     written = []
-    w1r = results["w1"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("rescan", "aostore"):
-        series = w1r[f"scaling/{name}"]
-        for size in sorted({k.split("/")[0] for k in series}, key=int):
-            xs = [0, 90, 99]
-            ys = [series[f"{size}/{p}%"] for p in xs]
-            ax.plot(xs, ys, marker="o", label=f"{name}, {int(size):,} slots")
-    ax.set_yscale("log")
-    ax.set_xlabel("keys referenced (%)")
-    ax.set_ylabel("evicting put of 64 (µs, median)")
-    ax.set_title("W1: evicting put vs referenced keys")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "w1_scaling.png", dpi=120)
-    written.append(str(out / "w1_scaling.png"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in ("aostore/warm", "baseline/warm"):
-        lat = np.sort(np.asarray(results["w3"][f"{label}/latencies_us"]))
-        ax.plot(lat, np.linspace(0, 1, len(lat)), label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("put latency (µs)")
-    ax.set_ylabel("fraction of puts")
-    ax.set_title("W3: RL-rollout replay, put latency CDF")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "w3_latency.png", dpi=120)
-    written.append(str(out / "w3_latency.png"))
+    if "w1" in results:
+        w1r = results["w1"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in ("rescan", "aostore"):
+            series = w1r[f"scaling/{name}"]
+            for size in sorted({k.split("/")[0] for k in series}, key=int):
+                xs = [0, 90, 99]
+                ys = [series[f"{size}/{p}%"] for p in xs]
+                ax.plot(xs, ys, marker="o", label=f"{name}, {int(size):,} slots")
+        ax.set_yscale("log")
+        ax.set_xlabel("keys referenced (%)")
+        ax.set_ylabel("evicting put of 64 (µs, median)")
+        ax.set_title("W1: evicting put vs referenced keys")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "w1_scaling.png", dpi=120)
+        plt.close(fig)
+        written.append(str(out / "w1_scaling.png"))
+    if "w3" in results:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for color, c in enumerate(stores):
+            for arena, style in (("fresh", "-"), ("prefaulted", "--")):
+                lat = np.sort(np.asarray(results["w3"][f"{c.name}/{arena}"]["latencies_us"]))
+                ax.plot(
+                    lat,
+                    np.linspace(0, 1, len(lat)),
+                    style,
+                    color=f"C{color}",
+                    label=f"{c.label}, {arena} arena",
+                )
+        ax.set_xscale("log")
+        ax.set_xlabel("put latency (µs)")
+        ax.set_ylabel("fraction of puts")
+        ax.set_title("W3: RL-rollout replay, put latency CDF")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "w3_latency.png", dpi=120)
+        plt.close(fig)
+        written.append(str(out / "w3_latency.png"))
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     parser.add_argument("--out", default="bench-out", help="folder for results.json and plots")
-    parser.add_argument("--only", nargs="*", default=["w1", "w2", "w3", "w4", "t6"])
+    parser.add_argument("--only", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--no-vllm", action="store_true", help="do not import vLLM's store")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"machine": os.uname().machine, "cpus": os.cpu_count()}
-    # W4 first: on two cores it feels any background work (the kernel compacting memory after
-    # the large arenas of W1-W3 are freed), which is not what it measures.
-    for name, fn in (("w4", w4), ("w1", w1), ("w2", w2), ("w3", w3), ("t6", t6)):
+    stores, vllm_missing = contenders(vllm=not args.no_vllm)
+    print(f"stores: {', '.join(c.label for c in stores)}", file=sys.stderr)
+    if vllm_missing:
+        print(f"vLLM's store: {vllm_missing}", file=sys.stderr)
+    results: dict[str, Any] = {
+        "machine": os.uname().machine,
+        "cpus": os.cpu_count(),
+        "quick": args.quick,
+        "stores": {c.name: c.label for c in stores},
+        "vllm_missing": vllm_missing,
+    }
+    workloads: dict[str, Callable[[bool, Sequence[Contender]], dict[str, Any]]] = {
+        "w4": w4,
+        "t7": t7,
+        "w1": w1,
+        "w2": w2,
+        "w3": w3,
+        "t8": t8,
+        "t6": t6,
+    }
+    # W4 and T7 first: on two cores they feel any background work (the kernel compacting
+    # memory after the large arenas of W1-W3 are freed), which is not what they measure.
+    for name in WORKLOADS:
         if name in args.only:
             t0 = time.perf_counter()
-            results[name] = fn(args.quick)
+            results[name] = workloads[name](args.quick, stores)
             print(f"{name} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    if all(k in results for k in ("w1", "w2", "w3", "w4", "t6")):
-        rows = targets(results)
-        print(table(rows))
-        results["targets"] = [
-            {"id": r[0], "measure": r[1], "value": r[2], "target": r[3], "met": r[4], "note": r[5]}
-            for r in rows
-        ]
-        plots(results, out)
-    slim = {k: v for k, v in results.items() if k != "w3"}
+    rows = targets(results, stores, vllm_missing)
+    print(table(rows, stores, vllm_missing))
+    results["targets"] = [asdict(t) for t in rows]
+    plots(results, stores, out)
+    slim = dict(results)
     if "w3" in results:
-        slim["w3"] = {k: v for k, v in results["w3"].items() if not k.endswith("latencies_us")}
+        slim["w3"] = {
+            k: (
+                {f: v for f, v in fig.items() if f != "latencies_us"}
+                if isinstance(fig, dict)
+                else fig
+            )
+            for k, fig in results["w3"].items()
+        }
     (out / "results.json").write_text(json.dumps(slim, indent=2))
     return 0
 

@@ -1,10 +1,13 @@
-"""``python -m aostore``: replay an RL rollout against aostore and the pure-Python baseline.
+"""``python -m aostore``: replay an RL rollout against aostore, vLLM's own store and a replica.
 
 ``python -m aostore`` (or ``aostore``) runs the workload replay W3 with its defaults: one
 rollout of the seed's GLM-4.5-Air benchmark (64 prompts x 8 samples, 1k-16k output tokens,
 167,341 store slots of 5,888 bytes), driven as vLLM's worker drives the store, then prints
-writer time, put latency and the baseline's figures from the same run. ``--scale`` replays the
-seed's three rollouts; ``--json`` and ``--plot`` write the figures and a latency plot.
+writer time and put latency of aostore, of vLLM's own ``BlockObjectStore`` (the store you would
+otherwise run; when ``vllm`` is importable, else its column says why not) and of the pure-Python
+replica of it, all from the same run. ``--no-vllm`` skips vLLM's store (importing vLLM takes
+seconds). ``--scale`` replays the seed's three rollouts; ``--json`` and ``--plot`` write the
+figures and a latency plot.
 
 ``python -m aostore churn`` exercises a full store in steady state instead: batches of 64 new
 blocks with 64 retains and 64 releases, and reads of 64 random live blocks, in ns per object.
@@ -104,38 +107,37 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def replay(args: argparse.Namespace) -> int:
-    from aostore.replay import RolloutShape, compare, generate, pool
+    from aostore.replay import (
+        RolloutShape,
+        compare,
+        contenders,
+        generate,
+        plugin_contender,
+        pool,
+    )
 
     shape = RolloutShape(rollout_steps=3 if args.scale else 1, seed=args.seed)
+    # aostore as the vLLM plugin builds it for vLLM 0.33 (profile "grow"; nothing grows here),
+    # or with prefault=True when every arena is committed first.
+    stores, why = contenders(vllm=not args.no_vllm, profile="grow")
+    if not args.prefault:
+        stores[0] = plugin_contender()
     print(
         f"replaying {shape.rollout_steps} rollout(s) of {shape.prompts} prompts x "
         f"{shape.samples} samples; store of {shape.store_slots:,} slots x "
-        f"{shape.object_nbytes:,} B",
+        f"{shape.object_nbytes:,} B; stores: {', '.join(c.label for c in stores)}",
         file=sys.stderr,
     )
     steps = generate(shape)
     rows = pool(shape.object_nbytes, shape.seed)
-    ours, base = compare(shape, steps, rows, prefault=args.prefault, progress=_progress)
-    results = [ours, base]
-    table: list[tuple[str, float, str, float]] = [
-        ("puts", float(ours.puts), "", float(base.puts)),
-        ("objects written", float(ours.objects), "", float(base.objects)),
-        ("objects read", float(ours.objects_read), "", float(base.objects_read)),
-        ("writer time", ours.writer_seconds, "s", base.writer_seconds),
-        ("put p50", ours.percentile_us(50), "us", base.percentile_us(50)),
-        ("put p99", ours.percentile_us(99), "us", base.percentile_us(99)),
-        ("read time", ours.read_seconds, "s", base.read_seconds),
-    ]
-    print(f"{'measure':<16} {'aostore':>12} {'baseline':>12} {'baseline/aostore':>17}")
-    print("-" * 60)
-    for label, value, unit, other in table:
-        ratio = f"{other / value:.1f}x" if unit and value else ""
-        print(f"{label:<16} {_fmt(value, unit):>12} {_fmt(other, unit):>12} {ratio:>17}")
+    results = compare(shape, steps, rows, prefault=args.prefault, progress=_progress, stores=stores)
+    print(_replay_table(results, why))
     if args.json:
         import json
 
         payload = {
             r.name: {
+                "label": r.label,
                 "puts": r.puts,
                 "objects": r.objects,
                 "objects_read": r.objects_read,
@@ -143,14 +145,55 @@ def replay(args: argparse.Namespace) -> int:
                 "read_seconds": r.read_seconds,
                 "p50_us": r.percentile_us(50),
                 "p99_us": r.percentile_us(99),
+                "worst_us": r.worst_us,
             }
             for r in results
         }
+        if why:
+            payload["vllm"] = {"missing": why}
         with open(args.json, "w") as f:
             json.dump({"shape": shape.__dict__, "results": payload}, f, indent=2)
     if args.plot:
         _plot(results, args.plot)
     return 0
+
+
+def _replay_table(results: Sequence[Any], vllm_missing: str) -> str:
+    """Figures of each store side by side, then each reference's time / aostore's."""
+    ours, others = results[0], results[1:]
+    measures: list[tuple[str, str, Any]] = [
+        ("puts", "", lambda r: float(r.puts)),
+        ("objects written", "", lambda r: float(r.objects)),
+        ("objects read", "", lambda r: float(r.objects_read)),
+        ("writer time", "s", lambda r: r.writer_seconds),
+        ("put p50", "us", lambda r: r.percentile_us(50)),
+        ("put p99", "us", lambda r: r.percentile_us(99)),
+        ("worst put", "us", lambda r: r.worst_us),
+        ("read time", "s", lambda r: r.read_seconds),
+    ]
+    columns = [r.label for r in results]
+    if vllm_missing:
+        columns.insert(1, "vLLM")
+    ratios = [f"{r.label}/aostore" for r in others]
+    head = f"{'measure':<16}" + "".join(f" {c:>14}" for c in columns)
+    head += "".join(f" {c:>22}" for c in ratios)
+    lines = [head, "-" * len(head)]
+    for label, unit, figure in measures:
+        cells = [_fmt(figure(r), unit) for r in results]
+        if vllm_missing:
+            cells.insert(1, "-")
+        line = f"{label:<16}" + "".join(f" {c:>14}" for c in cells)
+        ours_value = figure(ours)
+        for r in others:
+            ratio = f"{figure(r) / ours_value:.1f}x" if unit and ours_value else ""
+            line += f" {ratio:>22}"
+        lines.append(line)
+    if vllm_missing:
+        lines.append(
+            f"vLLM's store: {vllm_missing}; the references in this run are the pure-Python "
+            "replica only (pip install vllm==0.33.0 to compare with the store vLLM runs)"
+        )
+    return "\n".join(lines)
 
 
 def _plot(results: list[Any], path: str) -> None:
@@ -166,7 +209,7 @@ def _plot(results: list[Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         lat = np.sort(np.asarray(r.put_ns)) / 1e3
-        ax.plot(lat, np.linspace(0, 1, len(lat)), label=r.name)
+        ax.plot(lat, np.linspace(0, 1, len(lat)), label=r.label)
     ax.set_xscale("log")
     ax.set_xlabel("put latency (µs)")
     ax.set_ylabel("fraction of puts")
@@ -182,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale", action="store_true", help="the seed's three rollouts")
     parser.add_argument(
         "--prefault", action="store_true", help="commit both arenas before the replay"
+    )
+    parser.add_argument(
+        "--no-vllm", action="store_true", help="do not import vLLM to replay its store too"
     )
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write the put-latency plot")
