@@ -114,6 +114,7 @@ impl Arena {
         let flag = Arc::clone(&stop);
         let spawned =
             std::thread::Builder::new().name("aostore-prefault".to_owned()).spawn(move || {
+                crate::sched::yield_to_running_threads();
                 const CHUNK: usize = 32 << 20;
                 let mut offset = 0;
                 while offset < len && !flag.load(Ordering::Acquire) {

@@ -7,6 +7,7 @@
 pub mod arena;
 pub mod error;
 pub mod index;
+pub mod sched;
 pub mod slab;
 pub mod store;
 

@@ -104,21 +104,8 @@ pub struct NativeWriter {
     generation: u64,
 }
 
-/// Marks the calling thread `SCHED_BATCH`: the kernel then never preempts a running thread to
-/// run it when it wakes. Without this, handing a batch over on a busy machine could move the
-/// writer onto the engine thread's core at once, and the engine would wait for the copy.
-pub(crate) fn yield_to_woken_threads() {
-    #[cfg(target_os = "linux")]
-    {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: pid 0 is the calling thread; SCHED_BATCH takes priority 0. A refusal (a
-        // seccomp filter, say) leaves the thread as it was, which is only slower.
-        unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &raw const param) };
-    }
-}
-
 fn run(shared: &Arc<Shared>, core: &SharedCore) {
-    yield_to_woken_threads();
+    crate::sched::yield_to_running_threads();
     loop {
         let (views, skip) = {
             let mut state = shared.lock();
