@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+import types
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from aostore import _tensors
@@ -98,6 +99,16 @@ class BlockObjectStore(NativeStore):
         # native store unmaps it (which happens right after this, in deallocation).
         if getattr(self, "_pinned", False) and not self.closed:
             self._unpin_arena()
+
+    @property
+    def _references(self) -> Mapping[str, int]:
+        """Reference count per referenced key, read-only: vLLM's private ``_references`` dict.
+
+        A compatibility shim for code that reads vLLM's store internals (vLLM's own tests do). A
+        copy taken from ``snapshot()`` at each access: O(stored bytes), not for hot paths.
+        """
+        references: dict[str, int] = self.snapshot()["references"]
+        return types.MappingProxyType(references)
 
     def _ensure_open(self) -> None:
         if self.closed:
