@@ -1,14 +1,24 @@
-"""The vLLM plugin (SPEC section 7), against a throwaway ``vllm`` module tree and a real vLLM.
+"""The vLLM plugin (SPEC sections 7 and 12), against throwaway ``vllm`` trees and a real vLLM.
 
-The fake tree mimics what matters in vLLM: a store module defining the four names, and worker,
-routed-experts and connector modules that imported them before the plugin ran. The real-vLLM
-test runs in a subprocess (vLLM imports torch; the swap must not leak into this process) and
-skips when ``vllm`` is not installed.
+Each fake tree is written to disk and imported like the real package, so the plugin sees real
+modules, source files and classes. Layouts:
+
+- ``fail-closed`` (vLLM 0.32) and ``grow`` (vLLM 0.33): ``store.py`` defines the four names and
+  the worker, routed-experts and connector modules import them before the plugin runs;
+- ``variable``: a branch whose ``store.py`` also defines ``VariableBlockObjectStore`` and whose
+  background wrapper has ``get_optional`` and ``flush``;
+- ``shm``: a branch whose fixed store lives in ``shm.py`` (``ShmBlockObjectStore``) and whose
+  ``store.py`` no longer defines ``BlockObjectStore``;
+- ``broken``: a store that the profile probe cannot construct.
+
+The real-vLLM test runs in a subprocess (vLLM imports torch; the swap must not leak into this
+process) and skips when ``vllm`` is not installed (``make test-vllm`` runs it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -22,15 +32,147 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 
 aostore = pytest.importorskip("aostore")
 vllm_plugin = pytest.importorskip("aostore.vllm_plugin")
+from aostore import _log  # noqa: E402
 
 STORE = "vllm.distributed.aux_output_connector.store"
 PACKAGE = "vllm.distributed.aux_output_connector"
 NAMES = ("BlockObjectStore", "BlockObject", "BlockObjectStoreError", "BackgroundBlockObjectStore")
+LOGGER = "vllm.plugins.aostore"
+
+# The parts of a fake vLLM store module. Each imitates vLLM's class of that name closely enough
+# for the surface check: the same public methods, instance attributes and constructor keywords.
+_HEADER = """
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockObject:
+    key: str
+    payload: bytes
+
+
+class BlockObjectStoreError(RuntimeError):
+    pass
+"""
+
+_WRAPPER = """
+class BackgroundBlockObjectStore:
+    def __init__(self, store, *, max_pending_batches):
+        self._store = store
+
+    def put(self, objects, *, retain_keys=(), release_keys=()):
+        self._store.put(objects, retain_keys=retain_keys, release_keys=release_keys)
+
+    def get_concatenated(self, keys):
+        return self._store.get_concatenated(keys)
+
+    def close(self):
+        self._store.close()
+"""
+
+_WRAPPER_EXTRAS = """
+    def get_optional(self, key):
+        return self._store.get_optional(key)
+
+    def flush(self):
+        pass
+"""
+
+_FIXED = """
+class {name}:
+    def __init__(self, *, max_bytes, object_nbytes{keywords}):
+        if {broken}:
+            raise TypeError("this store needs arguments the probe does not know")
+        self.object_nbytes = object_nbytes
+        self.num_slots = max_bytes // object_nbytes
+        self._objects = {{}}
+
+    def put(self, objects, *, retain_keys=(), release_keys=()):
+        objects = list(objects)
+        if len(objects) > self.num_slots:
+            if not {grows}:
+                raise BlockObjectStoreError("cannot retain the requested batch")
+            logger.warning("fake vLLM store grows")
+            self.num_slots = max(len(objects), 2 * self.num_slots)
+        self._objects.update((obj.key, obj.payload) for obj in objects)
+
+    def get_concatenated(self, keys):
+        return b"".join(self._objects[key] for key in keys)
+
+    def close(self):
+        pass
+"""
+
+_VARIABLE = """
+class VariableBlockObjectStore:
+    def __init__(self, *, max_bytes):
+        self.max_bytes = max_bytes
+        self._objects = {}
+
+    def put(self, objects, *, retain_keys=(), release_keys=()):
+        self._objects.update((obj.key, obj.payload) for obj in objects)
+
+    def get_concatenated(self, keys):
+        return b"".join(self._objects[key] for key in keys)
+
+    def get_optional(self, key):
+        return self._objects.get(key)
+
+    def close(self):
+        pass
+"""
+
+
+def _fixed(kind: str, name: str = "BlockObjectStore", keywords: str = "") -> str:
+    return _FIXED.format(
+        name=name, keywords=keywords, broken=kind == "broken", grows=kind != "fail-closed"
+    )
+
+
+def tree_sources(kind: str, *, store_keywords: str = "", store_extra: str = "") -> dict[str, str]:
+    """The files of a fake ``vllm`` package of one layout, relative to its parent directory."""
+    base = "vllm/distributed/aux_output_connector/"
+    wrapper = _WRAPPER + (_WRAPPER_EXTRAS if kind == "variable" else "")
+    fixed = _fixed(kind, keywords=store_keywords) + store_extra
+    files = {
+        "vllm/__init__.py": "",
+        "vllm/distributed/__init__.py": "",
+        base + "__init__.py": "",
+        "vllm/unrelated.py": "class BlockObjectStore:  # same name, another class\n    pass\n",
+        "vllm_user_outside.py": f"from {STORE} import BlockObject\n",
+        base + "connector.py": f"from {STORE} import BlockObjectStoreError\n",
+    }
+    if kind == "shm":
+        files[base + "store.py"] = _HEADER + wrapper
+        files[base + "shm.py"] = (
+            f"import logging\nfrom {STORE} import BlockObject, BlockObjectStoreError\n"
+            "logger = logging.getLogger(__name__)\n" + _fixed("grow", "ShmBlockObjectStore")
+        )
+        files[base + "worker.py"] = (
+            f"from {PACKAGE}.shm import ShmBlockObjectStore\n"
+            f"from {STORE} import BackgroundBlockObjectStore\nOTHER = 42\n"
+        )
+        files[base + "routed_experts.py"] = f"from {STORE} import BlockObject\n"
+        return files
+    files[base + "store.py"] = _HEADER + wrapper + fixed + (_VARIABLE if kind == "variable" else "")
+    files[base + "worker.py"] = (
+        f"from {STORE} import BackgroundBlockObjectStore, BlockObjectStore\nOTHER = 42\n"
+    )
+    files[base + "routed_experts.py"] = (
+        f"from {STORE} import BackgroundBlockObjectStore, BlockObject, BlockObjectStore\n"
+    )
+    if kind == "variable":
+        files[base + "worker.py"] += f"from {STORE} import VariableBlockObjectStore\n"
+    return files
 
 
 def _ours(name: str) -> bool:
@@ -44,110 +186,57 @@ class FakeTree:
     modules: dict[str, types.ModuleType]
 
 
-def build_tree(kind: str) -> FakeTree:
-    """Installs a fake vLLM whose store grows (``grow``), fails closed, or cannot be probed."""
+@dataclasses.dataclass
+class TreeMaker:
+    root: Path
+    monkeypatch: pytest.MonkeyPatch
 
-    @dataclasses.dataclass(frozen=True)
-    class BlockObject:
-        key: str
-        payload: bytes
-
-    class BlockObjectStoreError(RuntimeError):
-        pass
-
-    class BackgroundBlockObjectStore:
-        pass
-
-    store_logger = logging.getLogger(STORE)
-
-    class BlockObjectStore:
-        def __init__(self, *, max_bytes: int, object_nbytes: int) -> None:
-            if kind == "broken":
-                raise TypeError("this store needs arguments the probe does not know")
-            self.num_slots = max_bytes // object_nbytes
-
-        def put(self, objects: Any, *, retain_keys: Any = (), release_keys: Any = ()) -> None:
-            stored = len(list(objects))
-            if stored > self.num_slots:
-                if kind == "fail-closed":
-                    raise BlockObjectStoreError("cannot retain the requested batch")
-                store_logger.warning("fake vLLM store grows")
-                self.num_slots = max(stored, 2 * self.num_slots)
-
-        def close(self) -> None:
-            pass
-
-    originals = {
-        "BlockObjectStore": BlockObjectStore,
-        "BlockObject": BlockObject,
-        "BlockObjectStoreError": BlockObjectStoreError,
-        "BackgroundBlockObjectStore": BackgroundBlockObjectStore,
-    }
-
-    def module(name: str, package: bool = False, **names: Any) -> types.ModuleType:
-        mod = types.ModuleType(name)
-        if package:
-            mod.__path__ = []
-        mod.__dict__.update(names)
-        sys.modules[name] = mod
-        parent, _, child = name.rpartition(".")
-        if parent in sys.modules:
-            setattr(sys.modules[parent], child, mod)
-        return mod
-
-    class Unrelated:
-        pass
-
-    modules = {
-        "vllm": module("vllm", package=True),
-        "vllm.distributed": module("vllm.distributed", package=True),
-        PACKAGE: module(PACKAGE, package=True),
-        STORE: module(STORE, **originals),
-        "worker": module(
-            f"{PACKAGE}.worker",
-            BlockObjectStore=BlockObjectStore,
-            BackgroundBlockObjectStore=BackgroundBlockObjectStore,
-            OTHER=42,
-        ),
-        "routed": module(
-            f"{PACKAGE}.routed_experts",
-            BlockObject=BlockObject,
-            BlockObjectStore=BlockObjectStore,
-            BackgroundBlockObjectStore=BackgroundBlockObjectStore,
-        ),
-        "connector": module(f"{PACKAGE}.connector", BlockObjectStoreError=BlockObjectStoreError),
-        # Same name, different object: must be left alone.
-        "unrelated": module("vllm.unrelated", BlockObjectStore=Unrelated),
-        # Holds the original but is not part of vLLM: out of the plugin's reach.
-        "outside": module("vllm_user_outside", BlockObjectStore=BlockObjectStore),
-    }
-    sys.modules["vllm.placeholder"] = None  # type: ignore[assignment]  # as after a failed import
-    return FakeTree(kind, originals, modules)
+    def __call__(self, kind: str, **options: str) -> FakeTree:
+        """Writes a fake vLLM of layout ``kind`` and imports it as vLLM would be imported."""
+        where = self.root / kind
+        for name, text in tree_sources(kind, **options).items():
+            (where / name).parent.mkdir(parents=True, exist_ok=True)
+            (where / name).write_text(textwrap.dedent(text))
+        self.monkeypatch.syspath_prepend(str(where))
+        importlib.invalidate_caches()
+        parts = ["connector", "worker", "routed_experts"] + (["shm"] if kind == "shm" else [])
+        modules = {part: importlib.import_module(f"{PACKAGE}.{part}") for part in parts}
+        modules[STORE] = sys.modules[STORE]
+        modules["unrelated"] = importlib.import_module("vllm.unrelated")
+        modules["outside"] = importlib.import_module("vllm_user_outside")
+        sys.modules["vllm.placeholder"] = None  # type: ignore[assignment]  # a failed import
+        store_module = modules[STORE]
+        originals = {
+            name: value for name, value in vars(store_module).items() if isinstance(value, type)
+        }
+        return FakeTree(kind, originals, modules)
 
 
 @pytest.fixture
-def clean_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def make_tree(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[TreeMaker]:
     """Removes any ``vllm`` modules for the test and puts them back afterwards."""
     monkeypatch.delenv(vllm_plugin.ENV_DISABLE, raising=False)
     monkeypatch.delenv(vllm_plugin.ENV_PROFILE, raising=False)
     saved = {name: mod for name, mod in sys.modules.items() if _ours(name)}
     for name in saved:
         del sys.modules[name]
+    targets = list(_log._growth_targets)
     try:
-        yield
+        yield TreeMaker(tmp_path, monkeypatch)
     finally:
+        _log._growth_targets[:] = targets
         for name in [name for name in sys.modules if _ours(name)]:
             del sys.modules[name]
         sys.modules.update(saved)
 
 
 @pytest.fixture(params=["grow", "fail-closed"])
-def tree(request: pytest.FixtureRequest, clean_vllm: None) -> FakeTree:
-    return build_tree(request.param)
+def tree(request: pytest.FixtureRequest, make_tree: TreeMaker) -> FakeTree:
+    return make_tree(request.param)
 
 
 def plugin_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "aostore" and r.levelno >= logging.INFO]
+    return [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.INFO]
 
 
 def test_swaps_the_names_in_every_vllm_module(tree: FakeTree) -> None:
@@ -158,14 +247,14 @@ def test_swaps_the_names_in_every_vllm_module(tree: FakeTree) -> None:
     assert store_module.BlockObject is aostore.BlockObject
     assert store_module.BlockObjectStoreError is aostore.BlockObjectStoreError
     assert store_module.BackgroundBlockObjectStore is aostore.BackgroundBlockObjectStore
-    for name in ("worker", "routed", "connector"):
+    for name in ("worker", "routed_experts", "connector"):
         for attr in NAMES:
             if attr in vars(mods[name]):
                 assert getattr(mods[name], attr) is getattr(store_module, attr), (name, attr)
     assert mods["worker"].OTHER == 42
     assert mods["unrelated"].BlockObjectStore is not store_module.BlockObjectStore
-    assert mods["unrelated"].BlockObjectStore.__name__ == "Unrelated"
-    assert mods["outside"].BlockObjectStore is originals["BlockObjectStore"]
+    assert mods["unrelated"].BlockObjectStore.__module__ == "vllm.unrelated"
+    assert mods["outside"].BlockObject is originals["BlockObject"]
     # A module importing the names afterwards gets aostore's as well.
     from vllm.distributed.aux_output_connector.store import BlockObject  # type: ignore[import-not-found]
 
@@ -190,7 +279,7 @@ def test_profile_matches_the_installed_vllm(tree: FakeTree) -> None:
 
 def test_swapped_classes_work_together(tree: FakeTree) -> None:
     vllm_plugin.register()
-    mod = tree.modules["routed"]
+    mod = tree.modules["routed_experts"]
     writer = mod.BackgroundBlockObjectStore(
         mod.BlockObjectStore(max_bytes=16, object_nbytes=4), max_pending_batches=2
     )
@@ -202,7 +291,7 @@ def test_swapped_classes_work_together(tree: FakeTree) -> None:
 
 
 def test_idempotent_and_logs_once(tree: FakeTree, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="aostore"):
+    with caplog.at_level(logging.DEBUG):
         vllm_plugin.register()
         swapped = tree.modules[STORE].BlockObjectStore
         # Something puts an original back: a second call must not touch anything.
@@ -213,10 +302,52 @@ def test_idempotent_and_logs_once(tree: FakeTree, caplog: pytest.LogCaptureFixtu
     assert tree.modules["worker"].BlockObjectStore is tree.originals["BlockObjectStore"]
     records = plugin_records(caplog)
     assert len(records) == 1
+    assert records[0].levelno == logging.INFO
     message = records[0].getMessage()
-    assert tree.kind in message
+    assert f"profile '{tree.kind}'" in message
+    for name in NAMES:
+        assert name in message
     assert f"{PACKAGE}.worker" in message
     assert f"{PACKAGE}.routed_experts" in message
+    assert "kept" not in message
+
+
+def test_start_up_line_shows_on_vllms_default_handler(
+    tree: FakeTree, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM's default logging: one handler on the "vllm" logger, level INFO, no propagation.
+    vllm_logger = logging.getLogger("vllm")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("VLLM-HANDLER %(levelname)s %(message)s"))
+    saved = vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate
+    vllm_logger.handlers[:] = [handler]
+    vllm_logger.setLevel(logging.INFO)
+    vllm_logger.propagate = False
+    try:
+        vllm_plugin.register()
+    finally:
+        vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate = saved
+    lines = [line for line in capsys.readouterr().out.splitlines() if "aostore" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("VLLM-HANDLER INFO aostore vLLM plugin: replaced ")
+
+
+def test_start_up_line_is_a_warning_where_nothing_shows_info(
+    tree: FakeTree, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As in vLLM's front end, which loads plugins before it configures logging.
+    vllm_logger = logging.getLogger("vllm")
+    saved = vllm_logger.handlers[:], vllm_logger.propagate
+    vllm_logger.handlers[:] = []
+    vllm_logger.propagate = False
+    try:
+        vllm_plugin.register()
+    finally:
+        vllm_logger.handlers[:], vllm_logger.propagate = saved
+    # Python's last-resort handler prints WARNING records to standard error.
+    lines = [line for line in capsys.readouterr().err.splitlines() if "aostore" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("aostore vLLM plugin: replaced ")
 
 
 def test_probe_of_vllms_store_is_quiet(tree: FakeTree, caplog: pytest.LogCaptureFixture) -> None:
@@ -233,7 +364,7 @@ def test_environment_variable_turns_it_off(
     tree: FakeTree, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str
 ) -> None:
     monkeypatch.setenv("AOSTORE_VLLM_PLUGIN", value)
-    with caplog.at_level(logging.INFO, logger="aostore"):
+    with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     for name, original in tree.originals.items():
         assert getattr(tree.modules[STORE], name) is original
@@ -264,10 +395,10 @@ def test_bad_forced_profile_is_refused(tree: FakeTree, monkeypatch: pytest.Monke
 
 
 def test_probe_that_cannot_tell_falls_back_to_fail_closed(
-    clean_vllm: None, caplog: pytest.LogCaptureFixture
+    make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = build_tree("broken")
-    with caplog.at_level(logging.INFO, logger="aostore"):
+    fake = make_tree("broken")
+    with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     store = fake.modules[STORE].BlockObjectStore(max_bytes=8, object_nbytes=4)
     assert store.profile == "fail-closed"
@@ -275,26 +406,256 @@ def test_probe_that_cannot_tell_falls_back_to_fail_closed(
     assert any(r.levelno == logging.WARNING for r in plugin_records(caplog))
 
 
-def test_store_module_missing_a_name_is_left_alone(
-    tree: FakeTree, caplog: pytest.LogCaptureFixture
-) -> None:
-    del tree.modules[STORE].BackgroundBlockObjectStore
-    with caplog.at_level(logging.INFO, logger="aostore"):
-        vllm_plugin.register()
-        vllm_plugin.register()
-    assert tree.modules[STORE].BlockObjectStore is tree.originals["BlockObjectStore"]
-    assert tree.modules["worker"].BlockObjectStore is tree.originals["BlockObjectStore"]
-    records = plugin_records(caplog)
-    assert [r.levelno for r in records] == [logging.WARNING]
-    assert "BackgroundBlockObjectStore" in records[0].getMessage()
-
-
-def test_vllm_without_the_store_module_is_left_alone(clean_vllm: None) -> None:
+def test_vllm_without_the_store_module_is_left_alone(make_tree: TreeMaker) -> None:
     vllm = types.ModuleType("vllm")
     vllm.__path__ = []
     sys.modules["vllm"] = vllm
     vllm_plugin.register()  # no exception, nothing to do
     assert STORE not in sys.modules
+
+
+# -- The surface check (SPEC section 12) -------------------------------------------------------
+
+
+def test_surface_reads_methods_instance_attributes_fields_and_keywords(
+    make_tree: TreeMaker,
+) -> None:
+    store_module = make_tree("variable").modules[STORE]
+    store = vllm_plugin.surface(store_module.BlockObjectStore)
+    assert {"put", "get_concatenated", "close", "num_slots", "object_nbytes"} <= store
+    assert {"max_bytes=", "object_nbytes="} <= store
+    assert not any(name.startswith("_") for name in store)
+    assert {"key", "payload", "key=", "payload="} <= vllm_plugin.surface(store_module.BlockObject)
+    wrapper = vllm_plugin.surface(store_module.BackgroundBlockObjectStore)
+    assert {"get_optional", "flush", "store=", "max_pending_batches="} <= wrapper
+    assert "max_bytes" in vllm_plugin.surface(store_module.VariableBlockObjectStore)
+
+
+def test_aostore_side_is_read_from_aostores_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = vllm_plugin.aostore_classes(["VariableBlockObjectStore", "Nonexistent"])
+    assert table["BlockObjectStore"] is aostore.BlockObjectStore
+    assert table["BackgroundBlockObjectStore"] is aostore.BackgroundBlockObjectStore
+    assert "Nonexistent" not in table
+    assert ("VariableBlockObjectStore" in table) == hasattr(aostore, "VariableBlockObjectStore")
+    ours = vllm_plugin.surface(aostore.BlockObjectStore)
+    assert {"put", "get_concatenated", "close", "num_slots", "object_nbytes"} <= ours
+    assert {"max_bytes=", "object_nbytes=", "policy=", "profile="} <= ours
+    # The fixed store of either profile offers the same surface.
+    assert vllm_plugin.surface(vllm_plugin.GrowBlockObjectStore) == ours
+    assert {"key", "payload", "key=", "payload="} <= vllm_plugin.surface(aostore.BlockObject)
+
+
+@pytest.mark.parametrize("kind", ["fail-closed", "grow"])
+def test_released_vllm_is_covered_in_full(make_tree: TreeMaker, kind: str) -> None:
+    decision = vllm_plugin.plan(make_tree(kind).modules[STORE])
+    assert sorted(decision.replace) == sorted(NAMES)
+    assert decision.keep == {}
+    assert decision.note == ""
+
+
+def _variable_stand_in() -> type:
+    class VariableBlockObjectStore:
+        """A stand-in for aostore's variable-size store, with the branch's surface."""
+
+        def __init__(self, *, max_bytes: int) -> None:
+            self.max_bytes = max_bytes
+
+        def put(self, objects: Any, *, retain_keys: Any = (), release_keys: Any = ()) -> None:
+            pass
+
+        def get_concatenated(self, keys: Any) -> bytes:
+            return b""
+
+        def get_optional(self, key: str) -> bytes | None:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    return VariableBlockObjectStore
+
+
+def test_branch_with_a_variable_store_aostore_lacks(
+    make_tree: TreeMaker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delattr(aostore, "VariableBlockObjectStore", raising=False)
+    fake = make_tree("variable")
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    store_module, originals = fake.modules[STORE], fake.originals
+    # The fixed store and its companions are aostore's ...
+    assert issubclass(store_module.BlockObjectStore, aostore.BlockObjectStore)
+    assert fake.modules["worker"].BlockObjectStore is store_module.BlockObjectStore
+    assert store_module.BlockObject is aostore.BlockObject
+    assert store_module.BlockObjectStoreError is aostore.BlockObjectStoreError
+    # ... the variable store stays vLLM's, and so does the wrapper (aostore's has no
+    # get_optional/flush, and it would wrap vLLM's variable store).
+    for name in ("VariableBlockObjectStore", "BackgroundBlockObjectStore"):
+        assert getattr(store_module, name) is originals[name]
+        assert getattr(fake.modules["worker"], name) is originals[name]
+    (record,) = plugin_records(caplog)
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert "kept vLLM's VariableBlockObjectStore: aostore has no VariableBlockObjectStore" in (
+        message
+    )
+    assert "kept vLLM's BackgroundBlockObjectStore: aostore's BackgroundBlockObjectStore lacks" in (
+        message
+    )
+    assert "flush, get_optional" in message
+    assert "profile 'grow'" in message
+
+
+def test_branch_with_a_variable_store_aostore_has(
+    make_tree: TreeMaker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stand_in = _variable_stand_in()
+    monkeypatch.setattr(aostore, "VariableBlockObjectStore", stand_in, raising=False)
+    fake = make_tree("variable")
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    store_module = fake.modules[STORE]
+    assert store_module.VariableBlockObjectStore is stand_in
+    assert fake.modules["worker"].VariableBlockObjectStore is stand_in
+    assert issubclass(store_module.BlockObjectStore, aostore.BlockObjectStore)
+    # The wrapper still lacks get_optional/flush: vLLM's wraps both of aostore's stores.
+    assert store_module.BackgroundBlockObjectStore is fake.originals["BackgroundBlockObjectStore"]
+    (record,) = plugin_records(caplog)
+    assert "kept vLLM's VariableBlockObjectStore" not in record.getMessage()
+    assert "kept vLLM's BackgroundBlockObjectStore" in record.getMessage()
+
+
+class _FullWrapper(aostore.BackgroundBlockObjectStore):  # type: ignore[misc]
+    """A stand-in for an aostore wrapper with the branch's ``get_optional`` and ``flush``."""
+
+    def get_optional(self, key: str) -> bytes | None:
+        return None
+
+    def flush(self) -> None:
+        pass
+
+
+def test_wrapper_that_would_wrap_a_vllm_store_stays_vllms(
+    make_tree: TreeMaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(aostore, "VariableBlockObjectStore", raising=False)
+    monkeypatch.setattr(aostore, "BackgroundBlockObjectStore", _FullWrapper)
+    decision = vllm_plugin.plan(make_tree("variable").modules[STORE])
+    assert decision.keep == {
+        "VariableBlockObjectStore": "aostore has no VariableBlockObjectStore",
+        "BackgroundBlockObjectStore": "it would wrap vLLM's VariableBlockObjectStore",
+    }
+    assert sorted(decision.replace) == ["BlockObject", "BlockObjectStore", "BlockObjectStoreError"]
+
+
+def test_branch_covered_in_full_once_aostore_has_both(
+    make_tree: TreeMaker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Wrapper = _FullWrapper
+    monkeypatch.setattr(aostore, "VariableBlockObjectStore", _variable_stand_in(), raising=False)
+    monkeypatch.setattr(aostore, "BackgroundBlockObjectStore", Wrapper)
+    fake = make_tree("variable")
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    assert fake.modules["worker"].BackgroundBlockObjectStore is Wrapper
+    (record,) = plugin_records(caplog)
+    assert record.levelno == logging.INFO
+    assert "kept" not in record.getMessage()
+
+
+def test_stand_in_missing_a_method_is_not_used(
+    make_tree: TreeMaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    partial = _variable_stand_in()
+    del partial.get_optional  # type: ignore[attr-defined]
+    monkeypatch.setattr(aostore, "VariableBlockObjectStore", partial, raising=False)
+    fake = make_tree("variable")
+    decision = vllm_plugin.plan(fake.modules[STORE])
+    assert decision.keep["VariableBlockObjectStore"] == (
+        "aostore's VariableBlockObjectStore lacks get_optional"
+    )
+
+
+def test_fixed_store_in_another_module_replaces_nothing(
+    make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = make_tree("shm")
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    for name, original in fake.originals.items():
+        assert getattr(fake.modules[STORE], name) is original
+    shm = fake.modules["shm"]
+    assert fake.modules["worker"].ShmBlockObjectStore is shm.ShmBlockObjectStore
+    assert shm.BlockObject is fake.originals["BlockObject"]
+    assert (
+        fake.modules["worker"].BackgroundBlockObjectStore
+        is fake.originals["BackgroundBlockObjectStore"]
+    )
+    (record,) = plugin_records(caplog)
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert message.startswith("aostore vLLM plugin: replaced nothing; ")
+    assert f"{STORE} defines no BlockObjectStore" in message
+    assert f"{PACKAGE}.shm.ShmBlockObjectStore" in message
+    assert "kept vLLM's BackgroundBlockObjectStore: no store is replaced" in message
+    # Nothing replaced, no growth target: aostore's warnings stay on aostore's logger.
+    assert vllm_plugin._store_module_logger not in _log._growth_targets
+
+
+def test_constructor_keyword_aostore_lacks_keeps_vllms_store(
+    make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = make_tree("grow", store_keywords=", shm_name=None")
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    for name, original in fake.originals.items():
+        assert getattr(fake.modules[STORE], name) is original, name
+    assert fake.modules["worker"].BlockObjectStore is fake.originals["BlockObjectStore"]
+    (record,) = plugin_records(caplog)
+    message = record.getMessage()
+    assert "replaced nothing" in message
+    assert "kept vLLM's BlockObjectStore: aostore's BlockObjectStore lacks shm_name=" in message
+    assert "kept vLLM's BackgroundBlockObjectStore: it would wrap vLLM's BlockObjectStore" in (
+        message
+    )
+    assert "kept vLLM's BlockObject: no store is replaced by aostore's" in message
+
+
+def test_method_aostore_lacks_keeps_vllms_store(make_tree: TreeMaker) -> None:
+    extra = "\n    def evict_all(self):\n        self._objects.clear()\n"
+    fake = make_tree("grow", store_extra=extra)
+    decision = vllm_plugin.plan(fake.modules[STORE])
+    assert decision.replace == {}
+    assert decision.keep["BlockObjectStore"] == "aostore's BlockObjectStore lacks evict_all"
+
+
+def test_growth_warnings_reach_the_store_modules_logger(make_tree: TreeMaker) -> None:
+    fake = make_tree("grow")
+    vllm_plugin.register()
+    store_module = fake.modules[STORE]
+    # Looked up at each growth, as vLLM's test patches it after the plugin ran.
+    with patch.object(store_module.logger, "warning") as warning:
+        _log.store_grew(8)
+    warning.assert_called_once_with(_log.GROWTH_MESSAGE, 8)
+    # Without a store module there is nowhere else to send it, and nothing fails.
+    del sys.modules[STORE]
+    _log.store_grew(9)
+
+
+def test_compat_references_view(make_tree: TreeMaker) -> None:
+    fake = make_tree("grow")
+    vllm_plugin.register()
+    store = fake.modules[STORE].BlockObjectStore(max_bytes=16, object_nbytes=4)
+    store.put([aostore.BlockObject("a", b"aaaa")], retain_keys=["a", "b", "b"])
+    references = store._references
+    assert dict(references) == {"a": 1, "b": 2}
+    assert references["b"] == 2 and "c" not in references and references
+    with pytest.raises(TypeError):
+        references["a"] = 5  # type: ignore[index]
+    store.put([], release_keys=["a", "b", "b"])
+    assert not store._references
+    assert dict(references) == {"a": 1, "b": 2}  # a copy taken at the time
+    store.close()
 
 
 def test_entry_point_is_declared() -> None:
@@ -426,4 +787,5 @@ def test_real_vllm_loads_the_plugin(order: str) -> None:
         if isinstance(names, str):
             pytest.skip(f"vllm's {part} module does not import here: {names}")
         assert names and all(names.values()), (part, names)
-    assert "aostore vLLM plugin: replaced" in done.stderr
+    # On vLLM's handler (standard output by default, VLLM_LOGGING_STREAM).
+    assert "aostore vLLM plugin: replaced" in done.stdout + done.stderr
