@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 WHEEL_DIR := dist
 
-.PHONY: venv test-venv build install run test test-rust test-python lint fmt bench bench-smoke valgrind clean
+.PHONY: venv test-venv build install run test test-rust test-python test-vllm lint fmt bench bench-smoke valgrind clean
 
 # What building and running need.
 $(VENV)/.deps: pyproject.toml
@@ -48,6 +48,11 @@ test-python: install test-venv
 
 test: test-rust test-python
 
+# vLLM 0.33.0's own store tests, from its sdist, against the wheel through the plugin, then
+# with the plugin off as the control (tests/vllm_compat/run.py; its own .venv-vllm).
+test-vllm: build
+	$(PYTHON) tests/vllm_compat/run.py
+
 lint: install test-venv
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
@@ -83,4 +88,4 @@ bench-smoke: install test-venv
 	$(PY) -m aostore churn --slots 4096 --batches 50 >/dev/null
 
 clean:
-	rm -rf target $(WHEEL_DIR) $(VENV)
+	rm -rf target $(WHEEL_DIR) $(VENV) .venv-vllm
