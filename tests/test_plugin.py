@@ -629,6 +629,25 @@ def test_method_aostore_lacks_keeps_vllms_store(make_tree: TreeMaker) -> None:
     assert decision.keep["BlockObjectStore"] == "aostore's BlockObjectStore lacks evict_all"
 
 
+def test_store_module_without_a_wrapper_still_gets_aostores_store(
+    make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = make_tree("grow")
+    del fake.modules[STORE].BackgroundBlockObjectStore
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    store_module = fake.modules[STORE]
+    assert issubclass(store_module.BlockObjectStore, aostore.BlockObjectStore)
+    assert not hasattr(store_module, "BackgroundBlockObjectStore")
+    # The worker imported vLLM's wrapper before it disappeared: not the store module's any more,
+    # so it is not the plugin's to replace.
+    wrapper = fake.originals["BackgroundBlockObjectStore"]
+    assert fake.modules["worker"].BackgroundBlockObjectStore is wrapper
+    (record,) = plugin_records(caplog)
+    assert record.levelno == logging.INFO
+    assert "BackgroundBlockObjectStore" not in record.getMessage()
+
+
 def test_growth_warnings_reach_the_store_modules_logger(make_tree: TreeMaker) -> None:
     fake = make_tree("grow")
     vllm_plugin.register()
