@@ -206,7 +206,7 @@ class Plan:
 def _module_classes(module: Any) -> dict[str, type]:
     return {
         name: value
-        for name, value in vars(module).items()
+        for name, value in dict(getattr(module, "__dict__", {})).items()
         if not name.startswith("_")
         and isinstance(value, type)
         and (value.__module__ == PACKAGE or value.__module__.startswith(PACKAGE + "."))
