@@ -475,10 +475,27 @@ def _variable_stand_in() -> type:
     return VariableBlockObjectStore
 
 
+class _LeanWrapper:
+    """A stand-in for an aostore wrapper with vLLM 0.33's surface only (no get_optional/flush)."""
+
+    def __init__(self, store: Any, *, max_pending_batches: int) -> None:
+        self._store = store
+
+    def put(self, objects: Any, *, retain_keys: Any = (), release_keys: Any = ()) -> None:
+        pass
+
+    def get_concatenated(self, keys: Any) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
 def test_branch_with_a_variable_store_aostore_lacks(
     make_tree: TreeMaker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.delattr(aostore, "VariableBlockObjectStore", raising=False)
+    monkeypatch.setattr(aostore, "BackgroundBlockObjectStore", _LeanWrapper)
     fake = make_tree("variable")
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
@@ -488,7 +505,7 @@ def test_branch_with_a_variable_store_aostore_lacks(
     assert fake.modules["worker"].BlockObjectStore is store_module.BlockObjectStore
     assert store_module.BlockObject is aostore.BlockObject
     assert store_module.BlockObjectStoreError is aostore.BlockObjectStoreError
-    # ... the variable store stays vLLM's, and so does the wrapper (aostore's has no
+    # ... the variable store stays vLLM's, and so does the wrapper (this aostore's has no
     # get_optional/flush, and it would wrap vLLM's variable store).
     for name in ("VariableBlockObjectStore", "BackgroundBlockObjectStore"):
         assert getattr(store_module, name) is originals[name]
@@ -502,7 +519,7 @@ def test_branch_with_a_variable_store_aostore_lacks(
     assert "kept vLLM's BackgroundBlockObjectStore: aostore's BackgroundBlockObjectStore lacks" in (
         message
     )
-    assert "flush, get_optional" in message
+    assert "lacks flush, get_optional" in message
     assert "profile 'grow'" in message
 
 
@@ -511,6 +528,7 @@ def test_branch_with_a_variable_store_aostore_has(
 ) -> None:
     stand_in = _variable_stand_in()
     monkeypatch.setattr(aostore, "VariableBlockObjectStore", stand_in, raising=False)
+    monkeypatch.setattr(aostore, "BackgroundBlockObjectStore", _LeanWrapper)
     fake = make_tree("variable")
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
@@ -518,7 +536,7 @@ def test_branch_with_a_variable_store_aostore_has(
     assert store_module.VariableBlockObjectStore is stand_in
     assert fake.modules["worker"].VariableBlockObjectStore is stand_in
     assert issubclass(store_module.BlockObjectStore, aostore.BlockObjectStore)
-    # The wrapper still lacks get_optional/flush: vLLM's wraps both of aostore's stores.
+    # This wrapper lacks get_optional/flush: vLLM's wraps both of aostore's stores.
     assert store_module.BackgroundBlockObjectStore is fake.originals["BackgroundBlockObjectStore"]
     (record,) = plugin_records(caplog)
     assert "kept vLLM's VariableBlockObjectStore" not in record.getMessage()
