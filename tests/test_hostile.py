@@ -456,11 +456,19 @@ def test_constructor_errors_are_clear(max_bytes, object_nbytes, error, match):
         st.integers(),
         st.binary(max_size=4),
     ),
-    prefault=st.one_of(st.booleans(), st.none(), st.integers(-1, 2), st.text(max_size=2)),
+    prefault=st.one_of(
+        st.booleans(),
+        st.none(),
+        st.integers(-1, 2),
+        st.text(max_size=2),
+        st.sampled_from(["background", "Background"]),
+    ),
 )
 def test_profile_and_prefault_are_validated(profile, prefault):
     valid_profile = profile in ("fail-closed", "grow") and type(profile) is str
-    valid_prefault = isinstance(prefault, bool)
+    valid_prefault = isinstance(prefault, bool) or (
+        type(prefault) is str and prefault == "background"
+    )
     try:
         store = BlockObjectStore(
             max_bytes=4 * N, object_nbytes=N, profile=profile, prefault=prefault
