@@ -826,3 +826,35 @@ def test_real_vllm_loads_the_plugin(order: str) -> None:
         assert names and all(names.values()), (part, names)
     # On vLLM's handler (standard output by default, VLLM_LOGGING_STREAM).
     assert "aostore vLLM plugin: replaced" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, "background"), ("background", "background"), ("0", False), ("off", False), ("1", True)],
+)
+def test_engine_stores_commit_their_arena_as_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, expected: object
+) -> None:
+    from aostore import vllm_plugin
+
+    if value is None:
+        monkeypatch.delenv(vllm_plugin.ENV_PREFAULT, raising=False)
+    else:
+        monkeypatch.setenv(vllm_plugin.ENV_PREFAULT, value)
+    seen: list[object] = []
+    original = aostore.BlockObjectStore.__new__
+
+    def spy(cls: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["prefault"])
+        return original(cls, **kwargs)
+
+    monkeypatch.setattr(aostore.BlockObjectStore, "__new__", spy)
+    for cls, profile in (
+        (vllm_plugin.EngineBlockObjectStore, "fail-closed"),
+        (vllm_plugin.GrowBlockObjectStore, "grow"),
+    ):
+        store = cls(max_bytes=1 << 16, object_nbytes=64)
+        assert store.profile == profile
+        store.put([aostore.BlockObject("k", bytes(64))])
+        store.close()
+    assert seen == [expected, expected]

@@ -43,7 +43,7 @@ import os
 import sys
 import textwrap
 import threading
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import aostore
 from aostore import _log
@@ -51,9 +51,11 @@ from aostore._store import BlockObjectStore
 
 __all__ = [
     "ENV_DISABLE",
+    "ENV_PREFAULT",
     "ENV_PROFILE",
     "LOGGER",
     "STORE_MODULE",
+    "EngineBlockObjectStore",
     "GrowBlockObjectStore",
     "Plan",
     "aostore_classes",
@@ -70,6 +72,9 @@ ENV_DISABLE = "AOSTORE_VLLM_PLUGIN"
 """Set to ``0``/``false``/``no``/``off`` to turn the plugin off."""
 ENV_PROFILE = "AOSTORE_VLLM_PROFILE"
 """Set to ``grow`` or ``fail-closed`` to force a profile instead of probing vLLM's store."""
+ENV_PREFAULT = "AOSTORE_VLLM_PREFAULT"
+"""How stores built by vLLM commit their arena: ``background`` (the default), ``1`` (at
+construction) or ``0`` (on first write)."""
 LOGGER = "vllm.plugins.aostore"
 """The plugin's logger: under ``vllm``, so vLLM's default logging configuration shows it."""
 
@@ -87,12 +92,55 @@ _logger = logging.getLogger(LOGGER)
 _lock = threading.Lock()
 
 
-class GrowBlockObjectStore(BlockObjectStore):
-    """``aostore.BlockObjectStore`` whose ``profile`` defaults to ``"grow"`` (vLLM 0.33).
+def _engine_prefault() -> bool | Literal["background"]:
+    value = os.environ.get(ENV_PREFAULT, "background").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return "background"
 
-    Takes the same keyword arguments (``max_bytes`` and ``object_nbytes`` in bytes, ``policy``,
-    ``profile``, ...) and passes them on unchanged.
+
+class EngineBlockObjectStore(BlockObjectStore):
+    """``aostore.BlockObjectStore`` as the vLLM plugin installs it (profile ``fail-closed``).
+
+    The one default that differs: ``prefault`` comes from ``AOSTORE_VLLM_PREFAULT`` and is
+    ``"background"`` unless set. vLLM sizes the arena to be filled (1.1x the KV cache's blocks
+    in an RL run), and a page fault on the writer thread costs more than the copy it precedes
+    (W3: a fresh arena costs about 4x the memcpy floor in faults), so a thread commits every
+    page from engine start while start-up goes on. The memory effect: the whole arena is
+    resident from the start instead of as it fills. Other keyword arguments (``max_bytes`` and
+    ``object_nbytes`` in bytes, ``policy``, ``profile``, ``pin_memory``) pass on unchanged.
     """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        *,
+        max_bytes: int,
+        object_nbytes: int,
+        policy: Any | None = None,
+        profile: str = "fail-closed",
+        pin_memory: bool = False,
+        prefault: bool | Literal["background"] | None = None,
+    ) -> EngineBlockObjectStore:
+        return cast(
+            EngineBlockObjectStore,
+            super().__new__(
+                cls,
+                max_bytes=max_bytes,
+                object_nbytes=object_nbytes,
+                policy=policy,
+                profile=profile,
+                pin_memory=pin_memory,
+                prefault=_engine_prefault() if prefault is None else prefault,
+            ),
+        )
+
+
+class GrowBlockObjectStore(EngineBlockObjectStore):
+    """``EngineBlockObjectStore`` whose ``profile`` defaults to ``"grow"`` (vLLM 0.33)."""
 
     __slots__ = ()
 
@@ -104,7 +152,7 @@ class GrowBlockObjectStore(BlockObjectStore):
         policy: Any | None = None,
         profile: str = "grow",
         pin_memory: bool = False,
-        prefault: bool = False,
+        prefault: bool | Literal["background"] | None = None,
     ) -> GrowBlockObjectStore:
         return cast(
             GrowBlockObjectStore,
@@ -366,8 +414,9 @@ def register() -> None:
         profile = reason = ""
         if FIXED_STORE in decision.replace:
             profile, reason = _choose_profile(originals)
-            if profile == "grow":
-                decision.replace[FIXED_STORE] = GrowBlockObjectStore
+            decision.replace[FIXED_STORE] = (
+                GrowBlockObjectStore if profile == "grow" else EngineBlockObjectStore
+            )
         patched = _swap(originals, decision.replace)
         setattr(store_module, _MARK, {name: originals[name] for name in decision.replace})
         if FIXED_STORE in decision.replace:
