@@ -228,6 +228,32 @@ impl Arena {
         dst.copy_from_slice(payload);
     }
 
+    /// `len` bytes from the start of slot `first`, running on through the slots after it.
+    #[inline]
+    pub fn span(&self, first: u32, len: usize) -> &[u8] {
+        let start = first as usize * self.object_nbytes;
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.len), "span out of range");
+        // SAFETY: start + len <= self.len, so the range lies inside the live mapping.
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(start), len) }
+    }
+
+    /// Copies `payload` to the start of slot `first`, running on through the slots after it,
+    /// with `write_slot`'s streaming stores (call `flush_writes` before another thread reads).
+    #[inline]
+    pub fn write_span(&mut self, first: u32, payload: &[u8]) {
+        let start = first as usize * self.object_nbytes;
+        let len = payload.len();
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.len), "span out of range");
+        // SAFETY: in range as checked above; `&mut self` makes this the only live reference.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(start), len) };
+        #[cfg(target_arch = "x86_64")]
+        if len >= STREAMING_MIN_BYTES {
+            stream_copy(dst, payload);
+            return;
+        }
+        dst.copy_from_slice(payload);
+    }
+
     /// Orders earlier `write_slot` streaming stores before any later load or store, so a reader
     /// that synchronizes with this thread (through the store's lock) sees the bytes.
     #[inline]
@@ -393,6 +419,28 @@ mod tests {
             assert_eq!(arena.slot(1), &payload[..], "object_nbytes={object_nbytes}");
             assert!(arena.slot(0).iter().chain(arena.slot(2)).all(|&b| b == 0));
         }
+    }
+
+    #[test]
+    fn spans_run_across_slots() {
+        let mut arena = Arena::new(4, 3).unwrap();
+        arena.write_span(1, b"abcdefg");
+        arena.flush_writes();
+        assert_eq!(arena.span(1, 7), b"abcdefg");
+        assert_eq!(arena.slot(2), b"def");
+        assert_eq!(arena.span(0, 0), b"");
+        let big: Vec<u8> = (0..4_000u32).map(|i| (i % 251) as u8).collect();
+        let mut arena = Arena::new(20, 256).unwrap();
+        arena.write_span(3, &big);
+        arena.flush_writes();
+        assert_eq!(arena.span(3, big.len()), &big[..]);
+    }
+
+    #[test]
+    #[should_panic(expected = "span out of range")]
+    fn span_past_the_end_panics() {
+        let arena = Arena::new(2, 8).unwrap();
+        let _ = arena.span(1, 9);
     }
 
     #[test]

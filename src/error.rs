@@ -29,6 +29,12 @@ pub enum StoreError {
     Missing { key: String, used: usize, limit: usize, hint: bool },
     /// The victim policy failed or broke its contract (message from the policy).
     Policy(String),
+    /// Variable-size store: too few evictable bytes for the batch; the call changed nothing.
+    CannotRetainBytes { limit: usize },
+    /// Variable-size store: a read named a key that is not stored; nothing changed.
+    MissingObject { key: String, used: usize, limit: usize },
+    /// A constructor argument out of range (Python: `ValueError`).
+    InvalidArgument(String),
 }
 
 impl fmt::Display for StoreError {
@@ -79,6 +85,17 @@ impl fmt::Display for StoreError {
                 Ok(())
             }
             Self::Policy(message) => write!(f, "victim policy failed: {message}"),
+            Self::CannotRetainBytes { limit } => write!(
+                f,
+                "auxiliary output store cannot retain the requested batch: limit={limit} bytes"
+            ),
+            Self::MissingObject { key, used, limit } => write!(
+                f,
+                "auxiliary output object {key:?} does not exist; the object may have been \
+                 evicted (used={used}, limit={limit} bytes). Increase aux_output_config.max_bytes \
+                 when a KV cache hit requires it."
+            ),
+            Self::InvalidArgument(message) => f.write_str(message),
         }
     }
 }

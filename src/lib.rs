@@ -5,11 +5,14 @@
 //! `python` behind the `python` feature.
 
 pub mod arena;
+pub mod chunks;
 pub mod error;
 pub mod index;
+pub mod keys;
 pub mod sched;
 pub mod slab;
 pub mod store;
+pub mod variable;
 
 #[cfg(feature = "python")]
 mod python;
@@ -19,3 +22,4 @@ pub use store::{
     BlockRef, BlockStore, Candidates, Counters, Profile, PutReport, RemoveReason, Stats,
     VictimPolicy,
 };
+pub use variable::{ReadPlan, VariablePolicy, VariableStats, VariableStore};

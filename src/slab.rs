@@ -22,9 +22,13 @@ pub const INLINE_KEY_BYTES: usize = 99;
 
 /// What the store knows about one key: two cache lines, key text included, so reading an entry
 /// costs one adjacent pair of lines and a new key allocates nothing.
+///
+/// `M` is per-key data a store keeps beside the count (nothing for the fixed store, a payload
+/// length for the variable one) and `N` the inline key capacity; the defaults are the fixed
+/// store's layout.
 #[derive(Debug)]
 #[repr(C, align(64))]
-pub struct Entry {
+pub struct Entry<M = (), const N: usize = INLINE_KEY_BYTES> {
     /// A key longer than `INLINE_KEY_BYTES`, or `None`.
     heap_key: Option<Box<str>>,
     /// Reference count; an entry with `refs == 0` is stored (or pending).
@@ -34,28 +38,32 @@ pub struct Entry {
     /// Scratch for the put in progress (validation counts, batch positions); meaningless between
     /// calls.
     pub mark: u32,
+    /// The store's own per-key data; reset to `M::default()` when the entry is created.
+    pub meta: M,
     inline_len: u8,
-    inline_key: [u8; INLINE_KEY_BYTES],
+    inline_key: [u8; N],
 }
 
 const _: () = assert!(std::mem::size_of::<Entry>() == 128);
 
-impl Entry {
+impl<M: Copy + Default, const N: usize> Entry<M, N> {
     fn new(key: &str) -> Self {
+        const { assert!(N <= u8::MAX as usize, "inline_len is a byte") };
         let mut entry = Self {
             heap_key: None,
             refs: 0,
             slot: NO_SLOT,
             mark: 0,
+            meta: M::default(),
             inline_len: 0,
-            inline_key: [0; INLINE_KEY_BYTES],
+            inline_key: [0; N],
         };
         entry.set_key(key);
         entry
     }
 
     fn set_key(&mut self, key: &str) {
-        if key.len() <= INLINE_KEY_BYTES {
+        if key.len() <= N {
             self.inline_key[..key.len()].copy_from_slice(key.as_bytes());
             self.inline_len = key.len() as u8;
             self.heap_key = None;
@@ -103,8 +111,8 @@ struct Link {
 
 /// Entries in a `Vec`, addressed by `u32` index, with dense hash and link arrays beside them.
 #[derive(Debug)]
-pub struct Slab {
-    entries: Vec<Entry>,
+pub struct Slab<M = (), const N: usize = INLINE_KEY_BYTES> {
+    entries: Vec<Entry<M, N>>,
     hashes: Vec<u32>,
     links: Vec<Link>,
     free_head: u32,
@@ -121,8 +129,16 @@ impl Default for Slab {
 }
 
 impl Slab {
-    /// An empty slab with room for `capacity` entries before it reallocates.
+    /// An empty slab of the fixed store's layout with room for `capacity` entries before it
+    /// reallocates.
     pub fn with_capacity(capacity: usize) -> Self {
+        Self::with_room(capacity)
+    }
+}
+
+impl<M: Copy + Default, const N: usize> Slab<M, N> {
+    /// An empty slab of any layout with room for `capacity` entries before it reallocates.
+    pub fn with_room(capacity: usize) -> Self {
         Self {
             entries: Vec::with_capacity(capacity),
             hashes: Vec::with_capacity(capacity),
@@ -138,7 +154,7 @@ impl Slab {
     /// An empty slab that holds `capacity` entries before it reallocates, if the allocator
     /// grants that much address space; otherwise it reserves what it can and grows later.
     pub fn with_reserve(capacity: usize) -> Self {
-        let mut slab = Self::default();
+        let mut slab = Self::with_room(0);
         // Large reservations are fresh anonymous mappings: untouched pages cost nothing.
         let reserved = slab.entries.try_reserve_exact(capacity).is_ok()
             && slab.hashes.try_reserve_exact(capacity).is_ok()
@@ -180,11 +196,12 @@ impl Slab {
         if let Some(entry) = self.entries.get(idx as usize) {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let line = std::ptr::from_ref(entry).cast::<i8>();
-            // SAFETY: a prefetch never faults and does not change memory; both addresses lie in
-            // the entry (128 bytes, 64-byte aligned). SSE is in the x86_64 baseline.
+            // SAFETY: a prefetch never faults and does not change memory; every address lies in
+            // the entry (a multiple of 64 bytes, 64-byte aligned). SSE is in the x86_64 baseline.
             unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(line);
-                _mm_prefetch::<_MM_HINT_T0>(line.add(64));
+                for offset in (0..std::mem::size_of::<Entry<M, N>>()).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(line.add(offset));
+                }
             }
         }
     }
@@ -197,6 +214,11 @@ impl Slab {
     /// Oldest evictable entry, or `NIL`.
     pub fn lru_head(&self) -> u32 {
         self.lru_head
+    }
+
+    /// Newest evictable entry, or `NIL`.
+    pub fn lru_tail(&self) -> u32 {
+        self.lru_tail
     }
 
     /// The entry after `idx` in LRU order, or `NIL`.
@@ -227,6 +249,7 @@ impl Slab {
         entry.refs = 0;
         entry.slot = NO_SLOT;
         entry.mark = 0;
+        entry.meta = M::default();
         entry.set_key(key);
         idx
     }
@@ -282,6 +305,37 @@ impl Slab {
             self.links[next as usize].prev = prev;
         }
         self.lru_len -= 1;
+    }
+
+    /// The entries before and after `idx` in the LRU (`NIL` at the ends), so that a caller can
+    /// later put it back where it was with `relink`.
+    #[inline]
+    pub fn lru_neighbours(&self, idx: u32) -> (u32, u32) {
+        let link = self.links[idx as usize];
+        (link.prev, link.next)
+    }
+
+    /// Puts an entry that is not in the LRU back between `prev` and `next`, which must be
+    /// neighbours (`NIL` for an end): undoes an `unlink` when changes are undone newest first.
+    pub fn relink(&mut self, idx: u32, prev: u32, next: u32) {
+        debug_assert!({
+            let link = self.links[idx as usize];
+            link.prev == NIL && link.next == NIL && self.lru_head != idx
+        });
+        self.links[idx as usize] = Link { prev, next };
+        if prev == NIL {
+            debug_assert_eq!(self.lru_head, next, "relink: {prev} and {next} are not neighbours");
+            self.lru_head = idx;
+        } else {
+            debug_assert_eq!(self.links[prev as usize].next, next, "relink: not neighbours");
+            self.links[prev as usize].next = idx;
+        }
+        if next == NIL {
+            self.lru_tail = idx;
+        } else {
+            self.links[next as usize].prev = idx;
+        }
+        self.lru_len += 1;
     }
 
     /// Moves an entry that is in the LRU to its tail.
@@ -387,18 +441,18 @@ impl Slab {
     }
 }
 
-impl std::ops::Index<u32> for Slab {
-    type Output = Entry;
+impl<M, const N: usize> std::ops::Index<u32> for Slab<M, N> {
+    type Output = Entry<M, N>;
 
     #[inline]
-    fn index(&self, idx: u32) -> &Entry {
+    fn index(&self, idx: u32) -> &Entry<M, N> {
         &self.entries[idx as usize]
     }
 }
 
-impl std::ops::IndexMut<u32> for Slab {
+impl<M, const N: usize> std::ops::IndexMut<u32> for Slab<M, N> {
     #[inline]
-    fn index_mut(&mut self, idx: u32) -> &mut Entry {
+    fn index_mut(&mut self, idx: u32) -> &mut Entry<M, N> {
         &mut self.entries[idx as usize]
     }
 }

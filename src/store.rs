@@ -930,6 +930,57 @@ impl BlockStore {
         Ok(())
     }
 
+    /// Reads that do not fail on a missing key: copies the payloads of the stored keys among
+    /// `keys`, in order, to the front of `out` (`keys.len() * object_nbytes` bytes), appends the
+    /// positions of the keys that are not stored to `missing`, and returns the bytes written.
+    /// Each key read that is evictable moves to the LRU tail, as a successful read does;
+    /// missing keys touch nothing.
+    pub fn get_many_into(
+        &mut self,
+        keys: &[&str],
+        out: &mut [u8],
+        missing: &mut Vec<usize>,
+    ) -> Result<usize, StoreError> {
+        if self.arena.is_none() {
+            return Err(StoreError::Closed);
+        }
+        assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
+        let mut s = std::mem::take(&mut self.scratch);
+        self.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        let arena = self.arena.as_ref().expect("checked open");
+        let mut written = 0;
+        let first_missing = missing.len();
+        for (i, &idx) in s.entries.iter().enumerate() {
+            if idx == NIL || matches!(self.slab[idx].slot, NO_SLOT | PENDING_SLOT) {
+                missing.push(i);
+                continue;
+            }
+            out[written..written + self.object_nbytes]
+                .copy_from_slice(arena.slot(self.slab[idx].slot));
+            written += self.object_nbytes;
+        }
+        for &idx in &s.entries {
+            if idx != NIL && self.slab[idx].slot != NO_SLOT && self.slab[idx].refs == 0 {
+                self.slab.move_to_back(idx);
+            }
+        }
+        let misses = missing.len() - first_missing;
+        self.counters.reads += (keys.len() - misses) as u64;
+        self.counters.read_misses += misses as u64;
+        self.counters.bytes_read += written as u64;
+        s.clear();
+        self.scratch = s;
+        Ok(written)
+    }
+
+    /// Whether each of `keys` is stored; touches no LRU position.
+    pub fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
+        if self.arena.is_none() {
+            return Err(StoreError::Closed);
+        }
+        Ok(keys.iter().map(|key| self.contains(key)).collect())
+    }
+
     /// The payloads of `keys`, concatenated; see `get_into`.
     pub fn get_concatenated(&mut self, keys: &[&str]) -> Result<Vec<u8>, StoreError> {
         let mut out = vec![0; keys.len() * self.object_nbytes];

@@ -36,15 +36,18 @@ pub(crate) fn to_py_err(error: StoreError) -> PyErr {
         StoreError::Closed => PyRuntimeError::new_err(message),
         StoreError::ObjectSizeNotPositive
         | StoreError::CapacityBelowOneObject
-        | StoreError::PayloadSize { .. } => PyValueError::new_err(message),
+        | StoreError::PayloadSize { .. }
+        | StoreError::InvalidArgument(_) => PyValueError::new_err(message),
         StoreError::CapacityTooLarge { .. } | StoreError::ReferenceOverflow { .. } => {
             PyOverflowError::new_err(message)
         }
         StoreError::ArenaUnavailable { .. } => PyMemoryError::new_err(message),
         StoreError::NotReferenced { key } => PyKeyError::new_err(key),
-        StoreError::CannotRetain { .. } | StoreError::Missing { .. } | StoreError::Policy(_) => {
-            BlockObjectStoreError::new_err(message)
-        }
+        StoreError::CannotRetain { .. }
+        | StoreError::Missing { .. }
+        | StoreError::Policy(_)
+        | StoreError::CannotRetainBytes { .. }
+        | StoreError::MissingObject { .. } => BlockObjectStoreError::new_err(message),
     }
 }
 

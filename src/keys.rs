@@ -1,0 +1,159 @@
+//! A key table: the open-addressing index, the slab of entries and the hasher together, with
+//! the batched lookup that overlaps a call's cache misses.
+//!
+//! The variable-size store keeps its keys here; the pieces are the ones the fixed store uses
+//! (`KeyIndex`, `Slab`), parameterised by the per-key data `M` and the inline key capacity `N`.
+
+use std::hash::BuildHasher;
+
+use foldhash::fast::FixedState;
+
+use crate::index::KeyIndex;
+use crate::slab::{Slab, NIL};
+
+/// Keys to entries: an index by 32-bit hash, and the entries (key text, count, slot, `M`).
+#[derive(Debug)]
+pub struct KeyTable<M, const N: usize> {
+    /// The index from hash to entry.
+    pub index: KeyIndex,
+    /// The entries and the LRU over them.
+    pub slab: Slab<M, N>,
+    hasher: FixedState,
+}
+
+impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
+    /// A table that holds `capacity` keys without growing.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            index: KeyIndex::with_capacity(capacity),
+            slab: Slab::with_room(capacity),
+            hasher: FixedState::default(),
+        }
+    }
+
+    /// The 32-bit hash the index files `key` under.
+    #[inline]
+    pub fn hash_key(&self, key: &str) -> u32 {
+        let full = self.hasher.hash_one(key);
+        (full ^ (full >> 32)) as u32
+    }
+
+    /// The entry of `key`, if the table knows it.
+    #[inline]
+    pub fn find(&self, key: &str, hash: u32) -> Option<u32> {
+        let slab = &self.slab;
+        self.index.find(hash, |idx| slab[idx].key_bytes() == key.as_bytes())
+    }
+
+    /// The entry of `key` (computing its hash), if the table knows it.
+    pub fn lookup(&self, key: &str) -> Option<u32> {
+        self.find(key, self.hash_key(key))
+    }
+
+    /// The entry of `key`, created (unreferenced, without a slot) and recorded in `created`
+    /// when missing.
+    pub fn find_or_insert(&mut self, key: &str, hash: u32, created: &mut Vec<u32>) -> u32 {
+        if let Some(idx) = self.find(key, hash) {
+            return idx;
+        }
+        let idx = self.slab.insert(key, hash);
+        self.index.insert(hash, idx);
+        created.push(idx);
+        idx
+    }
+
+    /// Resolves `keys` to entries, appending to `out`, in passes so that their cache misses
+    /// overlap: hash every key and prefetch its home bucket; take each key's candidate from the
+    /// buckets' hashes alone and prefetch the candidate's entry; then confirm each key's bytes.
+    /// Missing keys get new entries (recorded in `created`) when `created` is given, and
+    /// resolve to `NIL` otherwise.
+    pub fn resolve(
+        &mut self,
+        keys: &[&str],
+        hashes: &mut Vec<u32>,
+        out: &mut Vec<u32>,
+        mut created: Option<&mut Vec<u32>>,
+    ) {
+        let first = out.len();
+        hashes.clear();
+        hashes.extend(keys.iter().map(|key| self.hash_key(key)));
+        for &hash in hashes.iter() {
+            self.index.prefetch(hash);
+        }
+        for &hash in hashes.iter() {
+            let candidate = self.index.find(hash, |_| true).unwrap_or(NIL);
+            if candidate != NIL {
+                self.slab.prefetch(candidate);
+            }
+            out.push(candidate);
+        }
+        for (i, key) in keys.iter().enumerate() {
+            let candidate = out[first + i];
+            if candidate != NIL && self.slab[candidate].key_bytes() == key.as_bytes() {
+                continue;
+            }
+            // No candidate, a 32-bit hash collision, or a key this loop just created.
+            out[first + i] = match created.as_deref_mut() {
+                Some(created) => self.find_or_insert(key, hashes[i], created),
+                None => self.find(key, hashes[i]).unwrap_or(NIL),
+            };
+        }
+    }
+
+    /// Frees an entry that is neither stored nor referenced (and so not in the LRU).
+    pub fn forget(&mut self, idx: u32) {
+        self.index.remove(self.slab.hash(idx), idx);
+        self.slab.remove(idx);
+    }
+
+    /// Checks that every live entry is found by its key under its current hash, and that the
+    /// index holds nothing else.
+    pub fn validate(&self) -> Result<(), String> {
+        self.slab.validate()?;
+        let mut live = 0usize;
+        for idx in self.slab.live_indices() {
+            let key = self.slab[idx].key();
+            if self.slab.hash(idx) != self.hash_key(key) {
+                return Err(format!("every key has one entry: {key:?} has a stale hash"));
+            }
+            if self.find(key, self.slab.hash(idx)) != Some(idx) {
+                return Err(format!("every key has one entry: {key:?} is not found by its key"));
+            }
+            live += 1;
+        }
+        if live != self.index.len() {
+            return Err(format!(
+                "every key has one entry: {} indexed, {live} live",
+                self.index.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolve_finds_creates_and_misses() {
+        let mut table: KeyTable<u32, 159> = KeyTable::with_capacity(4);
+        let long = "k".repeat(150);
+        let (mut hashes, mut out, mut created) = (Vec::new(), Vec::new(), Vec::new());
+        table.resolve(&["a", &long, "a"], &mut hashes, &mut out, Some(&mut created));
+        assert_eq!(created.len(), 2);
+        assert_eq!(out[0], out[2]);
+        assert_eq!(table.slab[out[1]].key(), long);
+        let mut again = Vec::new();
+        table.resolve(&[&long, "b"], &mut hashes, &mut again, None);
+        assert_eq!(again, [out[1], NIL]);
+        for &idx in &created {
+            table.slab[idx].refs = 1;
+        }
+        table.validate().unwrap();
+        table.slab[out[0]].refs = 0;
+        table.forget(out[0]);
+        assert_eq!(table.lookup("a"), None);
+        table.validate().unwrap();
+    }
+}
