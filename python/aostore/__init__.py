@@ -8,10 +8,12 @@ evicting put never rescans the keys that running requests hold.
 from aostore._background import BackgroundBlockObjectStore
 from aostore._native import BlockObject, BlockObjectStoreError
 from aostore._store import BlockObjectStore
+from aostore._variable import VariableBlockObjectStore
 
 __all__ = [
     "BackgroundBlockObjectStore",
     "BlockObject",
     "BlockObjectStore",
     "BlockObjectStoreError",
+    "VariableBlockObjectStore",
 ]

@@ -2,6 +2,7 @@
 //! Python exceptions. No store logic lives here.
 
 mod gather;
+mod variable;
 mod writer;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -661,6 +662,52 @@ impl NativeStore {
         Ok(bytes)
     }
 
+    /// Reads what is stored and reports what is not, in one call: `(data, missing)`, where
+    /// `data` holds the payloads of the stored keys in order (`object_nbytes` each) and
+    /// `missing` the keys that are not stored, once per occurrence, in order. Keys read move to
+    /// the LRU tail as a successful read does; missing ones touch nothing.
+    fn get_many<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyList>)> {
+        self.ensure_open()?;
+        let keys = collect_keys(keys)?;
+        let texts = as_texts(&keys);
+        let len = texts
+            .len()
+            .checked_mul(self.object_nbytes)
+            .ok_or_else(|| PyOverflowError::new_err("read too large"))?;
+        // Sized for a full hit, the common case: one copy. A miss copies the shorter prefix.
+        let bytes = new_uninit_bytes(py, len)?;
+        let ptr = bytes_ptr(&bytes) as usize;
+        let (written, missing) = self
+            .with_store(py, |s| {
+                // SAFETY: `bytes` is a fresh object of `len` bytes that no one else can see yet;
+                // we hold it for the duration of the call.
+                let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+                let mut missing = Vec::new();
+                s.get_many_into(&texts, out, &mut missing).map(|written| (written, missing))
+            })?
+            .map_err(to_py_err)?;
+        let data =
+            if written == len { bytes } else { PyBytes::new(py, &bytes.as_bytes()[..written]) };
+        Ok((data, PyList::new(py, missing.iter().map(|&i| &keys[i]))?))
+    }
+
+    /// Whether each key is stored, without reading it or touching LRU order.
+    fn contains<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        self.ensure_open()?;
+        let keys = collect_keys(keys)?;
+        let texts = as_texts(&keys);
+        let found = self.with_store(py, |s| s.contains_many(&texts))?.map_err(to_py_err)?;
+        PyList::new(py, found)
+    }
+
     /// Frees the arena; later calls raise `RuntimeError`. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         // Closed for good only once the core has closed (a policy calling back in is refused).
@@ -828,5 +875,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CandidateKeys>()?;
     m.add_class::<writer::NativeWriter>()?;
     m.add("BlockObjectStoreError", m.py().get_type::<BlockObjectStoreError>())?;
+    variable::register(m)?;
     Ok(())
 }
