@@ -436,6 +436,7 @@ impl VariableStore {
         if let Some(policy) = policy.as_deref_mut() {
             if let Err(error) = self.notify_reference_changes(s, policy, false) {
                 self.roll_back(s, referenced_before);
+                self.forget_orphans(&s.created);
                 return Err(error);
             }
         }
@@ -704,8 +705,9 @@ impl VariableStore {
         Ok(())
     }
 
-    /// Undoes everything the put in progress did: LRU moves newest first, pending slots, counts,
-    /// and the entries it created.
+    /// Undoes everything the put in progress did: LRU moves newest first, pending slots and
+    /// counts. The entries it created are left for the caller to forget (a policy may still
+    /// need their keys).
     fn roll_back(&mut self, s: &mut Scratch, referenced_before: usize) {
         let slab = &mut self.keys.slab;
         while let Some(change) = s.undo.pop() {
@@ -727,7 +729,6 @@ impl VariableStore {
         }
         self.referenced = referenced_before;
         s.victims.clear();
-        self.forget_orphans(&s.created);
     }
 
     /// A refused put: everything undone; a policy hears of the new keys (`Rollback`) and of each
@@ -749,20 +750,27 @@ impl VariableStore {
             _ => Vec::new(),
         };
         self.roll_back(s, referenced_before);
-        if !matches!(error, StoreError::CannotRetainBytes { .. }) {
-            return error;
-        }
-        self.counters.capacity_errors += 1;
-        let Some(policy) = policy else { return error };
-        if !new_keys.is_empty() {
-            let keys: Vec<&str> = new_keys.iter().map(String::as_str).collect();
-            if let Err(message) = policy.on_remove(&keys, RemoveReason::Rollback) {
-                return StoreError::Policy(message);
+        let error = match (policy, error) {
+            (Some(policy), error @ StoreError::CannotRetainBytes { .. }) => {
+                self.counters.capacity_errors += 1;
+                let keys: Vec<&str> = new_keys.iter().map(String::as_str).collect();
+                let removed = if keys.is_empty() {
+                    Ok(())
+                } else {
+                    policy.on_remove(&keys, RemoveReason::Rollback).map_err(StoreError::Policy)
+                };
+                removed
+                    .and_then(|()| self.notify_reference_changes(s, policy, true))
+                    .err()
+                    .unwrap_or(error)
             }
-        }
-        if let Err(failed) = self.notify_reference_changes(s, policy, true) {
-            return failed;
-        }
+            (None, error @ StoreError::CannotRetainBytes { .. }) => {
+                self.counters.capacity_errors += 1;
+                error
+            }
+            (_, error) => error,
+        };
+        self.forget_orphans(&s.created);
         error
     }
 
