@@ -8,7 +8,7 @@ any other store they behave as vLLM's.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -104,3 +104,76 @@ def materialize_routed_experts(
         return result
     payload = store.get_concatenated(aux_output_keys)
     return np.frombuffer(payload, dtype=dtype).reshape((-1, *shape_per_token))
+
+
+class AvailableRoutedExperts(NamedTuple):
+    """What ``materialize_available_routed_experts`` found: the rows, and what to recompute."""
+
+    #: Shape ``(len(keys) * block_size, *shape_per_token)``; the rows of a missing block are 0.
+    rows: np.ndarray
+    #: Half-open token ranges ``(start, end)`` whose blocks are missing, merged, in order.
+    recompute: list[tuple[int, int]]
+
+
+def materialize_available_routed_experts(
+    store: Any,
+    aux_output_keys: Sequence[str],
+    *,
+    shape_per_token: tuple[int, ...],
+    dtype: np.dtype[Any],
+    block_size: int,
+    first_token: int = 0,
+) -> AvailableRoutedExperts:
+    """Opt-in: the routed experts of the blocks that are stored, and the token ranges to
+    recompute for the ones that are not, instead of failing the step on the first miss.
+
+    Block ``i`` covers tokens ``first_token + i * block_size`` up to the next block. With an
+    aostore store this is one ``get_many`` call (one copy into the result); with any other
+    store, one ``get_concatenated`` per key, treating ``does not exist`` as missing.
+    """
+    keys = list(aux_output_keys)
+    dtype = np.dtype(dtype)
+    block_nbytes = block_size * int(np.prod(shape_per_token, dtype=np.int64)) * dtype.itemsize
+    rows = np.zeros((len(keys) * block_size, *shape_per_token), dtype=dtype)
+    blocks = rows.reshape(len(keys), -1).view(np.uint8) if keys else rows.view(np.uint8)
+    present: list[bool]
+    if hasattr(store, "get_many"):
+        data, missing = store.get_many(keys)[:2]
+        gone = set(missing)
+        present = [key not in gone for key in keys]
+        if len(data) != sum(present) * block_nbytes:
+            raise ValueError(
+                f"stored routed-experts blocks hold {len(data)} bytes; "
+                f"{sum(present)} blocks of {block_nbytes} bytes expected"
+            )
+        if data:
+            blocks[np.flatnonzero(present)] = np.frombuffer(data, np.uint8).reshape(
+                -1, block_nbytes
+            )
+    else:
+        present = []
+        for i, key in enumerate(keys):
+            try:
+                payload = store.get_concatenated([key])
+            except RuntimeError as error:  # BlockObjectStoreError, vLLM's or aostore's
+                if "does not exist" not in str(error):
+                    raise
+                present.append(False)
+                continue
+            if len(payload) != block_nbytes:
+                raise ValueError(
+                    f"routed-experts block {key!r} holds {len(payload)} bytes; "
+                    f"{block_nbytes} expected"
+                )
+            blocks[i] = np.frombuffer(payload, np.uint8)
+            present.append(True)
+    recompute: list[tuple[int, int]] = []
+    for i, here in enumerate(present):
+        if here:
+            continue
+        start = first_token + i * block_size
+        if recompute and recompute[-1][1] == start:
+            recompute[-1] = (recompute[-1][0], start + block_size)
+        else:
+            recompute.append((start, start + block_size))
+    return AvailableRoutedExperts(rows, recompute)
