@@ -254,6 +254,35 @@ impl Arena {
         dst.copy_from_slice(payload);
     }
 
+    /// As `write_span`, when the bytes after the payload up to the next 64-byte boundary are
+    /// the writer's too (the rest of an object's last chunk): the last, partial cache line is
+    /// streamed whole, padded with zeros. Streaming stores that leave a line part-written cost
+    /// the memory controller a read-modify-write of it.
+    #[inline]
+    pub fn write_span_padded(&mut self, first: u32, payload: &[u8]) {
+        let start = first as usize * self.object_nbytes;
+        let len = payload.len();
+        let padded = len.next_multiple_of(64);
+        let aligned = (self.base.as_ptr() as usize + start) % 64 == 0;
+        if !cfg!(target_arch = "x86_64") || len < STREAMING_MIN_BYTES || !aligned {
+            self.write_span(first, payload);
+            return;
+        }
+        assert!(start.checked_add(padded).is_some_and(|end| end <= self.len), "span out of range");
+        // SAFETY: in range as checked above; `&mut self` makes this the only live reference.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(start), padded) };
+        let whole = len / 64 * 64;
+        #[cfg(target_arch = "x86_64")]
+        {
+            stream_copy(&mut dst[..whole], &payload[..whole]);
+            if whole < len {
+                let mut line = [0u8; 64];
+                line[..len - whole].copy_from_slice(&payload[whole..]);
+                stream_copy(&mut dst[whole..], &line);
+            }
+        }
+    }
+
     /// Orders earlier `write_slot` streaming stores before any later load or store, so a reader
     /// that synchronizes with this thread (through the store's lock) sees the bytes.
     #[inline]
@@ -434,6 +463,20 @@ mod tests {
         arena.write_span(3, &big);
         arena.flush_writes();
         assert_eq!(arena.span(3, big.len()), &big[..]);
+    }
+
+    #[test]
+    fn padded_spans_fill_the_last_line() {
+        let mut arena = Arena::new(8, 256).unwrap();
+        arena.write_span(0, &[9; 2048]);
+        let payload: Vec<u8> = (0..700u32).map(|i| (i % 253) as u8).collect();
+        arena.write_span_padded(1, &payload);
+        arena.flush_writes();
+        assert_eq!(arena.span(1, 700), &payload[..]);
+        assert!(arena.span(1, 704)[700..].iter().all(|&b| b == 0), "padded to the line");
+        assert!(arena.span(1, 768)[704..].iter().all(|&b| b == 9), "nothing past the line");
+        arena.write_span_padded(7, &payload[..100]); // short: plain copy
+        assert_eq!(arena.span(7, 100), &payload[..100]);
     }
 
     #[test]

@@ -1,39 +1,71 @@
 //! The variable-size store's allocator: the arena cut into equal chunks, each object a chain of
-//! them.
+//! them, free chunks kept as coalesced runs in size bins.
 //!
-//! An object of `n` bytes takes `ceil(n / chunk_nbytes)` chunks, which need not be adjacent: a
-//! dense `next` array (4 bytes a chunk) links them in order. So any set of objects whose chunk
-//! counts sum to at most the arena's fits, whatever the history: there is no external
+//! An object of `n` bytes takes `ceil(n / chunk_nbytes)` chunks. They need not be adjacent: a
+//! dense `next` array (4 bytes a chunk) links an object's chunks in order. So any set of objects
+//! whose chunk counts sum to at most the arena's fits, whatever the history: there is no external
 //! fragmentation, eviction never has to free more than the bytes it needs, and nothing ever moves.
 //! The only waste is the unused tail of each object's last chunk.
 //!
-//! Free chunks form one list threaded through the same `next` array. Freeing an object splices
-//! its whole chain onto the front of that list, in order, and allocation pops from the front, so
-//! an object written after an eviction gets its victim's chunks in the victim's order: chains
-//! stay contiguous as long as the objects that replace each other are alike, and reads and writes
-//! copy whole runs of adjacent chunks at once. Chunks past `fresh` were never handed out; they
-//! are taken last, so an arena sized for the worst case costs memory only for what was used.
-//! Nothing here allocates per object: `next` grows with `fresh`, once per chunk, ever.
+//! Adjacent chunks are still what makes copies fast (one copy per run of adjacent chunks, no
+//! pointer chasing), so the allocator works to keep objects in one piece:
+//! - free chunks form maximal runs: freeing merges a run with free neighbours on both sides
+//!   (boundary tags: a free run's first and last chunk hold its length, a bitmap says which
+//!   chunks are free);
+//! - runs sit in size bins (one per length up to 64 chunks, one per power of two above), each a
+//!   doubly linked list threaded through the runs' first chunks, with a bitmask of non-empty
+//!   bins; an object takes the smallest run that holds it whole (found with one bit scan), else
+//!   chunks never handed out (`fresh` onwards, taken last so untouched pages stay untouched),
+//!   else the largest runs until it is covered. Only that last case splits an object.
+//!
+//! Every operation is O(runs touched); nothing allocates per object (the arrays grow with
+//! `fresh`, once per chunk, ever).
 
 use crate::arena::Arena;
 use crate::error::StoreError;
 
-/// End of a chain, and of the free list.
+/// End of a chain, and of a bin's list.
 pub const NIL: u32 = u32::MAX;
 /// The chain of a zero-byte object: no chunk at all (distinct from the slab's markers).
 pub const EMPTY_CHAIN: u32 = u32::MAX - 2;
 /// Largest chunk count: chunk indices stay below the markers.
 pub const MAX_CHUNKS: usize = (u32::MAX - 3) as usize;
 
-/// Equal chunks in one arena, chained per object.
+/// Runs of up to this many chunks have a bin each; longer ones share one per power of two.
+const EXACT_BINS: u32 = 64;
+const BINS: usize = EXACT_BINS as usize + 32;
+
+/// The bin of a free run of `len` chunks.
+#[inline]
+fn bin_of(len: u32) -> usize {
+    debug_assert!(len > 0);
+    if len <= EXACT_BINS {
+        (len - 1) as usize
+    } else {
+        // 65..127 -> 64, 128..255 -> 65, ...
+        (EXACT_BINS + (31 - len.leading_zeros()) - EXACT_BINS.trailing_zeros()) as usize
+    }
+}
+
+/// Equal chunks in one arena, chained per object, free ones in coalesced runs.
 #[derive(Debug)]
 pub struct ChunkArena {
     arena: Arena,
     chunk_nbytes: usize,
     num_chunks: usize,
-    /// The chunk after each handed-out chunk in its object's chain or in the free list.
+    /// In an object: the chunk after each chunk. In a free run's first chunk: the next run of
+    /// its bin.
     next: Vec<u32>,
-    free_head: u32,
+    /// In a free run's first chunk: the previous run of its bin.
+    prev: Vec<u32>,
+    /// In a free run's first and last chunk: its length.
+    run_len: Vec<u32>,
+    /// One bit per handed-out chunk, set while it is free.
+    free_bits: Vec<u64>,
+    /// The first run of each bin, or `NIL`.
+    bins: [u32; BINS],
+    /// Bit `b` set when bin `b` is not empty.
+    nonempty: u128,
     free_chunks: usize,
     /// Chunks from here on were never handed out.
     fresh: u32,
@@ -54,7 +86,11 @@ impl ChunkArena {
             chunk_nbytes,
             num_chunks,
             next: Vec::new(),
-            free_head: NIL,
+            prev: Vec::new(),
+            run_len: Vec::new(),
+            free_bits: Vec::new(),
+            bins: [NIL; BINS],
+            nonempty: 0,
             free_chunks: 0,
             fresh: 0,
         })
@@ -86,20 +122,147 @@ impl ChunkArena {
         self.free_chunks + (self.num_chunks - self.fresh as usize)
     }
 
-    /// Takes one chunk: the front of the free list, else the next untouched one.
     #[inline]
-    fn take(&mut self) -> u32 {
-        if self.free_head != NIL {
-            let chunk = self.free_head;
-            self.free_head = self.next[chunk as usize];
-            self.free_chunks -= 1;
-            return chunk;
+    fn is_free(&self, chunk: u32) -> bool {
+        self.free_bits[(chunk / 64) as usize] & (1 << (chunk % 64)) != 0
+    }
+
+    /// Sets (`free`) or clears the free bits of `start..start + len`.
+    fn mark(&mut self, start: u32, len: u32, free: bool) {
+        let (mut at, end) = (start, start + len);
+        while at < end {
+            let word = (at / 64) as usize;
+            let low = at % 64;
+            let span = (64 - low).min(end - at);
+            let bits = if span == 64 { u64::MAX } else { ((1u64 << span) - 1) << low };
+            if free {
+                self.free_bits[word] |= bits;
+            } else {
+                self.free_bits[word] &= !bits;
+            }
+            at += span;
         }
-        assert!((self.fresh as usize) < self.num_chunks, "the arena has no chunk left");
-        let chunk = self.fresh;
-        self.fresh += 1;
-        self.next.push(NIL);
-        chunk
+    }
+
+    /// Files a free run in its bin (its chunks are marked free already).
+    fn link_run(&mut self, head: u32, len: u32) {
+        self.run_len[head as usize] = len;
+        self.run_len[(head + len - 1) as usize] = len;
+        let bin = bin_of(len);
+        let first = self.bins[bin];
+        self.prev[head as usize] = NIL;
+        self.next[head as usize] = first;
+        if first != NIL {
+            self.prev[first as usize] = head;
+        }
+        self.bins[bin] = head;
+        self.nonempty |= 1 << bin;
+    }
+
+    /// Takes a free run out of its bin (its chunks stay marked free).
+    fn unlink_run(&mut self, head: u32, len: u32) {
+        let bin = bin_of(len);
+        let (before, after) = (self.prev[head as usize], self.next[head as usize]);
+        if before == NIL {
+            self.bins[bin] = after;
+            if after == NIL {
+                self.nonempty &= !(1 << bin);
+            }
+        } else {
+            self.next[before as usize] = after;
+        }
+        if after != NIL {
+            self.prev[after as usize] = before;
+        }
+    }
+
+    /// Hands out `want` chunks starting at `head` from the free run `head..head + len`; the rest
+    /// stays a free run.
+    fn take_from_run(&mut self, head: u32, len: u32, want: u32) {
+        self.unlink_run(head, len);
+        self.mark(head, want, false);
+        self.free_chunks -= want as usize;
+        if len > want {
+            self.link_run(head + want, len - want);
+        }
+    }
+
+    /// Hands out `want` chunks never handed out before.
+    fn take_fresh(&mut self, want: u32) -> u32 {
+        let head = self.fresh;
+        self.fresh += want;
+        let fresh = self.fresh as usize;
+        self.next.resize(fresh, NIL);
+        self.prev.resize(fresh, NIL);
+        self.run_len.resize(fresh, 0);
+        self.free_bits.resize(fresh.div_ceil(64), 0);
+        head
+    }
+
+    /// A run of exactly `want` adjacent chunks if one can be had: the smallest free run that
+    /// holds it, else fresh chunks.
+    fn take_whole(&mut self, want: u32) -> Option<u32> {
+        let mut bin = bin_of(want);
+        // A shared bin may hold shorter runs; its first one is worth a look, the next bin is sure.
+        if want > EXACT_BINS {
+            let head = self.bins[bin];
+            if head != NIL && self.run_len[head as usize] >= want {
+                let len = self.run_len[head as usize];
+                self.take_from_run(head, len, want);
+                return Some(head);
+            }
+            bin += 1;
+        }
+        let fits = self.nonempty & (u128::MAX << bin);
+        if fits != 0 {
+            let head = self.bins[fits.trailing_zeros() as usize];
+            let len = self.run_len[head as usize];
+            self.take_from_run(head, len, want);
+            return Some(head);
+        }
+        if self.num_chunks - self.fresh as usize >= want as usize {
+            return Some(self.take_fresh(want));
+        }
+        None
+    }
+
+    /// Allocates `count` chunks as one chain and returns its first chunk. One run when the free
+    /// space allows, else the largest runs first.
+    fn allocate(&mut self, count: usize) -> u32 {
+        assert!(count <= self.available(), "the arena has no room for {count} chunks");
+        let want = count as u32;
+        if let Some(head) = self.take_whole(want) {
+            for chunk in head..head + want - 1 {
+                self.next[chunk as usize] = chunk + 1;
+            }
+            self.next[(head + want - 1) as usize] = NIL;
+            return head;
+        }
+        let (mut first, mut last, mut left) = (NIL, NIL, want);
+        while left > 0 {
+            let (head, len) = if (self.fresh as usize) < self.num_chunks {
+                let len = (self.num_chunks as u32 - self.fresh).min(left);
+                (self.take_fresh(len), len)
+            } else {
+                let bin = 127 - self.nonempty.leading_zeros() as usize;
+                let head = self.bins[bin];
+                let len = self.run_len[head as usize].min(left);
+                self.take_from_run(head, self.run_len[head as usize], len);
+                (head, len)
+            };
+            if last == NIL {
+                first = head;
+            } else {
+                self.next[last as usize] = head;
+            }
+            for chunk in head..head + len - 1 {
+                self.next[chunk as usize] = chunk + 1;
+            }
+            last = head + len - 1;
+            left -= len;
+        }
+        self.next[last as usize] = NIL;
+        first
     }
 
     /// Stores `payload` in a new chain and returns its first chunk (`EMPTY_CHAIN` for no bytes).
@@ -110,27 +273,39 @@ impl ChunkArena {
         if count == 0 {
             return EMPTY_CHAIN;
         }
-        assert!(count <= self.available(), "the arena has no room for {count} chunks");
-        let first = self.take();
-        let mut last = first;
-        // Copy run by run: a run of adjacent chunks is one copy.
-        let (mut run_start, mut run_chunks, mut copied) = (first, 1usize, 0usize);
-        for _ in 1..count {
-            let chunk = self.take();
-            self.next[last as usize] = chunk;
-            last = chunk;
-            if chunk as usize == run_start as usize + run_chunks {
-                run_chunks += 1;
-                continue;
-            }
-            let bytes = run_chunks * self.chunk_nbytes;
-            self.arena.write_span(run_start, &payload[copied..copied + bytes]);
+        let first = self.allocate(count);
+        let mut copied = 0;
+        let mut run = first;
+        while copied < payload.len() {
+            let (chunks, after) = self.run_at(run, count);
+            let bytes = (chunks * self.chunk_nbytes).min(payload.len() - copied);
+            let piece = &payload[copied..copied + bytes];
             copied += bytes;
-            (run_start, run_chunks) = (chunk, 1);
+            if copied == payload.len() && self.chunk_nbytes % 64 == 0 {
+                // The rest of the last chunk is this object's: stream the last line whole.
+                self.arena.write_span_padded(run, piece);
+            } else {
+                self.arena.write_span(run, piece);
+            }
+            run = after;
         }
-        self.next[last as usize] = NIL;
-        self.arena.write_span(run_start, &payload[copied..]);
         first
+    }
+
+    /// The run of adjacent chunks starting at `chunk` in a chain (at most `limit` long): its
+    /// length, and the chunk after it (`NIL` at the end).
+    #[inline]
+    fn run_at(&self, chunk: u32, limit: usize) -> (usize, u32) {
+        let mut len = 1;
+        let mut at = chunk;
+        loop {
+            let after = self.next[at as usize];
+            if after != at + 1 || len == limit {
+                return (len, after);
+            }
+            at = after;
+            len += 1;
+        }
     }
 
     /// Orders earlier streaming stores before later loads and stores (see `Arena::flush_writes`).
@@ -139,77 +314,95 @@ impl ChunkArena {
         self.arena.flush_writes();
     }
 
-    /// Returns the chain of an object of `nbytes` bytes to the front of the free list, in order.
+    /// Frees the chain of an object of `nbytes` bytes, merging each of its runs with free
+    /// neighbours.
     pub fn free(&mut self, first: u32, nbytes: usize) {
         let count = self.chunks_for(nbytes);
         if count == 0 {
             debug_assert_eq!(first, EMPTY_CHAIN);
             return;
         }
-        let mut last = first;
-        for _ in 1..count {
-            last = self.next[last as usize];
+        let (mut run, mut left) = (first, count);
+        while left > 0 {
+            let (len, after) = self.run_at(run, left);
+            self.release_run(run, len as u32);
+            left -= len;
+            run = after;
         }
-        debug_assert_eq!(self.next[last as usize], NIL, "chain longer than its object");
-        self.next[last as usize] = self.free_head;
-        self.free_head = first;
+        debug_assert_eq!(run, NIL, "chain longer than its object");
         self.free_chunks += count;
+    }
+
+    /// Returns `head..head + len` to the free runs, merged with the free runs around it.
+    fn release_run(&mut self, head: u32, len: u32) {
+        self.mark(head, len, true);
+        let (mut start, mut total) = (head, len);
+        if start > 0 && self.is_free(start - 1) {
+            let before = self.run_len[(start - 1) as usize];
+            start -= before;
+            self.unlink_run(start, before);
+            total += before;
+        }
+        let end = head + len;
+        if end < self.fresh && self.is_free(end) {
+            let after = self.run_len[end as usize];
+            self.unlink_run(end, after);
+            total += after;
+        }
+        self.link_run(start, total);
     }
 
     /// Copies the `out.len()` bytes of the object whose chain starts at `first` into `out`.
     #[inline]
     pub fn read(&self, first: u32, out: &mut [u8]) {
-        if out.is_empty() {
-            return;
-        }
         let count = self.chunks_for(out.len());
-        let (mut run_start, mut run_chunks, mut copied) = (first, 1usize, 0usize);
-        let mut chunk = first;
-        for _ in 1..count {
-            chunk = self.next[chunk as usize];
-            if chunk as usize == run_start as usize + run_chunks {
-                run_chunks += 1;
-                continue;
-            }
-            let bytes = run_chunks * self.chunk_nbytes;
-            out[copied..copied + bytes].copy_from_slice(self.arena.span(run_start, bytes));
+        let (mut run, mut copied) = (first, 0);
+        while copied < out.len() {
+            let (chunks, after) = self.run_at(run, count);
+            let bytes = (chunks * self.chunk_nbytes).min(out.len() - copied);
+            out[copied..copied + bytes].copy_from_slice(self.arena.span(run, bytes));
             copied += bytes;
-            (run_start, run_chunks) = (chunk, 1);
+            run = after;
         }
-        let rest = out.len() - copied;
-        out[copied..].copy_from_slice(self.arena.span(run_start, rest));
     }
 
     /// Runs of adjacent chunks in the chain of an object of `nbytes` bytes, for tests and
     /// figures: how contiguous objects stay.
     pub fn runs(&self, first: u32, nbytes: usize) -> usize {
-        let count = self.chunks_for(nbytes);
-        let (mut runs, mut chunk) = (usize::from(count > 0), first);
-        for _ in 1..count {
-            let after = self.next[chunk as usize];
-            if after != chunk + 1 {
-                runs += 1;
-            }
-            chunk = after;
+        let (mut left, mut run, mut runs) = (self.chunks_for(nbytes), first, 0);
+        while left > 0 {
+            let (len, after) = self.run_at(run, left);
+            left -= len;
+            run = after;
+            runs += 1;
         }
         runs
     }
 
     /// Checks the allocator's invariants against the stored objects, given as (first chunk,
     /// bytes): every chain has exactly its object's chunk count, no chunk is held twice or is
-    /// both held and free, and the held and free chunks are exactly the handed-out ones.
+    /// both held and free, the free runs are maximal, tagged and binned by length, and the held
+    /// and free chunks are exactly the handed-out ones.
     pub fn validate(&self, objects: impl Iterator<Item = (u32, usize)>) -> Result<(), String> {
         let fresh = self.fresh as usize;
-        if fresh > self.num_chunks || self.next.len() != fresh {
+        if fresh > self.num_chunks
+            || self.next.len() != fresh
+            || self.prev.len() != fresh
+            || self.run_len.len() != fresh
+            || self.free_bits.len() != fresh.div_ceil(64)
+        {
             return Err(format!(
-                "chunks are in range: {fresh} handed out, {} linked, {} exist",
+                "chunks are in range: {fresh} handed out of {}, arrays of {}/{}/{}/{} words",
+                self.num_chunks,
                 self.next.len(),
-                self.num_chunks
+                self.prev.len(),
+                self.run_len.len(),
+                self.free_bits.len()
             ));
         }
+        const HELD: u8 = 1;
         const FREE: u8 = 2;
         let mut owner = vec![0u8; fresh];
-        let mut held = 0usize;
         for (first, nbytes) in objects {
             let count = self.chunks_for(nbytes);
             if count == 0 {
@@ -230,28 +423,57 @@ impl ChunkArena {
                 if owner[at] != 0 {
                     return Err(format!("no overlap: chunk {chunk} is held twice"));
                 }
-                owner[at] = 1;
+                if self.is_free(chunk) {
+                    return Err(format!("no overlap: chunk {chunk} is held and marked free"));
+                }
+                owner[at] = HELD;
                 chunk = self.next[at];
             }
             if chunk != NIL {
                 return Err(format!("a chain is longer than its object of {nbytes} bytes"));
             }
-            held += count;
         }
         let mut free = 0usize;
-        let mut chunk = self.free_head;
-        while chunk != NIL {
-            let at = chunk as usize;
-            if at >= fresh {
-                return Err(format!("free space: the free list reaches chunk {chunk} of {fresh}"));
+        for (bin, &first) in self.bins.iter().enumerate() {
+            if (first != NIL) != (self.nonempty & (1 << bin) != 0) {
+                return Err(format!("free space: bin {bin} and its non-empty bit disagree"));
             }
-            match owner[at] {
-                0 => owner[at] = FREE,
-                FREE => return Err(format!("free space: chunk {chunk} is free twice (a cycle)")),
-                _ => return Err(format!("no overlap: chunk {chunk} is both held and free")),
+            let (mut head, mut before) = (first, NIL);
+            while head != NIL {
+                let at = head as usize;
+                if at >= fresh {
+                    return Err(format!("free space: bin {bin} reaches chunk {head} of {fresh}"));
+                }
+                let len = self.run_len[at];
+                let end = at + len as usize;
+                if len == 0 || end > fresh || self.run_len[end - 1] != len || bin_of(len) != bin {
+                    return Err(format!(
+                        "free space: the run at {head} in bin {bin} has length {len}, tag {}",
+                        if len == 0 || end > fresh { 0 } else { self.run_len[end - 1] }
+                    ));
+                }
+                if self.prev[at] != before {
+                    return Err(format!("free space: the run at {head} has a broken back link"));
+                }
+                for (chunk, state) in owner.iter_mut().enumerate().take(end).skip(at) {
+                    match *state {
+                        0 if self.is_free(chunk as u32) => *state = FREE,
+                        0 => {
+                            return Err(format!("free space: chunk {chunk} is listed, not marked"))
+                        }
+                        FREE => return Err(format!("free space: chunk {chunk} is listed twice")),
+                        _ => return Err(format!("no overlap: chunk {chunk} is held and free")),
+                    }
+                }
+                if (at > 0 && self.is_free(head - 1)) || (end < fresh && self.is_free(end as u32)) {
+                    return Err(format!(
+                        "free runs are maximal: the run at {head} has a free neighbour"
+                    ));
+                }
+                free += len as usize;
+                before = head;
+                head = self.next[at];
             }
-            free += 1;
-            chunk = self.next[at];
         }
         if free != self.free_chunks {
             return Err(format!(
@@ -264,7 +486,6 @@ impl ChunkArena {
                 "free space is accounted for exactly: chunk {lost} is neither held nor free"
             ));
         }
-        debug_assert_eq!(held + free, fresh);
         Ok(())
     }
 }
@@ -317,6 +538,56 @@ mod tests {
             small.iter().skip(1).step_by(2).map(|&f| (f, 7)).chain([(big, 24)]).collect();
         arena.validate(held.into_iter()).unwrap();
         assert_eq!(arena.available(), 0);
+    }
+
+    #[test]
+    fn freed_neighbours_merge_into_one_run_and_fit_whole() {
+        let mut arena = ChunkArena::new(16, 4, false).unwrap();
+        let a = arena.store(&bytes(1, 8)); // chunks 0-1
+        let b = arena.store(&bytes(2, 12)); // 2-4
+        let c = arena.store(&bytes(3, 8)); // 5-6
+        let d = arena.store(&bytes(4, 4)); // 7
+        arena.free(b, 12);
+        arena.free(a, 8);
+        arena.free(c, 8);
+        arena.validate([(d, 4)].into_iter()).unwrap();
+        // One free run 0..7 now: seven chunks fit in one piece, where fresh chunks would too.
+        let e = arena.store(&bytes(5, 28));
+        assert_eq!((e, arena.runs(e, 28)), (0, 1));
+        // Freed chunks are used before fresh ones.
+        arena.free(d, 4);
+        let f = arena.store(&bytes(6, 4));
+        assert_eq!(f, 7);
+        arena.validate([(e, 28), (f, 4)].into_iter()).unwrap();
+    }
+
+    #[test]
+    fn random_churn_keeps_bytes_and_invariants() {
+        for chunk in [1, 4, 64, 256] {
+            let mut arena = ChunkArena::new(4_096 / chunk * 8, chunk, false).unwrap();
+            let mut live: Vec<(u32, Vec<u8>)> = Vec::new();
+            let mut state = 11u64;
+            for step in 0..3_000u32 {
+                state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                let len = (state >> 40) as usize % (chunk * 90); // past 64 chunks sometimes
+                while arena.available() < arena.chunks_for(len) {
+                    let at = (state >> 20) as usize % live.len();
+                    let (first, old) = live.swap_remove(at);
+                    arena.free(first, old.len());
+                }
+                let payload = bytes(step as u8, len);
+                live.push((arena.store(&payload), payload));
+                if step % 101 == 0 {
+                    arena.flush_writes();
+                    arena.validate(live.iter().map(|(f, p)| (*f, p.len()))).unwrap();
+                    for (first, payload) in &live {
+                        let mut out = vec![0; payload.len()];
+                        arena.read(*first, &mut out);
+                        assert_eq!(&out, payload, "chunk {chunk}, step {step}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
