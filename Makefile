@@ -75,16 +75,18 @@ valgrind:
 			--errors-for-leak-kinds=definite --show-possibly-lost=no $$bin --test-threads=1 || exit 1; \
 	done
 
-# The SPEC section 10 table (bench-out/: results.json, w1_scaling.png, w3_latency.png), the core
-# alone, and the criterion benches.
+# The SPEC section 10 table (bench-out/: results.json, w1_scaling.png, w3_latency.png; T9 in
+# variable.json), the core alone, and the criterion benches.
 bench: install test-venv
 	$(PY) benches/bench.py --out bench-out
+	$(PY) benches/variable_bench.py --out bench-out
 	cargo bench --bench w2_core
 	cargo bench --bench store
 
 # Tiny sizes, so the benchmarks cannot rot (CI).
 bench-smoke: install test-venv
 	$(PY) benches/bench.py --quick --out target/bench-smoke
+	$(PY) benches/variable_bench.py --quick --out target/bench-smoke
 	$(PY) -m aostore churn --slots 4096 --batches 50 >/dev/null
 
 clean:
