@@ -21,7 +21,7 @@
 //! Every operation is O(runs touched); nothing allocates per object (the arrays grow with
 //! `fresh`, once per chunk, ever).
 
-use crate::arena::Arena;
+use crate::arena::{Arena, Prefault};
 use crate::error::StoreError;
 
 /// End of a chain, and of a bin's list.
@@ -74,13 +74,23 @@ pub struct ChunkArena {
 impl ChunkArena {
     /// An arena of `num_chunks` chunks of `chunk_nbytes` bytes (committed now with `prefault`).
     pub fn new(num_chunks: usize, chunk_nbytes: usize, prefault: bool) -> Result<Self, StoreError> {
+        let prefault = if prefault { Prefault::Now } else { Prefault::OnWrite };
+        Self::with_commit(num_chunks, chunk_nbytes, prefault)
+    }
+
+    /// As `new`, with the arena's pages committed as `prefault` says.
+    pub fn with_commit(
+        num_chunks: usize,
+        chunk_nbytes: usize,
+        prefault: Prefault,
+    ) -> Result<Self, StoreError> {
         if num_chunks > MAX_CHUNKS {
             return Err(StoreError::CapacityTooLarge {
                 num_slots: num_chunks as u64,
                 object_nbytes: chunk_nbytes as u64,
             });
         }
-        let arena = Arena::with_prefault(num_chunks, chunk_nbytes, prefault)?;
+        let arena = Arena::with_commit(num_chunks, chunk_nbytes, prefault)?;
         Ok(Self {
             arena,
             chunk_nbytes,

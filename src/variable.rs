@@ -15,6 +15,7 @@
 //! the first prefix whose chunks cover the shortfall; since objects need not be contiguous, that
 //! prefix always makes room.
 
+use crate::arena::Prefault;
 use crate::chunks::{ChunkArena, EMPTY_CHAIN, MAX_CHUNKS};
 use crate::error::StoreError;
 use crate::keys::KeyTable;
@@ -280,6 +281,16 @@ impl VariableStore {
         chunk_nbytes: Option<usize>,
         prefault: bool,
     ) -> Result<Self, StoreError> {
+        let prefault = if prefault { Prefault::Now } else { Prefault::OnWrite };
+        Self::with_commit(max_bytes, chunk_nbytes, prefault)
+    }
+
+    /// As `with_options`, with the arena's pages committed as `prefault` says.
+    pub fn with_commit(
+        max_bytes: usize,
+        chunk_nbytes: Option<usize>,
+        prefault: Prefault,
+    ) -> Result<Self, StoreError> {
         if max_bytes == 0 {
             return Err(StoreError::InvalidArgument(
                 "auxiliary output store max_bytes must be positive".to_owned(),
@@ -310,7 +321,7 @@ impl VariableStore {
                 object_nbytes: chunk_nbytes as u64,
             });
         }
-        let chunks = ChunkArena::new(arena_chunks, chunk_nbytes, prefault)?;
+        let chunks = ChunkArena::with_commit(arena_chunks, chunk_nbytes, prefault)?;
         // Sized for about one key per eight chunks (3 KB objects); the index grows if needed.
         let reserve = (capacity_chunks / 8).clamp(16, 1 << 20);
         Ok(Self {

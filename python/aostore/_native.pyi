@@ -109,7 +109,7 @@ class NativeVariableStore:
         max_bytes: int,
         policy: Any | None = None,
         chunk_nbytes: int | None = None,
-        prefault: bool = False,
+        prefault: bool | Literal["background"] | None = None,
     ) -> Self: ...
     @property
     def max_bytes(self) -> int: ...

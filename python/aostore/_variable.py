@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from aostore._native import NativeVariableStore
 
@@ -11,7 +11,8 @@ class VariableBlockObjectStore(NativeVariableStore):
     """A bounded store of objects of any size (zero included) keyed by string.
 
     ``VariableBlockObjectStore(*, max_bytes, policy=None, chunk_nbytes=None, prefault=False)``
-    holds objects whose sizes, each rounded up to whole chunks of ``chunk_nbytes`` bytes, sum to
+    (``prefault`` as ``BlockObjectStore``'s: ``True``, ``False`` or ``"background"``) holds
+    objects whose sizes, each rounded up to whole chunks of ``chunk_nbytes`` bytes, sum to
     at most ``max_bytes``. The default chunk is 256 bytes, halved for stores under 1 MiB until
     they have 4,096 chunks (stores under 8 KiB count exact bytes). Objects need not be
     contiguous in the arena, so a batch fits whenever its chunks do, and eviction frees exactly
@@ -35,8 +36,10 @@ class VariableBlockObjectStore(NativeVariableStore):
         max_bytes: int,
         policy: Any | None = None,
         chunk_nbytes: int | None = None,
-        prefault: bool = False,
+        prefault: bool | Literal["background"] = False,
     ) -> VariableBlockObjectStore:
+        if not (type(prefault) is bool or (type(prefault) is str and prefault == "background")):
+            raise ValueError(f"prefault must be True, False or 'background', not {prefault!r}")
         return super().__new__(
             cls, max_bytes=max_bytes, policy=policy, chunk_nbytes=chunk_nbytes, prefault=prefault
         )

@@ -3,8 +3,9 @@
 //! error mapping), plus the two-phase read that lets a result of unknown size be one `bytes`
 //! object filled in place.
 
-use std::sync::atomic::AtomicBool;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyAssertionError, PyRuntimeError, PyValueError};
 use pyo3::gc::PyVisit;
@@ -14,9 +15,10 @@ use pyo3::PyTraverseError;
 
 use super::gather::Gathered;
 use super::{
-    as_texts, bytes_ptr, collect_keys, new_uninit_bytes, size_arg, to_py_err, too_large, PyPolicy,
-    HELD,
+    as_texts, bytes_ptr, collect_keys, fork_generation, forked_error, new_uninit_bytes,
+    prefault_arg, size_arg, to_py_err, too_large, PyPolicy, HELD, POLICY_WAIT_LIMIT,
 };
+use crate::arena::Prefault;
 use crate::error::StoreError;
 use crate::store::{RemoveReason, VictimPolicy};
 use crate::variable::{ReadPlan, VariablePolicy, VariableStore};
@@ -32,11 +34,15 @@ pub struct NativeVariableStore {
     /// The victim policy; behind its own small lock only so `__clear__` can drop it (never
     /// while the store lock is held).
     policy: Mutex<Option<Py<PyAny>>>,
+    /// Whether a policy was given: then a thread waiting for the lock must watch `in_policy`.
+    has_policy: bool,
     /// Set while a policy callback runs (with the lock held).
     in_policy: AtomicBool,
-    closed: std::sync::atomic::AtomicBool,
+    closed: AtomicBool,
     max_bytes: usize,
     chunk_nbytes: usize,
+    /// `fork_generation()` at construction: a forked child must not touch the lock.
+    generation: u64,
 }
 
 /// The store lock plus this thread's record of holding it (shared with `NativeStore`'s).
@@ -64,13 +70,51 @@ impl NativeVariableStore {
                 "a victim policy must not call back into its store".to_owned(),
             ));
         }
-        let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let guard = match self.inner.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => self.lock_contended()?,
+        };
         HELD.with(|held| held.borrow_mut().push(address));
         Ok(Held { guard, address })
     }
 
+    /// Waits for the lock as `NativeStore` does: plainly without a policy; with one, giving up
+    /// after `POLICY_WAIT_LIMIT` spent waiting while a policy callback holds it (the callback may
+    /// be waiting for this thread).
+    fn lock_contended(&self) -> Result<MutexGuard<'_, VariableStore>, StoreError> {
+        if !self.has_policy {
+            return Ok(self.inner.lock().unwrap_or_else(PoisonError::into_inner));
+        }
+        let (mut waited_in_policy, mut last) = (Duration::ZERO, Instant::now());
+        loop {
+            match self.inner.try_lock() {
+                Ok(guard) => return Ok(guard),
+                Err(TryLockError::Poisoned(poisoned)) => return Ok(poisoned.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            std::thread::sleep(Duration::from_micros(100));
+            let now = Instant::now();
+            if self.in_policy.load(Ordering::Acquire) {
+                waited_in_policy += now - last;
+                if waited_in_policy >= POLICY_WAIT_LIMIT {
+                    return Err(StoreError::Policy(format!(
+                        "the store is held by a victim policy callback on another thread and \
+                         was not released within {} s: a policy must not wait for a thread \
+                         that uses its store",
+                        POLICY_WAIT_LIMIT.as_secs()
+                    )));
+                }
+            }
+            last = now;
+        }
+    }
+
     fn ensure_open(&self) -> PyResult<()> {
-        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+        if self.generation != fork_generation() {
+            return Err(forked_error());
+        }
+        if self.closed.load(Ordering::Acquire) {
             return Err(to_py_err(StoreError::Closed));
         }
         Ok(())
@@ -82,6 +126,9 @@ impl NativeVariableStore {
         py: Python<'_>,
         f: impl FnOnce(&mut VariableStore) -> T + Send,
     ) -> PyResult<T> {
+        if self.generation != fork_generation() {
+            return Err(forked_error());
+        }
         py.detach(|| self.lock().map(|mut held| f(&mut held.guard))).map_err(to_py_err)
     }
 
@@ -230,13 +277,14 @@ impl VariableCandidates {
 #[pymethods]
 impl NativeVariableStore {
     #[new]
-    #[pyo3(signature = (*, max_bytes, policy = None, chunk_nbytes = None, prefault = false))]
+    #[pyo3(signature = (*, max_bytes, policy = None, chunk_nbytes = None, prefault = None))]
     fn new(
         max_bytes: &Bound<'_, PyAny>,
         policy: Option<&Bound<'_, PyAny>>,
         chunk_nbytes: Option<&Bound<'_, PyAny>>,
-        prefault: bool,
+        prefault: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let prefault = prefault.map_or(Ok(Prefault::OnWrite), prefault_arg)?;
         let max_bytes = size_arg(max_bytes, "max_bytes")?;
         if max_bytes <= 0 {
             return Err(PyValueError::new_err("auxiliary output store max_bytes must be positive"));
@@ -255,16 +303,18 @@ impl NativeVariableStore {
         };
         let max_bytes = usize::try_from(max_bytes).map_err(|_| too_large(max_bytes))?;
         let store =
-            VariableStore::with_options(max_bytes, chunk_nbytes, prefault).map_err(to_py_err)?;
+            VariableStore::with_commit(max_bytes, chunk_nbytes, prefault).map_err(to_py_err)?;
         let chunk_nbytes = store.chunk_nbytes();
         let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
         Ok(Self {
             inner: Mutex::new(store),
+            has_policy: policy.is_some(),
             policy: Mutex::new(policy),
             in_policy: AtomicBool::new(false),
-            closed: false.into(),
+            closed: AtomicBool::new(false),
             max_bytes,
             chunk_nbytes,
+            generation: fork_generation(),
         })
     }
 
@@ -305,7 +355,7 @@ impl NativeVariableStore {
     /// Whether `close()` was called (and finished).
     #[getter]
     fn closed(&self) -> bool {
-        self.closed.load(std::sync::atomic::Ordering::Acquire)
+        self.closed.load(Ordering::Acquire)
     }
 
     /// The victim policy given to the constructor, or None.
@@ -397,7 +447,7 @@ impl NativeVariableStore {
     /// Frees the arena; later calls raise `RuntimeError`. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.with_store(py, VariableStore::close)?;
-        self.closed.store(true, std::sync::atomic::Ordering::Release);
+        self.closed.store(true, Ordering::Release);
         Ok(())
     }
 
