@@ -423,7 +423,7 @@ impl VariableStore {
         // a slot, and are forgotten again if the call fails.
         self.keys.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
         self.keys.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
-        if let Err(error) = self.validate_releases(s) {
+        if let Err(error) = self.validate_references(s) {
             self.forget_orphans(&s.created);
             return Err(error);
         }
@@ -488,10 +488,11 @@ impl VariableStore {
         Ok(())
     }
 
-    /// Counts each release against the key's references plus this call's retains; the first
-    /// release below zero is the error. Touches nothing but `mark`.
-    fn validate_releases(&mut self, s: &Scratch) -> Result<(), StoreError> {
-        if s.releases.is_empty() {
+    /// Counts each retain and release against the key's references, in call order (retains
+    /// first); the first count that would leave `0..=u32::MAX` is the error. Touches nothing but
+    /// `mark`.
+    fn validate_references(&mut self, s: &Scratch) -> Result<(), StoreError> {
+        if s.releases.is_empty() && s.retains.is_empty() {
             return Ok(());
         }
         let slab = &mut self.keys.slab;
@@ -500,7 +501,11 @@ impl VariableStore {
             entry.mark = entry.refs;
         }
         for &idx in &s.retains {
-            slab[idx].mark += 1;
+            let entry = &mut slab[idx];
+            match entry.mark.checked_add(1) {
+                Some(count) => entry.mark = count,
+                None => return Err(StoreError::ReferenceOverflow { key: entry.key().to_owned() }),
+            }
         }
         for &idx in &s.releases {
             let entry = &mut slab[idx];
@@ -1200,6 +1205,30 @@ mod tests {
         store.put(&[], &[], &["first"]).unwrap();
         store.put(&[obj("third", b"3333")], &[], &[]).unwrap();
         assert_eq!(store.get_concatenated(&["third"]).unwrap(), b"3333");
+        store.check().unwrap();
+    }
+
+    #[test]
+    fn retain_at_the_count_limit_fails_and_changes_nothing() {
+        let mut store = VariableStore::with_options(64, Some(1), false).unwrap();
+        store.put(&[obj("k", b"a")], &["k"], &[]).unwrap();
+        let idx = store.keys.lookup("k").unwrap();
+        store.keys.slab[idx].refs = u32::MAX;
+        let refs = |s: &VariableStore| {
+            s.references().iter().map(|&(k, c)| (k.to_owned(), c)).collect::<Vec<_>>()
+        };
+        let before = (store.stats(), store.lru_keys().len(), refs(&store));
+        let error = store.put(&[obj("other", b"b")], &["other", "k"], &[]).unwrap_err();
+        assert_eq!(error, StoreError::ReferenceOverflow { key: "k".to_owned() });
+        assert_eq!((store.stats(), store.lru_keys().len(), refs(&store)), before);
+        assert!(!store.contains("other"));
+        store.check().unwrap();
+        // A release first does not help: retains count first.
+        let error = store.put(&[], &["k"], &["k"]).unwrap_err();
+        assert!(matches!(error, StoreError::ReferenceOverflow { .. }));
+        store.put(&[], &[], &["k"]).unwrap();
+        store.put(&[], &["k"], &[]).unwrap();
+        assert_eq!(store.reference_count("k"), u32::MAX);
         store.check().unwrap();
     }
 
