@@ -264,3 +264,65 @@ def test_a_lying_len_never_crashes_the_process(call):
     )
     assert result.returncode == 0, result.stderr[:1500]
     assert "survived" in result.stdout, result.stderr[:1500]
+
+
+FORK_SCRIPT = """
+import os, threading, time
+from aostore import BlockObject, VariableBlockObjectStore
+store = VariableBlockObjectStore(max_bytes=1 << 22, prefault="background")
+payload = bytes(3000)
+stop = threading.Event()
+
+def busy():  # keeps the store lock busy at fork time
+    i = 0
+    while not stop.is_set():
+        store.put([BlockObject(f"k{i % 64}", payload)])
+        i += 1
+
+thread = threading.Thread(target=busy)
+thread.start()
+time.sleep(0.2)
+pid = os.fork()
+if pid == 0:
+    outcomes = []
+    for call in (lambda: store.put([BlockObject("c", payload)]),
+                 lambda: store.get_concatenated(["k1"]),
+                 lambda: store.get_many(["k1"]),
+                 lambda: store.contains(["k1"]),
+                 lambda: store.stats()):
+        try:
+            call()
+            outcomes.append("worked")
+        except RuntimeError as error:
+            outcomes.append("fork" in str(error))
+    print("child", outcomes, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+stop.set()
+thread.join()
+store.check()
+store.close()
+print("parent ok", flush=True)
+"""
+
+
+def test_a_forked_child_gets_a_clear_error_never_a_hang():
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert "child [True, True, True, True, True]" in result.stdout, result.stdout + result.stderr
+    assert "parent ok" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("prefault", [True, False, "background"])
+def test_prefault_modes(prefault):
+    store = VariableBlockObjectStore(max_bytes=1 << 20, prefault=prefault)
+    store.put([BlockObject("a", b"x" * 3000)])
+    assert store.get_concatenated(["a"]) == b"x" * 3000
+    store.close()
+
+
+@pytest.mark.parametrize("prefault", ["now", 1, None, "True"], ids=repr)
+def test_bad_prefault_is_a_value_error(prefault):
+    with pytest.raises(ValueError, match="prefault"):
+        VariableBlockObjectStore(max_bytes=1 << 20, prefault=prefault)
