@@ -65,14 +65,26 @@ def logprob_key(i: int) -> str:
     return f"vllm-logprobs/v1/0/{fingerprint}/{digest:064x}/{(i * 7919) % 151_000}"
 
 
+def routed_experts_key(i: int) -> str:
+    """The fixed store's own keys: ``vllm-artifact/<namespace>/<64 hex digits>``, 80 bytes."""
+    return f"vllm-artifact/0/{i * 0x9E3779B97F4A7C15 % (1 << 256):064x}"
+
+
 def payload_pool(sizes: list[int]) -> list[bytes]:
     rng = random.Random(1)
     return [rng.randbytes(n) for n in sizes]
 
 
-def churn(store: Any, sizes: list[int], batches: int, capacity_objects: int) -> dict[str, float]:
+def churn(
+    store: Any,
+    sizes: list[int],
+    batches: int,
+    capacity_objects: int,
+    logprob_key: Any = logprob_key,
+) -> dict[str, float]:
     """Fill to steady state, then time ``batches`` rounds of put (64 new, 64 retains, 64
-    releases) and get (64 live keys). Object ``i`` has size ``sizes[i % len(sizes)]``."""
+    releases) and get (64 live keys). Object ``i`` has size ``sizes[i % len(sizes)]`` and key
+    ``logprob_key(i)``."""
     pool = payload_pool(sizes)
     count = len(pool)
     next_key = 0
@@ -153,11 +165,14 @@ def churn_figures(quick: bool) -> dict[str, Any]:
     variable.check()
     variable.close()
 
+    # The fixed store twice: with the same keys (over its 99 inline bytes: a heap copy each) and
+    # with its own 80-byte routed-experts keys, its best case. T9 compares with the faster.
     fixed_nbytes = round(mean)
-    fixed = BlockObjectStore(max_bytes=max_bytes, object_nbytes=fixed_nbytes, prefault=True)
-    results["fixed"] = churn(fixed, [fixed_nbytes], batches, max_bytes // fixed_nbytes)
-    results["fixed"]["object_nbytes"] = fixed_nbytes
-    fixed.close()
+    for name, keys in (("fixed", logprob_key), ("fixed/80B-keys", routed_experts_key)):
+        fixed = BlockObjectStore(max_bytes=max_bytes, object_nbytes=fixed_nbytes, prefault=True)
+        results[name] = churn(fixed, [fixed_nbytes], batches, max_bytes // fixed_nbytes, keys)
+        results[name]["object_nbytes"] = fixed_nbytes
+        fixed.close()
 
     baseline = PythonVariableBlockObjectStore(max_bytes=max_bytes)
     results["baseline"] = churn(baseline, sizes, max(10, batches // 10), capacity_objects)
@@ -243,7 +258,9 @@ def t9_rows(r: dict[str, Any]) -> list[tuple[str, str, float, str, bool, str]]:
     c, m = r["churn"], r["read_merge_write"]
     rows = []
     for op in ("put", "get"):
-        a, f, b = c["aostore"][f"{op}_ns"], c["fixed"][f"{op}_ns"], c["baseline"][f"{op}_ns"]
+        a, b = c["aostore"][f"{op}_ns"], c["baseline"][f"{op}_ns"]
+        same, own = c["fixed"][f"{op}_ns"], c["fixed/80B-keys"][f"{op}_ns"]
+        f = min(same, own)
         rows.append(
             (
                 "T9",
@@ -251,7 +268,8 @@ def t9_rows(r: dict[str, Any]) -> list[tuple[str, str, float, str, bool, str]]:
                 a / f,
                 "<= 1.5",
                 a / f <= 1.5,
-                f"{a:.0f} vs {f:.0f} ns/object; Python variable store {b / a:.1f}x slower",
+                f"{a:.0f} vs {f:.0f} ns/object (fixed: {same:.0f} with the same keys, {own:.0f} "
+                f"with 80 B keys); Python variable store {b / a:.1f}x slower",
             )
         )
     held = c["fragmentation"]["held_over_arena"]
