@@ -29,7 +29,8 @@ The contract, where SPEC section 13 leaves room:
 * ``get_many(keys) -> (data, missing, offsets)``: the stored keys' payloads concatenated,
   the missing keys once per occurrence, and ``len(keys) + 1`` offsets (key ``i`` is
   ``data[offsets[i]:offsets[i + 1]]``); present keys move as in a read, missing ones do not.
-  ``contains(keys)`` answers per key and moves nothing.
+  ``get_optional(key)`` is ``get_many([key])``'s payload or ``None``. ``contains(keys)`` answers
+  per key and moves nothing.
 * Counters: ``puts``, ``retains``, ``releases`` count successful puts and what they applied;
   ``objects_written``/``bytes_written`` the payloads stored; ``evictions`` the victims;
   ``eviction_visits`` the keys the eviction walk looked at, which are the victims (or, in a
@@ -269,6 +270,10 @@ class VariableModelStore:
         self._stats["read_misses"] += len(missing)
         self._stats["bytes_read"] += len(data)
         return data, missing, offsets
+
+    def get_optional(self, key: str) -> bytes | None:
+        data, missing, _ = self.get_many([key])
+        return None if missing else data
 
     def contains(self, keys: Iterable[str]) -> list[bool]:
         self._raise_if_closed()

@@ -5,8 +5,9 @@ A hypothesis state machine drives ``aostore.VariableBlockObjectStore`` and
 re-puts change size (referenced keys included), zero-byte objects, blind and balanced releases
 (so ``KeyError`` happens), batches that cannot be held (which must change nothing, counts
 included), eviction by bytes with chunk sizes of 1 to 8 bytes, malformed objects, reads,
-``get_many`` and ``contains``. After every step both must agree on the outcome, ``snapshot()``
-and every counter of ``stats()``, and ``check()`` (keys, LRU and the allocator) must pass.
+``get_many``, ``get_optional`` and ``contains``. After every step both must agree on the
+outcome, ``snapshot()`` and every counter of ``stats()``, and ``check()`` (keys, LRU and the
+allocator) must pass.
 
 The last tests run the machine against deliberately broken models, to show it finds each kind
 of bug.
@@ -277,6 +278,14 @@ def comparison_machine(
                 Outcome(lambda: self.subject.get_many(list(keys))),
                 Outcome(lambda: self.reference.get_many(list(keys))),
                 f"get_many({keys})",
+            )
+
+        @rule(key=keys_st)
+        def read_optional(self, key):
+            self.compare(
+                Outcome(lambda: self.subject.get_optional(key)),
+                Outcome(lambda: self.reference.get_optional(key)),
+                f"get_optional({key!r})",
             )
 
         @rule(keys=st.lists(keys_st, max_size=5))

@@ -323,3 +323,25 @@ def test_threads_never_tear_a_read():
     assert not errors, errors[0]
     store.check()
     store.close()
+
+
+def test_get_optional_and_the_background_wrapper():
+    from aostore import BackgroundBlockObjectStore
+
+    store = VariableBlockObjectStore(max_bytes=100)
+    store.put([BlockObject("a", b"xyz"), BlockObject("b", b"")])
+    assert (store.get_optional("a"), store.get_optional("b"), store.get_optional("c")) == (
+        b"xyz",
+        b"",
+        None,
+    )
+    assert store.stats()["read_misses"] == 1
+    with pytest.raises(TypeError):
+        store.get_optional(5)  # type: ignore[arg-type]
+    writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+    writer.put([BlockObject("c", b"12345")], retain_keys=["c"])
+    assert writer.get_optional("c") == b"12345"
+    assert writer.get_optional("zz") is None
+    writer.flush()
+    writer.close()
+    assert store.closed

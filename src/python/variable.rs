@@ -15,7 +15,7 @@ use pyo3::PyTraverseError;
 
 use super::gather::Gathered;
 use super::{
-    as_texts, bytes_ptr, collect_keys, fork_generation, forked_error, new_uninit_bytes,
+    as_texts, bytes_ptr, collect_keys, fork_generation, forked_error, key_text, new_uninit_bytes,
     prefault_arg, size_arg, to_py_err, too_large, PyPolicy, HELD, POLICY_WAIT_LIMIT,
 };
 use crate::arena::Prefault;
@@ -429,6 +429,20 @@ impl NativeVariableStore {
         let missing = PyList::new(py, plan.missing().iter().map(|&i| &keys[i]))?;
         let offsets = PyList::new(py, plan.offsets())?;
         Ok((data, missing, offsets))
+    }
+
+    /// The payload of `key`, or `None` when it is not stored (no error; a miss moves nothing and
+    /// counts as a read miss). vLLM's background wrapper has this method; a wrapper around this
+    /// store calls it.
+    fn get_optional<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        self.ensure_open()?;
+        let text = key_text(key)?;
+        let (data, plan) = self.read(py, &[text], false)?;
+        Ok(plan.missing().is_empty().then_some(data))
     }
 
     /// Whether each key is stored, without reading it or touching LRU order.
