@@ -8,7 +8,7 @@
 - fragmentation: payload bytes held / arena bytes at the end of the churn (and chunk bytes
   used / arena bytes, and how many pieces an object is in);
 - read-merge-write: the vLLM branch worker's shape: every decode step each running request
-  reads its last logprob block (``get_many`` for aostore, a ``get_concatenated`` that may
+  reads its last logprob block (``get_optional`` for aostore, a ``get_concatenated`` that may
   raise for the baseline), appends a row and re-publishes it (a put that replaces the key with
   a larger payload); a full block starts a new key (retained), a finished request releases its
   keys in reverse.
@@ -182,9 +182,9 @@ def churn_figures(quick: bool) -> dict[str, Any]:
 
 def read_merge_write(store: Any, requests: int, steps: int, rng: random.Random) -> dict[str, float]:
     """The vLLM branch worker's logprob path: per decode step, for each running request, read
-    the last block (``get_many``, or a ``get_concatenated`` that may raise), merge in one row,
+    the last block (``get_optional``, or a ``get_concatenated`` that may raise), merge in one row,
     re-publish it; a full block starts a new key. Finished requests release in reverse."""
-    has_get_many = isinstance(store, VariableBlockObjectStore)
+    has_get_optional = isinstance(store, VariableBlockObjectStore)
     widths = [rng.randint(1, 24) for _ in range(requests)]
     blocks = [[logprob_key(1_000_000 + i)] for i in range(requests)]
     next_id = requests
@@ -196,9 +196,8 @@ def read_merge_write(store: Any, requests: int, steps: int, rng: random.Random) 
         for r in range(requests):
             key = blocks[r][-1]
             t0 = clock()
-            if has_get_many:
-                data, missing, _ = store.get_many([key])
-                existing = None if missing else data
+            if has_get_optional:
+                existing = store.get_optional(key)
             else:
                 try:
                     existing = store.get_concatenated([key])
