@@ -858,3 +858,26 @@ def test_engine_stores_commit_their_arena_as_the_environment_says(
         store.put([aostore.BlockObject("k", bytes(64))])
         store.close()
     assert seen == [expected, expected]
+
+
+def test_branch_with_a_variable_store_gets_aostores_real_classes(
+    make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # aostore's own VariableBlockObjectStore and wrapper (with get_optional and flush) cover
+    # what the branch defines and calls: everything is replaced, and the stores work there.
+    fake = make_tree("variable")
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    store_module = fake.modules[STORE]
+    assert store_module.VariableBlockObjectStore is aostore.VariableBlockObjectStore
+    assert fake.modules["worker"].VariableBlockObjectStore is aostore.VariableBlockObjectStore
+    assert store_module.BackgroundBlockObjectStore is aostore.BackgroundBlockObjectStore
+    (record,) = plugin_records(caplog)
+    assert "kept vLLM's" not in record.getMessage(), record.getMessage()
+    variable = store_module.VariableBlockObjectStore(max_bytes=1 << 16)
+    writer = store_module.BackgroundBlockObjectStore(variable, max_pending_batches=2)
+    writer.put([store_module.BlockObject("row", b"logprobs" * 100)])
+    writer.flush()
+    assert writer.get_optional("row") == b"logprobs" * 100
+    assert writer.get_optional("missing") is None
+    writer.close()

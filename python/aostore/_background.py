@@ -304,7 +304,8 @@ class BackgroundBlockObjectStore:
             return result
         get_many = getattr(store, "get_many", None)
         if get_many is not None:
-            data, missing = get_many([key])
+            # The fixed store returns (data, missing), the variable one (data, missing, offsets).
+            data, missing = get_many([key])[:2]
             return None if missing else bytes(data)
         try:
             return bytes(store.get_concatenated([key]))
@@ -317,7 +318,8 @@ class BackgroundBlockObjectStore:
 
     def get_many(self, keys: Sequence[str]) -> Any:
         """Waits for queued puts, then ``store.get_many(keys)``: the payloads of the stored keys,
-        concatenated in order, and the list of keys that are not stored (no error)."""
+        concatenated in order, and the list of keys that are not stored (no error); the
+        variable-size store adds each key's offset into the bytes (see its docstring)."""
         self._writer.wait()
         return self._store.get_many(keys)  # type: ignore[attr-defined]
 
