@@ -43,7 +43,7 @@ import os
 import sys
 import textwrap
 import threading
-from typing import Any, Literal, cast
+from typing import Any, Literal, Self, cast
 
 import aostore
 from aostore import _log
@@ -114,6 +114,7 @@ class EngineBlockObjectStore(BlockObjectStore):
     """
 
     __slots__ = ()
+    _default_profile = "fail-closed"
 
     def __new__(
         cls,
@@ -121,51 +122,27 @@ class EngineBlockObjectStore(BlockObjectStore):
         max_bytes: int,
         object_nbytes: int,
         policy: Any | None = None,
-        profile: str = "fail-closed",
+        profile: str | None = None,
         pin_memory: bool = False,
         prefault: bool | Literal["background"] | None = None,
-    ) -> EngineBlockObjectStore:
-        return cast(
-            EngineBlockObjectStore,
-            super().__new__(
-                cls,
-                max_bytes=max_bytes,
-                object_nbytes=object_nbytes,
-                policy=policy,
-                profile=profile,
-                pin_memory=pin_memory,
-                prefault=_engine_prefault() if prefault is None else prefault,
-            ),
+    ) -> Self:
+        store = super().__new__(
+            cls,
+            max_bytes=max_bytes,
+            object_nbytes=object_nbytes,
+            policy=policy,
+            profile=cls._default_profile if profile is None else profile,
+            pin_memory=pin_memory,
+            prefault=_engine_prefault() if prefault is None else prefault,
         )
+        return cast(Self, store)
 
 
 class GrowBlockObjectStore(EngineBlockObjectStore):
     """``EngineBlockObjectStore`` whose ``profile`` defaults to ``"grow"`` (vLLM 0.33)."""
 
     __slots__ = ()
-
-    def __new__(
-        cls,
-        *,
-        max_bytes: int,
-        object_nbytes: int,
-        policy: Any | None = None,
-        profile: str = "grow",
-        pin_memory: bool = False,
-        prefault: bool | Literal["background"] | None = None,
-    ) -> GrowBlockObjectStore:
-        return cast(
-            GrowBlockObjectStore,
-            super().__new__(
-                cls,
-                max_bytes=max_bytes,
-                object_nbytes=object_nbytes,
-                policy=policy,
-                profile=profile,
-                pin_memory=pin_memory,
-                prefault=prefault,
-            ),
-        )
+    _default_profile = "grow"
 
 
 # -- The surface check -------------------------------------------------------------------------

@@ -2,12 +2,12 @@
 //! Python exceptions. No store logic lives here.
 
 mod gather;
+mod lock;
 mod variable;
 mod writer;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Once, PoisonError, TryLockError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, Once, PoisonError};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{
@@ -23,6 +23,7 @@ use crate::arena::Prefault;
 use crate::error::StoreError;
 use crate::store::{BlockStore, Candidates, Profile, RemoveReason, VictimPolicy};
 use gather::Gathered;
+use lock::{Held, StoreLock};
 
 pyo3::create_exception!(
     aostore,
@@ -188,11 +189,6 @@ pub struct NativeStore {
     generation: u64,
 }
 
-/// How long a thread waits for a store whose lock is held by a victim policy callback before it
-/// gives up with an error: a policy that waits for a thread using its store would otherwise
-/// deadlock both.
-pub(crate) const POLICY_WAIT_LIMIT: Duration = Duration::from_secs(2);
-
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
 static AT_FORK: Once = Once::new();
 
@@ -212,78 +208,15 @@ fn forked_error() -> PyErr {
     )
 }
 
-thread_local! {
-    /// Stores whose lock this thread holds: a policy callback that calls back into its own store
-    /// gets an error instead of a deadlock.
-    static HELD: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// The store lock plus this thread's record of holding it.
-pub(crate) struct Held<'a> {
-    pub(crate) guard: MutexGuard<'a, BlockStore>,
-    address: usize,
-}
-
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        HELD.with(|held| {
-            let mut held = held.borrow_mut();
-            if let Some(at) = held.iter().rposition(|&a| a == self.address) {
-                held.remove(at);
-            }
-        });
-    }
-}
-
 impl NativeStore {
-    pub(crate) fn lock(&self) -> Result<Held<'_>, StoreError> {
-        let address = std::ptr::from_ref(self) as usize;
-        if HELD.with(|held| held.borrow().contains(&address)) {
-            return Err(StoreError::Policy(
-                "a victim policy must not call back into its store".to_owned(),
-            ));
+    pub(crate) fn lock(&self) -> Result<Held<'_, BlockStore>, StoreError> {
+        StoreLock {
+            mutex: &self.inner,
+            owner: std::ptr::from_ref(self) as usize,
+            has_policy: self.policy.is_some(),
+            in_policy: &self.in_policy,
         }
-        // A panic inside the core is a bug; the store's state is still memory-safe to use, and
-        // `check()` tells whether it is consistent.
-        let guard = match self.inner.try_lock() {
-            Ok(guard) => guard,
-            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(TryLockError::WouldBlock) => self.lock_contended()?,
-        };
-        HELD.with(|held| held.borrow_mut().push(address));
-        Ok(Held { guard, address })
-    }
-
-    /// Waits for the lock. Without a policy nothing but the core runs under it, so a plain wait
-    /// is safe. With one, the holder may be running Python that waits for this thread: after
-    /// `POLICY_WAIT_LIMIT` spent waiting while a policy callback runs, give up with an error.
-    fn lock_contended(&self) -> Result<MutexGuard<'_, BlockStore>, StoreError> {
-        if self.policy.is_none() {
-            return Ok(self.inner.lock().unwrap_or_else(PoisonError::into_inner));
-        }
-        let mut waited_in_policy = Duration::ZERO;
-        let mut last = Instant::now();
-        loop {
-            match self.inner.try_lock() {
-                Ok(guard) => return Ok(guard),
-                Err(TryLockError::Poisoned(poisoned)) => return Ok(poisoned.into_inner()),
-                Err(TryLockError::WouldBlock) => {}
-            }
-            std::thread::sleep(Duration::from_micros(100));
-            let now = Instant::now();
-            if self.in_policy.load(Ordering::Acquire) {
-                waited_in_policy += now - last;
-                if waited_in_policy >= POLICY_WAIT_LIMIT {
-                    return Err(StoreError::Policy(format!(
-                        "the store is held by a victim policy callback on another thread and \
-                         was not released within {} s: a policy must not wait for a thread \
-                         that uses its store",
-                        POLICY_WAIT_LIMIT.as_secs()
-                    )));
-                }
-            }
-            last = now;
-        }
+        .acquire()
     }
 
     /// The core, for a writer thread.

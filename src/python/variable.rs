@@ -4,8 +4,7 @@
 //! object filled in place.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
-use std::time::{Duration, Instant};
+use std::sync::{Mutex, PoisonError};
 
 use pyo3::exceptions::{PyAssertionError, PyRuntimeError, PyValueError};
 use pyo3::gc::PyVisit;
@@ -14,9 +13,10 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use pyo3::PyTraverseError;
 
 use super::gather::Gathered;
+use super::lock::{Held, StoreLock};
 use super::{
     as_texts, bytes_ptr, collect_keys, fork_generation, forked_error, key_text, new_uninit_bytes,
-    prefault_arg, size_arg, to_py_err, too_large, PyPolicy, HELD, POLICY_WAIT_LIMIT,
+    prefault_arg, size_arg, to_py_err, too_large, PyPolicy,
 };
 use crate::arena::Prefault;
 use crate::error::StoreError;
@@ -45,69 +45,15 @@ pub struct NativeVariableStore {
     generation: u64,
 }
 
-/// The store lock plus this thread's record of holding it (shared with `NativeStore`'s).
-struct Held<'a> {
-    guard: MutexGuard<'a, VariableStore>,
-    address: usize,
-}
-
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        HELD.with(|held| {
-            let mut held = held.borrow_mut();
-            if let Some(at) = held.iter().rposition(|&a| a == self.address) {
-                held.remove(at);
-            }
-        });
-    }
-}
-
 impl NativeVariableStore {
-    fn lock(&self) -> Result<Held<'_>, StoreError> {
-        let address = std::ptr::from_ref(self) as usize;
-        if HELD.with(|held| held.borrow().contains(&address)) {
-            return Err(StoreError::Policy(
-                "a victim policy must not call back into its store".to_owned(),
-            ));
+    fn lock(&self) -> Result<Held<'_, VariableStore>, StoreError> {
+        StoreLock {
+            mutex: &self.inner,
+            owner: std::ptr::from_ref(self) as usize,
+            has_policy: self.has_policy,
+            in_policy: &self.in_policy,
         }
-        let guard = match self.inner.try_lock() {
-            Ok(guard) => guard,
-            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(TryLockError::WouldBlock) => self.lock_contended()?,
-        };
-        HELD.with(|held| held.borrow_mut().push(address));
-        Ok(Held { guard, address })
-    }
-
-    /// Waits for the lock as `NativeStore` does: plainly without a policy; with one, giving up
-    /// after `POLICY_WAIT_LIMIT` spent waiting while a policy callback holds it (the callback may
-    /// be waiting for this thread).
-    fn lock_contended(&self) -> Result<MutexGuard<'_, VariableStore>, StoreError> {
-        if !self.has_policy {
-            return Ok(self.inner.lock().unwrap_or_else(PoisonError::into_inner));
-        }
-        let (mut waited_in_policy, mut last) = (Duration::ZERO, Instant::now());
-        loop {
-            match self.inner.try_lock() {
-                Ok(guard) => return Ok(guard),
-                Err(TryLockError::Poisoned(poisoned)) => return Ok(poisoned.into_inner()),
-                Err(TryLockError::WouldBlock) => {}
-            }
-            std::thread::sleep(Duration::from_micros(100));
-            let now = Instant::now();
-            if self.in_policy.load(Ordering::Acquire) {
-                waited_in_policy += now - last;
-                if waited_in_policy >= POLICY_WAIT_LIMIT {
-                    return Err(StoreError::Policy(format!(
-                        "the store is held by a victim policy callback on another thread and \
-                         was not released within {} s: a policy must not wait for a thread \
-                         that uses its store",
-                        POLICY_WAIT_LIMIT.as_secs()
-                    )));
-                }
-            }
-            last = now;
-        }
+        .acquire()
     }
 
     fn ensure_open(&self) -> PyResult<()> {

@@ -1,0 +1,99 @@
+//! The lock in front of a store's core, shared by both native stores.
+//!
+//! It is taken only with the GIL released, so a thread holding it can always get the GIL back.
+//! The one exception is a victim policy, which runs Python while the lock is held; two rules
+//! keep that from deadlocking: a policy that calls back into its own store (same thread) gets
+//! an error at once, and a thread that waits while a policy callback holds the lock gives up
+//! after `POLICY_WAIT_LIMIT` (the callback may be waiting for that very thread).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+use std::time::{Duration, Instant};
+
+use crate::error::StoreError;
+
+/// How long a thread waits for a store whose lock is held by a victim policy callback before it
+/// gives up with an error.
+pub(crate) const POLICY_WAIT_LIMIT: Duration = Duration::from_secs(2);
+
+thread_local! {
+    /// Stores whose lock this thread holds, by address.
+    static HELD: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A store's core behind its mutex, with what the lock rules need to know.
+pub(crate) struct StoreLock<'a, T> {
+    pub(crate) mutex: &'a Mutex<T>,
+    /// The store object's address: identifies it in this thread's `HELD` list.
+    pub(crate) owner: usize,
+    /// Whether the store has a victim policy (only then can Python run under the lock).
+    pub(crate) has_policy: bool,
+    /// Set while a policy callback runs.
+    pub(crate) in_policy: &'a AtomicBool,
+}
+
+/// The guard plus this thread's record of holding it.
+pub(crate) struct Held<'a, T> {
+    pub(crate) guard: MutexGuard<'a, T>,
+    address: usize,
+}
+
+impl<T> Drop for Held<'_, T> {
+    fn drop(&mut self) {
+        HELD.with(|held| {
+            let mut held = held.borrow_mut();
+            if let Some(at) = held.iter().rposition(|&a| a == self.address) {
+                held.remove(at);
+            }
+        });
+    }
+}
+
+impl<'a, T> StoreLock<'a, T> {
+    pub(crate) fn acquire(&self) -> Result<Held<'a, T>, StoreError> {
+        if HELD.with(|held| held.borrow().contains(&self.owner)) {
+            return Err(StoreError::Policy(
+                "a victim policy must not call back into its store".to_owned(),
+            ));
+        }
+        // A panic inside the core is a bug; the store's state is still memory-safe to use, and
+        // `check()` tells whether it is consistent.
+        let guard = match self.mutex.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => self.wait()?,
+        };
+        HELD.with(|held| held.borrow_mut().push(self.owner));
+        Ok(Held { guard, address: self.owner })
+    }
+
+    /// Waits for the lock: plainly without a policy (nothing but the core runs under it); with
+    /// one, giving up after `POLICY_WAIT_LIMIT` spent waiting while a policy callback runs.
+    fn wait(&self) -> Result<MutexGuard<'a, T>, StoreError> {
+        if !self.has_policy {
+            return Ok(self.mutex.lock().unwrap_or_else(PoisonError::into_inner));
+        }
+        let (mut waited_in_policy, mut last) = (Duration::ZERO, Instant::now());
+        loop {
+            match self.mutex.try_lock() {
+                Ok(guard) => return Ok(guard),
+                Err(TryLockError::Poisoned(poisoned)) => return Ok(poisoned.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            std::thread::sleep(Duration::from_micros(100));
+            let now = Instant::now();
+            if self.in_policy.load(Ordering::Acquire) {
+                waited_in_policy += now - last;
+                if waited_in_policy >= POLICY_WAIT_LIMIT {
+                    return Err(StoreError::Policy(format!(
+                        "the store is held by a victim policy callback on another thread and \
+                         was not released within {} s: a policy must not wait for a thread \
+                         that uses its store",
+                        POLICY_WAIT_LIMIT.as_secs()
+                    )));
+                }
+            }
+            last = now;
+        }
+    }
+}
