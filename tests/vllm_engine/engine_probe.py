@@ -34,7 +34,7 @@ def vllm_store_contents(store: Any) -> dict[str, Any]:
     order is the LRU order restricted to unreferenced keys.
     """
     references = dict(store._references)
-    slots: dict[str, int] = dict(getattr(store, "_slots", None) or store._lru)
+    slots: dict[str, int] = dict(store._slots if hasattr(store, "_slots") else store._lru)
     unallocated = getattr(store, "_UNALLOCATED_SLOT", -1)
     arena = store._arena
     size = store.object_nbytes

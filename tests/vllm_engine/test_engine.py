@@ -269,8 +269,8 @@ def test_eviction_as_configured(runs: Runs) -> None:
 
 
 def vllm_store_module() -> Any:
-    """vLLM's ``aux_output_connector/store.py``, loaded from its file alone (it imports only
-    the standard library; importing it as ``vllm....store`` would start all of vLLM)."""
+    """vLLM's ``aux_output_connector/store.py``, loaded from its file alone: a fresh copy of
+    its classes, untouched by the plugin (vLLM 0.32's imports only the standard library)."""
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.origin is not None
     path = Path(spec.origin).parent / "distributed" / "aux_output_connector" / "store.py"
