@@ -52,10 +52,10 @@ def setup_environment() -> str:
         paths.append(str(HERE / "shim"))
         os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    # The engine core in this process (the worker keeps its own): a round's requests all reach
-    # the scheduler before its first step, and each LLMEngine.step() is one engine step. With
-    # the core in a process of its own it starts stepping as soon as the first request
-    # arrives, and how many join that first step is a matter of timing.
+    # The engine core in this process (and, with one device, the worker with it): a round's
+    # requests all reach the scheduler before its first step, and each LLMEngine.step() is one
+    # engine step. With the core in a process of its own it starts stepping as soon as the
+    # first request arrives, and how many join that first step is a matter of timing.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + inherited)
