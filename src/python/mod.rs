@@ -325,21 +325,7 @@ impl VictimPolicy for PyPolicy<'_> {
                 .call_method1(intern!(py, "select_victims"), (&iterator, count));
             // The walk borrows the store; it ends with this call whatever the policy kept.
             *iterator.get().walk.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-            let chosen = chosen?;
-            if chosen.is_none() {
-                return Ok(None);
-            }
-            // Anything but an iterable of str is an invalid selection: the put is refused.
-            let invalid = Ok(Some(Vec::new()));
-            let Ok(items) = chosen.try_iter() else { return invalid };
-            let mut keys = Vec::new();
-            for item in items {
-                let Ok(item) = item else { return invalid };
-                let Ok(text) = item.cast::<PyString>() else { return invalid };
-                let Ok(text) = text.to_str() else { return invalid };
-                keys.push(text.to_owned());
-            }
-            Ok(Some(keys))
+            Ok(selected_keys(&chosen?))
         });
         result.map_err(|e| self.keep(e))
     }
@@ -360,6 +346,24 @@ impl VictimPolicy for PyPolicy<'_> {
         });
         result.map_err(|e| self.keep(e))
     }
+}
+
+/// A policy's answer to `select_victims`: `None` stays `None`; anything but an iterable of
+/// `str` is an invalid selection, given to the core as an empty one, which it refuses.
+pub(crate) fn selected_keys(chosen: &Bound<'_, PyAny>) -> Option<Vec<String>> {
+    if chosen.is_none() {
+        return None;
+    }
+    let invalid = Some(Vec::new());
+    let Ok(items) = chosen.try_iter() else { return invalid };
+    let mut keys = Vec::new();
+    for item in items {
+        let Ok(item) = item else { return invalid };
+        let Ok(text) = item.cast::<PyString>() else { return invalid };
+        let Ok(text) = text.to_str() else { return invalid };
+        keys.push(text.to_owned());
+    }
+    Some(keys)
 }
 
 /// A raw pointer to the core's candidate walk, valid only during `select_victims`.

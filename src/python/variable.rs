@@ -16,7 +16,7 @@ use super::gather::Gathered;
 use super::lock::{Held, StoreLock};
 use super::{
     as_texts, bytes_ptr, collect_keys, fork_generation, forked_error, key_text, new_uninit_bytes,
-    prefault_arg, size_arg, to_py_err, too_large, PyPolicy,
+    prefault_arg, selected_keys, size_arg, to_py_err, too_large, PyPolicy,
 };
 use crate::arena::Prefault;
 use crate::error::StoreError;
@@ -163,21 +163,7 @@ impl VariablePolicy for PyPolicy<'_> {
                 .bind(py)
                 .call_method1(pyo3::intern!(py, "select_victims"), (&iterator, count));
             *iterator.get().walk.lock().unwrap_or_else(PoisonError::into_inner) = None;
-            let chosen = chosen?;
-            if chosen.is_none() {
-                return Ok(None);
-            }
-            // Anything but an iterable of str is an invalid selection: the put is refused.
-            let invalid = Ok(Some(Vec::new()));
-            let Ok(items) = chosen.try_iter() else { return invalid };
-            let mut keys = Vec::new();
-            for item in items {
-                let Ok(item) = item else { return invalid };
-                let Ok(text) = item.cast::<PyString>() else { return invalid };
-                let Ok(text) = text.to_str() else { return invalid };
-                keys.push(text.to_owned());
-            }
-            Ok(Some(keys))
+            Ok(selected_keys(&chosen?))
         });
         result.map_err(|e| self.keep(e))
     }
