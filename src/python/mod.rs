@@ -290,6 +290,32 @@ impl PyPolicy<'_> {
         message
     }
 
+    /// `select_victims(candidates, count)` with a lazy Python iterator over the core's walk of
+    /// eligible keys (either store's), valid only during the call. Shared by both stores.
+    pub(crate) fn ask_for_victims(
+        &mut self,
+        candidates: &mut dyn Iterator<Item = &str>,
+        count: usize,
+    ) -> Result<Option<Vec<String>>, String> {
+        let result = self.call(|py| -> PyResult<Option<Vec<String>>> {
+            let pointer: *mut (dyn Iterator<Item = &str> + '_) = candidates;
+            // SAFETY: only the lifetimes are erased; the walk is dereferenced only while this
+            // call runs (see `CandidateWalk`), and the pointer is cleared before it returns.
+            let pointer: *mut (dyn Iterator<Item = &'static str> + 'static) =
+                unsafe { std::mem::transmute(pointer) };
+            let iterator =
+                Bound::new(py, CandidateKeys { walk: Mutex::new(Some(CandidateWalk(pointer))) })?;
+            let chosen = self
+                .policy
+                .bind(py)
+                .call_method1(intern!(py, "select_victims"), (&iterator, count));
+            // The walk borrows the store; it ends with this call whatever the policy kept.
+            *iterator.get().walk.lock().unwrap_or_else(PoisonError::into_inner) = None;
+            Ok(selected_keys(&chosen?))
+        });
+        result.map_err(|e| self.keep(e))
+    }
+
     /// Runs one callback with the GIL, flagged for threads waiting for the store's lock.
     fn call<T>(&self, f: impl FnOnce(Python<'_>) -> PyResult<T>) -> PyResult<T> {
         self.active.store(true, Ordering::Release);
@@ -315,19 +341,7 @@ impl VictimPolicy for PyPolicy<'_> {
         candidates: &mut Candidates<'_>,
         count: usize,
     ) -> Result<Option<Vec<String>>, String> {
-        let result = self.call(|py| -> PyResult<Option<Vec<String>>> {
-            let pointer = std::ptr::from_mut(candidates).cast::<Candidates<'static>>();
-            let iterator =
-                Bound::new(py, CandidateKeys { walk: Mutex::new(Some(CandidateWalk(pointer))) })?;
-            let chosen = self
-                .policy
-                .bind(py)
-                .call_method1(intern!(py, "select_victims"), (&iterator, count));
-            // The walk borrows the store; it ends with this call whatever the policy kept.
-            *iterator.get().walk.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-            Ok(selected_keys(&chosen?))
-        });
-        result.map_err(|e| self.keep(e))
+        self.ask_for_victims(candidates, count)
     }
 
     fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String> {
@@ -367,7 +381,7 @@ pub(crate) fn selected_keys(chosen: &Bound<'_, PyAny>) -> Option<Vec<String>> {
 }
 
 /// A raw pointer to the core's candidate walk, valid only during `select_victims`.
-struct CandidateWalk(*mut Candidates<'static>);
+struct CandidateWalk(*mut (dyn Iterator<Item = &'static str> + 'static));
 
 // SAFETY: the walk is dereferenced only under the `CandidateKeys` mutex (one thread at a time,
 // whichever thread the policy handed the iterator to) and only while `select_victims` runs,

@@ -6,17 +6,17 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use pyo3::exceptions::{PyAssertionError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::PyTraverseError;
 
 use super::gather::Gathered;
 use super::lock::{Held, StoreLock};
 use super::{
     as_texts, bytes_ptr, collect_keys, fork_generation, forked_error, key_text, new_uninit_bytes,
-    prefault_arg, selected_keys, size_arg, to_py_err, too_large, PyPolicy,
+    prefault_arg, size_arg, to_py_err, too_large, PyPolicy,
 };
 use crate::arena::Prefault;
 use crate::error::StoreError;
@@ -147,62 +147,11 @@ impl VariablePolicy for PyPolicy<'_> {
         candidates: &mut dyn Iterator<Item = &str>,
         count: usize,
     ) -> Result<Option<Vec<String>>, String> {
-        let result = self.call(|py| -> PyResult<Option<Vec<String>>> {
-            // The walk borrows the store; the pointer is cleared before this call returns.
-            let pointer: *mut (dyn Iterator<Item = &str> + '_) = candidates;
-            // SAFETY: only the lifetime is erased; `CandidateWalk` is dereferenced only while
-            // this call runs (see `VariableCandidates::__next__`).
-            let pointer: *mut (dyn Iterator<Item = &'static str> + 'static) =
-                unsafe { std::mem::transmute(pointer) };
-            let iterator = Bound::new(
-                py,
-                VariableCandidates { walk: Mutex::new(Some(CandidateWalk(pointer))) },
-            )?;
-            let chosen = self
-                .policy
-                .bind(py)
-                .call_method1(pyo3::intern!(py, "select_victims"), (&iterator, count));
-            *iterator.get().walk.lock().unwrap_or_else(PoisonError::into_inner) = None;
-            Ok(selected_keys(&chosen?))
-        });
-        result.map_err(|e| self.keep(e))
+        self.ask_for_victims(candidates, count)
     }
 
     fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String> {
         VictimPolicy::on_remove(self, keys, reason)
-    }
-}
-
-/// A raw pointer to the core's candidate walk, valid only during `select_victims`.
-struct CandidateWalk(*mut (dyn Iterator<Item = &'static str> + 'static));
-
-// SAFETY: the walk is only dereferenced under the `VariableCandidates` mutex, by the thread that
-// is inside `select_victims` (the only one that can reach the iterator while the walk is live).
-unsafe impl Send for CandidateWalk {}
-
-/// The lazy iterable of eligible keys given to `select_victims`, oldest first.
-#[pyclass(module = "aostore._native", frozen, name = "VariableVictimCandidates")]
-struct VariableCandidates {
-    walk: Mutex<Option<CandidateWalk>>,
-}
-
-#[pymethods]
-impl VariableCandidates {
-    fn __iter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyString>>> {
-        let mut walk = self.walk.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(CandidateWalk(pointer)) = walk.as_mut() else {
-            return Err(PyRuntimeError::new_err(
-                "victim candidates are only valid during select_victims()",
-            ));
-        };
-        // SAFETY: the pointer is set only while `select_victims` runs, during which the core
-        // keeps the walk alive and does not touch it; it is cleared before that call returns.
-        let candidates = unsafe { &mut **pointer };
-        Ok(candidates.next().map(|key| PyString::new(py, key)))
     }
 }
 
@@ -470,6 +419,5 @@ impl NativeVariableStore {
 /// Registers the classes of this module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeVariableStore>()?;
-    m.add_class::<VariableCandidates>()?;
     Ok(())
 }
