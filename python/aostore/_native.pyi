@@ -15,7 +15,6 @@ __all__ = [
     "NativeStore",
     "NativeVariableStore",
     "NativeWriter",
-    "VariableVictimCandidates",
     "VictimCandidates",
 ]
 
@@ -90,14 +89,6 @@ class NativeStore:
     def check(self) -> None: ...
     def stats(self) -> dict[str, int]: ...
     def snapshot(self) -> dict[str, Any]: ...
-
-@final
-class VariableVictimCandidates(Iterator[str]):
-    """Eligible keys of a variable-size store, oldest first; valid only during
-    ``select_victims``."""
-
-    def __iter__(self) -> VariableVictimCandidates: ...
-    def __next__(self) -> str: ...
 
 @disjoint_base
 class NativeVariableStore:
