@@ -26,6 +26,17 @@ pub enum Prefault {
 struct Populator {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<()>,
+    /// The process that started the thread. A child forked while it ran has no such thread:
+    /// its handle names a thread of the parent (or, once the child starts threads of its own,
+    /// one of those that reused the handle's memory), so the child must neither join it nor
+    /// ask whether it finished.
+    pid: u32,
+}
+
+impl Populator {
+    fn in_this_process(&self) -> bool {
+        self.pid == std::process::id()
+    }
 }
 
 /// Fixed-size byte slots in one anonymous mapping.
@@ -120,7 +131,8 @@ impl Arena {
                 while offset < len && !flag.load(Ordering::Acquire) {
                     let n = CHUNK.min(len - offset);
                     // SAFETY: [base + offset, +n) lies in the mapping, which stays mapped until
-                    // this thread is joined (`stop_populating` runs before munmap or mremap).
+                    // this thread is joined (`stop_populating` runs before munmap or mremap in
+                    // this process; a forked child has a copy of the mapping and no thread).
                     let rc = unsafe {
                         libc::madvise((base + offset) as *mut libc::c_void, n, MADV_POPULATE_WRITE)
                     };
@@ -132,21 +144,28 @@ impl Arena {
             });
         // No thread (a process at its thread limit): pages are committed on first write.
         if let Ok(thread) = spawned {
-            self.populator = Some(Populator { stop, thread });
+            self.populator = Some(Populator { stop, thread, pid: std::process::id() });
         }
     }
 
     /// Stops and joins the background populator, if any (at most one chunk's worth of work).
+    /// In a child forked while it ran, the handle is forgotten instead: the thread does not
+    /// exist there, and joining would wait for ever or panic.
     fn stop_populating(&mut self) {
         if let Some(populator) = self.populator.take() {
+            if !populator.in_this_process() {
+                std::mem::forget(populator.thread);
+                return;
+            }
             populator.stop.store(true, Ordering::Release);
             let _ = populator.thread.join();
         }
     }
 
-    /// Whether a background populator is still committing pages.
+    /// Whether a background populator is still committing pages (never in a forked child:
+    /// there it stopped at the fork, with the pages it had committed).
     pub fn is_populating(&self) -> bool {
-        self.populator.as_ref().is_some_and(|p| !p.thread.is_finished())
+        self.populator.as_ref().is_some_and(|p| p.in_this_process() && !p.thread.is_finished())
     }
 
     fn checked_len(num_slots: usize, object_nbytes: usize) -> Result<usize, StoreError> {

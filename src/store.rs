@@ -517,7 +517,12 @@ impl BlockStore {
         if let Some(policy) = policy {
             if !removed.is_empty() {
                 let keys: Vec<&str> = removed.iter().map(String::as_str).collect();
-                policy.on_remove(&keys, RemoveReason::Eviction).map_err(StoreError::Policy)?;
+                if let Err(error) = policy.on_remove(&keys, RemoveReason::Eviction) {
+                    // The put is applied (its victims are gone, its objects written): it counts
+                    // as one, and the policy's exception is raised after it.
+                    self.counters.puts += 1;
+                    return Err(StoreError::Policy(error));
+                }
             }
         }
         Ok(report)
@@ -706,31 +711,16 @@ impl BlockStore {
         s: &Scratch,
         policy: &mut dyn VictimPolicy,
     ) -> Result<(), StoreError> {
-        // Counts are final now; replay each change in call order with its old and new value.
-        let mut replay: Vec<(u32, i64)> = Vec::with_capacity(s.retains.len() + s.releases.len());
-        for &idx in s.retains.iter().chain(&s.releases) {
-            if !replay.iter().any(|&(i, _)| i == idx) {
-                let entry = &self.slab[idx];
-                let retained = s.retains.iter().filter(|&&i| i == idx).count() as i64;
-                let released = s.releases.iter().filter(|&&i| i == idx).count() as i64;
-                replay.push((idx, i64::from(entry.refs) - retained + released));
-            }
-        }
-        let mut notify = |idx: u32, delta: i64| -> Result<(), StoreError> {
-            let count = &mut replay.iter_mut().find(|(i, _)| *i == idx).expect("replayed").1;
-            let old = *count;
-            *count += delta;
-            policy
-                .on_reference_change(self.slab[idx].key(), old as u32, *count as u32)
-                .map_err(StoreError::Policy)
-        };
-        for &idx in &s.retains {
-            notify(idx, 1)?;
-        }
-        for &idx in &s.releases {
-            notify(idx, -1)?;
-        }
-        Ok(())
+        let slab = &self.slab;
+        crate::references::replay(
+            &s.retains,
+            &s.releases,
+            false,
+            |idx| slab[idx].refs,
+            |idx, old, new| {
+                policy.on_reference_change(slab[idx].key(), old, new).map_err(StoreError::Policy)
+            },
+        )
     }
 
     fn grow_arena(&mut self, num_slots: usize) -> Result<(), StoreError> {

@@ -262,6 +262,11 @@ pub struct VariableStore {
     used_chunks: usize,
     referenced: usize,
     counters: Counters,
+    /// Ledger for `check()`, as the fixed store's: stored objects removed by eviction, and
+    /// objects whose chain a re-put replaced. `stored == objects_written - evicted_stored -
+    /// replaced`: a stored key lost any other way breaks the equation.
+    evicted_stored: u64,
+    replaced: u64,
     /// Changes whenever a put may have changed entries or chains, so a read planned under one
     /// lock can be copied under the next only if nothing changed in between.
     version: u64,
@@ -334,6 +339,8 @@ impl VariableStore {
             used_chunks: 0,
             referenced: 0,
             counters: Counters::default(),
+            evicted_stored: 0,
+            replaced: 0,
             version: 0,
             scratch: Scratch::default(),
         })
@@ -482,7 +489,12 @@ impl VariableStore {
         if let Some(policy) = policy {
             if !removed.is_empty() {
                 let keys: Vec<&str> = removed.iter().map(String::as_str).collect();
-                policy.on_remove(&keys, RemoveReason::Eviction).map_err(StoreError::Policy)?;
+                if let Err(error) = policy.on_remove(&keys, RemoveReason::Eviction) {
+                    // The put is applied (its victims are gone, its objects written): it counts
+                    // as one, and the policy's exception is raised after it.
+                    self.counters.puts += 1;
+                    return Err(StoreError::Policy(error));
+                }
             }
         }
         Ok(())
@@ -813,42 +825,16 @@ impl VariableStore {
         policy: &mut dyn VariablePolicy,
         undone: bool,
     ) -> Result<(), StoreError> {
-        // Each key's count after the call's changes, where the replay starts (forward: before).
-        let mut counts: Vec<(u32, i64)> = Vec::with_capacity(s.retains.len() + s.releases.len());
-        for &idx in s.retains.iter().chain(&s.releases) {
-            if !counts.iter().any(|&(i, _)| i == idx) {
-                let retained = s.retains.iter().filter(|&&i| i == idx).count() as i64;
-                let released = s.releases.iter().filter(|&&i| i == idx).count() as i64;
-                let refs = i64::from(self.keys.slab[idx].refs);
-                let start =
-                    if undone { refs + retained - released } else { refs - retained + released };
-                counts.push((idx, start));
-            }
-        }
-        let mut notify = |idx: u32, delta: i64| -> Result<(), StoreError> {
-            let count = &mut counts.iter_mut().find(|(i, _)| *i == idx).expect("replayed").1;
-            let old = *count;
-            *count += delta;
-            policy
-                .on_reference_change(self.keys.slab[idx].key(), old as u32, *count as u32)
-                .map_err(StoreError::Policy)
-        };
-        if undone {
-            for &idx in s.releases.iter().rev() {
-                notify(idx, 1)?;
-            }
-            for &idx in s.retains.iter().rev() {
-                notify(idx, -1)?;
-            }
-        } else {
-            for &idx in &s.retains {
-                notify(idx, 1)?;
-            }
-            for &idx in &s.releases {
-                notify(idx, -1)?;
-            }
-        }
-        Ok(())
+        let slab = &self.keys.slab;
+        crate::references::replay(
+            &s.retains,
+            &s.releases,
+            undone,
+            |idx| slab[idx].refs,
+            |idx, old, new| {
+                policy.on_reference_change(slab[idx].key(), old, new).map_err(StoreError::Policy)
+            },
+        )
     }
 
     /// Applies a put that fits: evicts the victims, frees the chains of replaced keys, then
@@ -870,6 +856,7 @@ impl VariableStore {
                 self.stored -= 1;
                 self.stored_bytes -= nbytes as u64;
                 self.used_chunks -= nbytes.div_ceil(self.chunk_nbytes);
+                self.evicted_stored += 1;
             }
             self.keys.slab[victim].slot = NO_SLOT;
             self.counters.evictions += 1;
@@ -888,6 +875,7 @@ impl VariableStore {
                 self.stored -= 1;
                 self.stored_bytes -= nbytes as u64;
                 self.used_chunks -= nbytes.div_ceil(self.chunk_nbytes);
+                self.replaced += 1;
             }
         }
         for (&(idx, position), &charge) in s.batch.iter().zip(&s.charges) {
@@ -1137,6 +1125,14 @@ impl VariableStore {
             }
         }
         chunks.validate(objects.into_iter())?;
+        let ledger = self.counters.objects_written - self.evicted_stored - self.replaced;
+        if ledger != stored as u64 {
+            return Err(format!(
+                "every object written and not evicted or replaced is stored: {stored} stored, \
+                 {ledger} by the ledger ({} written, {} evicted, {} replaced)",
+                self.counters.objects_written, self.evicted_stored, self.replaced
+            ));
+        }
         if stored != self.stored
             || stored_bytes != self.stored_bytes
             || used != self.used_chunks
@@ -1243,5 +1239,26 @@ mod tests {
         assert_eq!(store.contains_many(&["a", "zz", "e"]).unwrap(), [true, false, true]);
         let err = store.get_concatenated(&["a", "zz"]).unwrap_err();
         assert!(err.to_string().contains("does not exist"), "{err}");
+    }
+
+    #[test]
+    fn check_catches_a_stored_key_lost_outside_eviction() {
+        let mut store = VariableStore::with_options(100, Some(4), false).unwrap();
+        store.put(&[obj("a", b"xyz"), obj("b", b"12345")], &[], &[]).unwrap();
+        store.put(&[obj("a", b"replaced")], &[], &[]).unwrap();
+        store.check().unwrap();
+        // Drop a stored key's chain and forget it, every structural count kept consistent:
+        // only the ledger can tell.
+        let idx = store.keys.lookup("b").unwrap();
+        let (slot, nbytes) = (store.keys.slab[idx].slot, store.keys.slab[idx].meta as usize);
+        store.chunks.as_mut().unwrap().free(slot, nbytes);
+        store.keys.slab.unlink(idx);
+        store.keys.slab[idx].slot = NO_SLOT;
+        store.stored -= 1;
+        store.stored_bytes -= nbytes as u64;
+        store.used_chunks -= nbytes.div_ceil(store.chunk_nbytes);
+        store.keys.forget(idx);
+        let message = store.check().unwrap_err();
+        assert!(message.contains("not evicted or replaced is stored"), "{message}");
     }
 }

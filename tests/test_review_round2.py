@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from typing import Any
@@ -16,32 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from scripts import TIMEOUT, run_script
 
 N = 64
-TIMEOUT = 30.0
-
-PRELUDE = """
-import gc, os, sys, threading, time
-import numpy as np
-from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
-
-def rss():
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-"""
-
-
-def run_script(body: str, timeout: float = TIMEOUT) -> str:
-    """Runs ``body`` in a fresh interpreter; a hang or a non-zero exit fails the test."""
-    code = PRELUDE + textwrap.dedent(body)
-    try:
-        result = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the script hung (no exit within {timeout} s)")
-    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-3000:]}"
-    return result.stdout
 
 
 def fill(value: int, nbytes: int = N) -> bytes:

@@ -305,13 +305,16 @@ impl PyPolicy<'_> {
                 unsafe { std::mem::transmute(pointer) };
             let iterator =
                 Bound::new(py, CandidateKeys { walk: Mutex::new(Some(CandidateWalk(pointer))) })?;
+            // The selection is read while the walk is still valid, so a lazy one (a generator
+            // over the candidates) works.
             let chosen = self
                 .policy
                 .bind(py)
-                .call_method1(intern!(py, "select_victims"), (&iterator, count));
+                .call_method1(intern!(py, "select_victims"), (&iterator, count))
+                .and_then(|chosen| selected_keys(&chosen));
             // The walk borrows the store; it ends with this call whatever the policy kept.
             *iterator.get().walk.lock().unwrap_or_else(PoisonError::into_inner) = None;
-            Ok(selected_keys(&chosen?))
+            chosen
         });
         result.map_err(|e| self.keep(e))
     }
@@ -363,21 +366,39 @@ impl VictimPolicy for PyPolicy<'_> {
 }
 
 /// A policy's answer to `select_victims`: `None` stays `None`; anything but an iterable of
-/// `str` is an invalid selection, given to the core as an empty one, which it refuses.
-pub(crate) fn selected_keys(chosen: &Bound<'_, PyAny>) -> Option<Vec<String>> {
+/// `str` is an invalid selection, given to the core as an empty one, which it refuses. An
+/// exception raised while iterating the selection is the policy's own and propagates as it is:
+/// reporting it as a capacity error would hide the policy's bug.
+pub(crate) fn selected_keys(chosen: &Bound<'_, PyAny>) -> PyResult<Option<Vec<String>>> {
     if chosen.is_none() {
-        return None;
+        return Ok(None);
     }
-    let invalid = Some(Vec::new());
-    let Ok(items) = chosen.try_iter() else { return invalid };
+    let invalid = Ok(Some(Vec::new()));
+    let items = match chosen.try_iter() {
+        Ok(items) => items,
+        // Not iterable at all: an invalid answer, not a failure of the policy.
+        Err(error) if error.is_instance_of::<PyTypeError>(chosen.py()) && !has_iter(chosen) => {
+            return invalid;
+        }
+        Err(error) => return Err(error),
+    };
     let mut keys = Vec::new();
     for item in items {
-        let Ok(item) = item else { return invalid };
+        let item = item?;
         let Ok(text) = item.cast::<PyString>() else { return invalid };
+        // A str no key can equal (lone surrogates cannot be UTF-8): invalid, as a missing key.
         let Ok(text) = text.to_str() else { return invalid };
         keys.push(text.to_owned());
     }
-    Some(keys)
+    Ok(Some(keys))
+}
+
+/// Whether `object`'s type defines `__iter__` (or the old `__getitem__` protocol): a TypeError
+/// from `iter()` then comes from the policy's own code.
+fn has_iter(object: &Bound<'_, PyAny>) -> bool {
+    let kind = object.get_type();
+    kind.hasattr(intern!(object.py(), "__iter__")).unwrap_or(false)
+        || kind.hasattr(intern!(object.py(), "__getitem__")).unwrap_or(false)
 }
 
 /// A raw pointer to the core's candidate walk, valid only during `select_victims`.
@@ -634,8 +655,9 @@ impl NativeStore {
         let ptr = bytes_ptr(&bytes) as usize;
         let (written, missing) = self
             .with_store(py, |s| {
-                // SAFETY: `bytes` is a fresh object of `len` bytes that no one else can see yet;
-                // we hold it for the duration of the call.
+                // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else
+                // can see yet, held for the duration of the call; for `len == 0` CPython returns
+                // its shared empty bytes object, and the empty slice writes nothing.
                 let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
                 let mut missing = Vec::new();
                 s.get_many_into(&texts, out, &mut missing).map(|written| (written, missing))
@@ -821,6 +843,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         // a child-after-fork handler must be.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
     });
+    // Before finalization tears the interpreter down, writer threads stop calling into it.
+    let exiting = wrap_pyfunction!(writer::interpreter_exiting, m)?;
+    m.py()
+        .import(intern!(m.py(), "atexit"))?
+        .call_method1(intern!(m.py(), "register"), (exiting,))?;
     m.add_class::<NativeStore>()?;
     m.add_class::<BlockObject>()?;
     m.add_class::<CandidateKeys>()?;

@@ -112,8 +112,9 @@ impl NativeVariableStore {
             let bytes = new_uninit_bytes(py, len)?;
             let ptr = bytes_ptr(&bytes) as usize;
             let (returned, copied) = self.with_store(py, move |s| {
-                // SAFETY: `bytes` is a fresh object of `len` bytes that no one else can see yet;
-                // the caller holds it for the duration of the call.
+                // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else
+                // can see yet, held for the duration of the call; for `len == 0` CPython returns
+                // its shared empty bytes object, and the empty slice writes nothing.
                 let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
                 let copied = s.read_planned(&plan, out);
                 (plan, copied)

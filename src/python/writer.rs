@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use std::os::raw::c_int;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -201,17 +201,35 @@ fn apply(core: &SharedCore, views: &OwnedViews) -> Result<Option<usize>, StoreEr
     store.put(&blocks, &retains, &releases).map(|report| report.grown_to)
 }
 
+/// Whether the interpreter may still be asked for a pending call. `interpreter_exiting`, an
+/// `atexit` callback, clears it under the write lock at the start of `Py_FinalizeEx`; a writer
+/// thread holds the read lock from its check until `Py_AddPendingCall` returns. So once the
+/// callback returns, no writer thread is inside the interpreter and none will enter it, however
+/// long the process lives on (`Py_IsFinalizing()` alone is racy: it can turn true between the
+/// check and the call). A writer held by a daemon thread outlives finalization; its finished
+/// jobs are then kept until the process exits.
+static INTERPRETER_ALIVE: RwLock<bool> = RwLock::new(true);
+
+/// Registered with `atexit` when the module loads: no pending call is scheduled after it ran.
+#[pyfunction]
+pub(crate) fn interpreter_exiting() {
+    *INTERPRETER_ALIVE.write().unwrap_or_else(PoisonError::into_inner) = false;
+}
+
 /// Asks the interpreter to drop finished jobs on its main thread soon (`Py_AddPendingCall`
 /// needs neither the GIL nor a thread state), so exports are released once a batch is applied
 /// and not at the next call. At most one such call is outstanding; if the interpreter refuses
-/// (its queue is full, or it is finalizing), the next call from Python collects instead.
+/// (its queue is full) or is exiting, the next call from Python, if any, collects instead.
 fn schedule_release(shared: &Arc<Shared>) {
-    if shared.release_scheduled.swap(true, Ordering::AcqRel) {
+    let alive = INTERPRETER_ALIVE.read().unwrap_or_else(PoisonError::into_inner);
+    if !*alive || shared.release_scheduled.swap(true, Ordering::AcqRel) {
         return;
     }
     let arg = Arc::into_raw(Arc::clone(shared)).cast_mut().cast::<c_void>();
-    // SAFETY: `release_done` takes back the reference passed as `arg` exactly once.
+    // SAFETY: `release_done` takes back the reference passed as `arg` exactly once; the
+    // interpreter exists, as `alive` (held until this returns) proves.
     let status = unsafe { ffi::Py_AddPendingCall(Some(release_done), arg) };
+    drop(alive);
     if status != 0 {
         shared.release_scheduled.store(false, Ordering::Release);
         // SAFETY: the interpreter did not take `arg`; take back the reference made above (not

@@ -1,0 +1,118 @@
+//! Replaying one put's reference-count changes to a victim policy, shared by both stores.
+//!
+//! A policy hears each retain and release in call order with the key's count before and after
+//! it. The core applies all of a call's changes first and tells the policy afterwards (a policy
+//! runs Python, which must not see a half-applied call), so each key's count at the start of the
+//! replay is reconstructed from its count now. One hash map from entry to running count keeps
+//! this linear in the number of changes: vLLM's worker releases every held key in one put on a
+//! generation reset, hundreds of thousands of them, under the store lock.
+
+use foldhash::{HashMap, HashMapExt};
+
+/// Calls `notify(entry, old, new)` for each change of one call, in the order the policy must
+/// hear them.
+///
+/// `retains` and `releases` are the call's entries in call order (an entry may repeat);
+/// `refs(entry)` is its count now. Forward (`undone == false`), the counts are final and the
+/// changes are replayed as made: retains (+1 each), then releases (-1 each). With `undone`, the
+/// call was rolled back, the counts are the original ones again, and the changes are undone
+/// newest first: releases backwards (+1 each), then retains backwards (-1 each).
+pub(crate) fn replay<E>(
+    retains: &[u32],
+    releases: &[u32],
+    undone: bool,
+    refs: impl Fn(u32) -> u32,
+    mut notify: impl FnMut(u32, u32, u32) -> Result<(), E>,
+) -> Result<(), E> {
+    let mut counts: HashMap<u32, i64> = HashMap::with_capacity(retains.len() + releases.len());
+    // Each entry's count where the replay starts: forward, before the call (undo the call's
+    // changes from the final count); undone, after it (redo them on the original count).
+    let sign = if undone { 1 } else { -1 };
+    for &idx in retains {
+        *counts.entry(idx).or_insert_with(|| i64::from(refs(idx))) += sign;
+    }
+    for &idx in releases {
+        *counts.entry(idx).or_insert_with(|| i64::from(refs(idx))) -= sign;
+    }
+    let mut step = |idx: u32, delta: i64| -> Result<(), E> {
+        let count = counts.get_mut(&idx).expect("every replayed entry was counted");
+        let old = *count;
+        *count += delta;
+        debug_assert!((0..=i64::from(u32::MAX)).contains(count), "a replayed count left u32");
+        notify(idx, old as u32, *count as u32)
+    };
+    if undone {
+        for &idx in releases.iter().rev() {
+            step(idx, 1)?;
+        }
+        for &idx in retains.iter().rev() {
+            step(idx, -1)?;
+        }
+    } else {
+        for &idx in retains {
+            step(idx, 1)?;
+        }
+        for &idx in releases {
+            step(idx, -1)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replay;
+
+    fn heard(retains: &[u32], releases: &[u32], undone: bool, now: &[u32]) -> Vec<(u32, u32, u32)> {
+        let mut out = Vec::new();
+        replay::<()>(
+            retains,
+            releases,
+            undone,
+            |i| now[i as usize],
+            |i, old, new| {
+                out.push((i, old, new));
+                Ok(())
+            },
+        )
+        .unwrap();
+        out
+    }
+
+    #[test]
+    fn forward_replays_from_the_count_before_the_call() {
+        // Entry 0: 1 -> retain, retain, release -> 2. Entry 1: 0 -> retain, release -> 0.
+        let now = [2, 0];
+        let got = heard(&[0, 1, 0], &[0, 1], false, &now);
+        assert_eq!(got, vec![(0, 1, 2), (1, 0, 1), (0, 2, 3), (0, 3, 2), (1, 1, 0)]);
+    }
+
+    #[test]
+    fn undone_replays_backwards_from_the_count_after_the_call() {
+        // The same call rolled back: counts are the original ones (1 and 0) again.
+        let now = [1, 0];
+        let got = heard(&[0, 1, 0], &[0, 1], true, &now);
+        assert_eq!(got, vec![(1, 0, 1), (0, 2, 3), (0, 3, 2), (1, 1, 0), (0, 2, 1)]);
+    }
+
+    #[test]
+    fn stops_at_the_first_error() {
+        let mut calls = 0;
+        let result = replay(
+            &[0, 1, 2],
+            &[],
+            false,
+            |_| 1,
+            |_, _, _| {
+                calls += 1;
+                if calls == 2 {
+                    Err("policy failed")
+                } else {
+                    Ok(())
+                }
+            },
+        );
+        assert_eq!(result, Err("policy failed"));
+        assert_eq!(calls, 2);
+    }
+}

@@ -1,0 +1,173 @@
+"""Process life (SPEC section 11): interpreter finalization and fork.
+
+aostore loads into every vLLM process, and those processes fork workers and keep running for
+seconds after the interpreter is finalized (CUDA, NCCL and torch teardown). Each case runs in a
+fresh interpreter with a timeout, so a crash or a hang fails the test instead of the run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from scripts import PRELUDE, TIMEOUT, run_script
+
+# A C `atexit` handler that keeps the process alive 1.5 s after `Py_FinalizeEx` returned, as
+# vLLM's teardown does: loaded with ctypes, it runs when `exit()` runs, after finalization.
+HOLD_AFTER_FINALIZE = r"""
+#include <stdlib.h>
+#include <unistd.h>
+static void hold(void) { usleep(1500000); }
+__attribute__((constructor)) static void at_load(void) { atexit(hold); }
+"""
+
+
+@pytest.fixture(scope="module")
+def hold_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the atexit handler")
+    folder = tmp_path_factory.mktemp("hold")
+    source, library = folder / "hold.c", folder / "libhold.so"
+    source.write_text(HOLD_AFTER_FINALIZE)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return library
+
+
+def test_a_writer_outliving_finalization_never_calls_into_the_interpreter(
+    hold_library: Path,
+) -> None:
+    # A daemon thread holds the writer in its frame and keeps its queue full of large jobs; the
+    # main thread returns, the interpreter is finalized, and the writer thread goes on finishing
+    # jobs for 1.5 s. Scheduling their release with Py_AddPendingCall then crashed (SIGSEGV in
+    # _PyEval_AddPendingCall with interp=NULL) in every run.
+    code = PRELUDE + textwrap.dedent(
+        f"""
+        import ctypes
+        ctypes.CDLL({str(hold_library)!r})
+
+        def feed():
+            # Jobs of 256 MiB: the queue holds about a second of copying when finalization ends.
+            store = BlockObjectStore(max_bytes=512 << 20, object_nbytes=16 << 20)
+            writer = BackgroundBlockObjectStore(store, max_pending_batches=8)
+            payloads = [np.full(16 << 20, i, dtype=np.uint8) for i in range(16)]
+            i = 0
+            while True:
+                writer.put([BlockObject(f"k{{i}}-{{j}}", p) for j, p in enumerate(payloads)])
+                i += 1
+
+        threading.Thread(target=feed, daemon=True).start()
+        time.sleep(0.5)
+        print("main returns", flush=True)
+        """
+    )
+    for _ in range(3):
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("the process hung after finalization")
+        assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
+        assert "main returns" in done.stdout
+
+
+# A store whose background prefault is still running when the process forks; 1 GiB takes the
+# populator long enough (hundreds of ms) for the fork to land while it runs.
+FORK_WHILE_POPULATING = """
+import faulthandler
+faulthandler.enable()
+from aostore import VariableBlockObjectStore
+
+ARENA = 1 << 30
+def make(kind):
+    if kind == "fixed":
+        return BlockObjectStore(max_bytes=ARENA, object_nbytes=1 << 16, prefault="background")
+    return VariableBlockObjectStore(max_bytes=ARENA, prefault="background")
+
+kind, child_action = sys.argv[1], sys.argv[2]
+store = make(kind)
+pid = os.fork()
+if pid == 0:
+    if child_action == "own-writer":
+        # As the README advises: the child builds its own store and writer first, whose thread
+        # may reuse the memory of the parent's populator handle.
+        own = BlockObjectStore(max_bytes=1 << 20, object_nbytes=1 << 10)
+        writer = BackgroundBlockObjectStore(own, max_pending_batches=2)
+        writer.put([BlockObject("c", bytes(1 << 10))])
+        assert writer.get_concatenated(["c"]) == bytes(1 << 10)
+    try:
+        store.put([BlockObject("x", bytes(1 << 16))])
+        print("child put worked", flush=True)
+    except RuntimeError as error:
+        print("child put refused:", "fork" in str(error), flush=True)
+    del store
+    gc.collect()
+    if child_action == "own-writer":
+        writer.close()
+    print("child dropped the parent's store", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child status", status, flush=True)
+store.put([BlockObject("p", bytes(1 << 16))])
+store.close()
+print("parent ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("child_action", ["drop", "own-writer"])
+@pytest.mark.parametrize("kind", ["fixed", "variable"])
+def test_a_child_forked_during_background_prefault_drops_the_store_cleanly(
+    kind: str, child_action: str
+) -> None:
+    # The child has no populator thread: dropping the parent's store joined a handle that names
+    # no thread of its own (a panic in tp_dealloc, or, once the child had started a writer
+    # thread, a join of that thread that never returned, holding the GIL).
+    code = PRELUDE + textwrap.dedent(FORK_WHILE_POPULATING)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, kind, child_action],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as timeout:
+        pytest.fail(f"hung: {timeout.stdout!r} {timeout.stderr!r}")
+    out = done.stdout
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
+    assert "panicked" not in done.stderr, done.stderr
+    assert "child put refused: True" in out, out
+    assert "child dropped the parent's store" in out, out
+    assert "child status 0" in out, out
+    assert "parent ok" in out, out
+
+
+def test_a_forked_child_can_build_and_use_its_own_background_prefault_store() -> None:
+    out = run_script(
+        """
+        from aostore import VariableBlockObjectStore
+        store = BlockObjectStore(max_bytes=1 << 30, object_nbytes=1 << 16, prefault="background")
+        pid = os.fork()
+        if pid == 0:
+            mine = BlockObjectStore(max_bytes=1 << 28, object_nbytes=1 << 16, prefault="background")
+            mine.put([BlockObject("k", bytes([3]) * (1 << 16))])
+            ok = mine.get_concatenated(["k"]) == bytes([3]) * (1 << 16)
+            mine.close()
+            rows = VariableBlockObjectStore(max_bytes=1 << 24, prefault="background")
+            rows.put([BlockObject("r", b"row")])
+            ok = ok and rows.get_concatenated(["r"]) == b"row"
+            rows.close()
+            print("child", ok, flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        store.close()
+        print("status", status)
+        """
+    )
+    assert "child True" in out, out
+    assert "status 0" in out, out
