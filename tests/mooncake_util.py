@@ -11,15 +11,18 @@ As a script, the worker for the two-process tests:
 
     python mooncake_util.py publish CONFIG_JSON PREFIX COUNT NBYTES
     python mooncake_util.py read CONFIG_JSON PREFIX COUNT NBYTES
+    python mooncake_util.py digest CONFIG_JSON PREFIX COUNT NBYTES
 
 ``publish`` writes COUNT objects through its own tiered store, flushes and closes it;
-``read`` reads them through a fresh tiered store (an empty local tier) and checks every byte.
-Each prints one JSON line with what it did.
+``read`` reads them through a fresh tiered store (an empty local tier) and checks every byte;
+``digest`` reads them the same way and reports each object's SHA-256 (what another engine
+sees). Each prints one JSON line with what it did.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -252,6 +255,14 @@ def _worker(argv: list[str]) -> int:
             data = store.get_concatenated(keys)
             expected = b"".join(payload(prefix, i, nbytes) for i in range(count))
             result = {"read": count, "equal": data == expected}
+        elif mode == "digest":
+            data = store.get_concatenated(keys)
+            result = {
+                "sha256": [
+                    hashlib.sha256(data[i * nbytes : (i + 1) * nbytes]).hexdigest()
+                    for i in range(count)
+                ]
+            }
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         stats = store.stats()

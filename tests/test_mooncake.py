@@ -9,7 +9,9 @@ is bounded: subprocesses get timeouts and no test waits on Mooncake without a li
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -199,6 +201,7 @@ class FakeClient:
         self.exist_code: int | None = None
         self.unread: set[str] = set()  # present, but batch_get_buffer returns None for them
         self.put_calls: list[list[str]] = []
+        self.upsert_calls: list[list[str]] = []
         self.get_calls: list[list[str]] = []
         self.gate = threading.Event()
         self.gate.set()
@@ -210,6 +213,18 @@ class FakeClient:
             return self.put_code
         for key, value in zip(keys, values, strict=True):
             self.data.setdefault(key, bytes(value))
+        return 0
+
+    def upsert_batch(self, keys: list[str], values: list[Any]) -> int:
+        self.gate.wait(SUBPROCESS_TIMEOUT)
+        self.upsert_calls.append(list(keys))
+        if self.put_code:
+            return self.put_code
+        given: set[str] = set()
+        for key, value in zip(keys, values, strict=True):
+            if key not in given:  # as Mooncake: a key given twice keeps its first value
+                given.add(key)
+                self.data[key] = bytes(value)
         return 0
 
     def batch_get_buffer(self, keys: list[str]) -> list[bytes | None]:
@@ -294,8 +309,83 @@ def test_publisher_joins_queued_batches() -> None:
             tiered.put(objects("a", range(start, start + 2)))
         client.gate.set()
         tiered.flush()
-        assert client.put_calls == [["a0", "a1"], [f"a{i}" for i in range(2, 8)]]
+        assert client.upsert_calls == [["a0", "a1"], [f"a{i}" for i in range(2, 8)]]
         assert tiered.stats()["publish_batches"] == 2
+    finally:
+        tiered.close()
+
+
+def test_publication_overwrites_only_what_differs() -> None:
+    remote, client = fake_store(key_prefix="p/")
+    client.data.update({"p/same": blob(1), "p/other": blob(2)})
+    remote.publish(["same", "other", "new"], [blob(1), blob(3), bytearray(blob(4))])
+    assert client.upsert_calls == [["p/other", "p/new"]]  # "same" holds these bytes already
+    assert client.data == {"p/same": blob(1), "p/other": blob(3), "p/new": blob(4)}
+    stats = remote.stats()
+    assert stats["objects_written"] == 2 and stats["objects_unchanged"] == 1
+    client.exist_code = -900
+    with pytest.raises(MooncakeError, match="unreachable"):
+        remote.publish(["x"], [blob(5)])
+
+
+def test_fetch_written_meanwhile_is_not_kept() -> None:
+    """A put that writes a key while a read fetches it (and is evicted locally again before the
+    read keeps its fetch): the fetched bytes predate the put, so keeping them would leave the
+    local tier with bytes that Mooncake no longer holds."""
+    remote, client = fake_store()
+    client.data["k"] = blob(1)
+    local = BlockObjectStore(max_bytes=2 * NBYTES, object_nbytes=NBYTES)
+    tiered = TieredBlockObjectStore(local, remote)
+    fetch = client.batch_get_buffer
+
+    def racing_fetch(keys: list[str]) -> list[bytes | None]:
+        held = fetch(keys)  # what Mooncake held when the read fetched
+        client.batch_get_buffer = fetch  # type: ignore[method-assign]
+        tiered.put([BlockObject("k", blob(2))])
+        tiered.put(objects("other", range(2)))  # evicts k locally
+        return held
+
+    client.batch_get_buffer = racing_fetch  # type: ignore[method-assign]
+    try:
+        assert tiered.get_concatenated(["k"]) == blob(1)  # concurrent with the put: either
+        assert not local.contains(["k"])[0]
+        assert tiered.stats()["not_kept_objects"] == 1
+        tiered.flush()
+        assert client.data["k"] == blob(2)
+        assert tiered.get_concatenated(["k"]) == blob(2)
+    finally:
+        tiered.close()
+
+
+def test_put_that_raises_after_writing_still_publishes_what_it_wrote() -> None:
+    """A policy whose ``on_remove`` raises: whether the local put is then applied or not, every
+    key the local tier holds afterwards is published with the bytes it holds."""
+
+    class Boom(Exception):
+        pass
+
+    class Policy:
+        def on_reference_change(self, key: str, old: int, new: int) -> None:
+            pass
+
+        def select_victims(self, candidates: Any, count: int) -> list[str]:
+            return [key for _, key in zip(range(count), candidates, strict=False)]
+
+        def on_remove(self, keys: list[str], reason: str) -> None:
+            raise Boom(reason)
+
+    remote, client = fake_store()
+    local = BlockObjectStore(max_bytes=2 * NBYTES, object_nbytes=NBYTES, policy=Policy())
+    tiered = TieredBlockObjectStore(local, remote)
+    try:
+        tiered.put(objects("k", range(2)))
+        with pytest.raises(Exception, match="eviction"):
+            tiered.put(objects("k", range(2, 4)))  # evicts k0 and k1
+        tiered.flush()
+        keys = [f"k{i}" for i in range(4)]
+        for key, stored in zip(keys, local.contains(keys), strict=True):
+            if stored:
+                assert client.data[key] == local.get_concatenated([key])
     finally:
         tiered.close()
 
@@ -493,6 +583,149 @@ def test_tiered_tiers_agree_on_a_key_put_twice(make_remote: Any, flush_between: 
         with pytest.raises(BlockObjectStoreError, match="does not exist"):
             local.get_concatenated(["k"])
         assert tiered.get_concatenated(["k"]) == blob(1)  # from Mooncake: the same bytes
+    finally:
+        tiered.close()
+
+
+def second_client_reads(cluster: mooncake_util.Cluster, prefix: str, key: str) -> bytes:
+    """``key`` as another Mooncake client (its own connection) reads it."""
+    other = MooncakeBlockObjectStore.from_config(
+        cluster.config(key_prefix=prefix), object_nbytes=NBYTES
+    )
+    try:
+        return other.get_concatenated([key])
+    finally:
+        other.close()
+
+
+def other_engine_digest(cluster: mooncake_util.Cluster, prefix: str, name: str) -> str:
+    """The SHA-256 of ``f"{name}:0"`` as another engine process reads it through its own
+    tiered store (an empty local tier)."""
+    result = run_worker("digest", cluster.config(key_prefix=prefix), name, 1)
+    digest: str = result["sha256"][0]
+    return digest
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("flush_between", [False, True])
+def test_tiered_fail_closed_re_put_after_eviction_wins_everywhere(
+    cluster: mooncake_util.Cluster, flush_between: bool
+) -> None:
+    """fail-closed: a published key evicted locally and put again with other bytes (a prefix
+    block recomputed with other routing). The rule: the latest write through the tier wins, in
+    both tiers; every read before and after each local eviction returns it, and so do another
+    client and another engine process. Without the flush the two publications may be joined."""
+    prefix = f"fc-re-put-{flush_between}/"
+    remote = MooncakeBlockObjectStore.from_config(
+        cluster.config(key_prefix=prefix), object_nbytes=NBYTES
+    )
+    local = BlockObjectStore(max_bytes=2 * NBYTES, object_nbytes=NBYTES)
+    tiered = TieredBlockObjectStore(local, remote)
+    key = "block:0"
+    try:
+        tiered.put([BlockObject(key, blob(1))])
+        if flush_between:
+            tiered.flush()
+        tiered.put(objects("a", range(2)))  # evicts the key locally
+        assert not local.contains([key])[0]
+        tiered.put([BlockObject(key, blob(2))])  # written locally again, with other bytes
+        assert local.contains([key])[0]
+        reads = [tiered.get_concatenated([key])]  # local
+        tiered.flush()
+        reads.append(remote.get_concatenated([key]))
+        for fill in (3, 5):
+            tiered.put(objects("b", range(fill, fill + 2)))  # evicts it again
+            assert not local.contains([key])[0]
+            reads.append(tiered.get_concatenated([key]))  # from Mooncake (kept locally)
+            reads.append(tiered.get_concatenated([key]))  # local
+        assert reads == [blob(2)] * len(reads)
+        assert second_client_reads(cluster, prefix, key) == blob(2)
+        assert other_engine_digest(cluster, prefix, "block") == sha(blob(2))
+        # A put of the stored key keeps its bytes (fail-closed) in both tiers.
+        tiered.put([BlockObject(key, blob(9))])
+        tiered.flush()
+        assert tiered.get_concatenated([key]) == blob(2)
+        assert remote.get_concatenated([key]) == blob(2)
+    finally:
+        tiered.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("flush_between", [False, True])
+def test_tiered_grow_re_put_wins_everywhere(
+    cluster: mooncake_util.Cluster, flush_between: bool
+) -> None:
+    """grow: a re-put of a stored unreferenced key replaces its bytes locally (as vLLM 0.33);
+    the new bytes are what every read returns, before and after a local eviction, and what
+    another client and another engine process read. A re-put of a referenced key keeps its
+    bytes in both tiers."""
+    prefix = f"grow-re-put-{flush_between}/"
+    remote = MooncakeBlockObjectStore.from_config(
+        cluster.config(key_prefix=prefix), object_nbytes=NBYTES
+    )
+    local = BlockObjectStore(max_bytes=2 * NBYTES, object_nbytes=NBYTES, profile="grow")
+    tiered = TieredBlockObjectStore(local, remote)
+    key = "block:0"
+    try:
+        tiered.put([BlockObject(key, blob(1))])
+        if flush_between:
+            tiered.flush()
+        tiered.put([BlockObject(key, blob(2))])  # replaced locally
+        reads = [tiered.get_concatenated([key])]
+        tiered.flush()
+        reads.append(remote.get_concatenated([key]))
+        tiered.put(objects("a", range(2)))  # evicts it locally
+        assert not local.contains([key])[0]
+        reads.append(tiered.get_concatenated([key]))  # from Mooncake, kept locally
+        reads.append(tiered.get_concatenated([key]))
+        assert reads == [blob(2)] * len(reads)
+        assert second_client_reads(cluster, prefix, key) == blob(2)
+        assert other_engine_digest(cluster, prefix, "block") == sha(blob(2))
+        # Referenced: the re-put keeps the bytes, locally and in Mooncake.
+        tiered.put([], retain_keys=[key])
+        tiered.put([BlockObject(key, blob(3))])
+        tiered.flush()
+        assert tiered.get_concatenated([key]) == blob(2)
+        assert remote.get_concatenated([key]) == blob(2)
+        assert local.num_slots == 2
+    finally:
+        tiered.close()
+
+
+@pytest.mark.mooncake
+def test_tiered_read_never_grows_a_grow_arena(
+    make_remote: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every local object referenced: a read of a key only Mooncake holds returns it and
+    keeps nothing (no slot without growing); num_slots stays, nothing logs "grew". With room
+    (one key released), the fetch is kept as far as it fits."""
+    local = BlockObjectStore(max_bytes=4 * NBYTES, object_nbytes=NBYTES, profile="grow")
+    remote = make_remote()
+    tiered = TieredBlockObjectStore(local, remote)
+    try:
+        held = [f"g{i}" for i in range(4)]
+        tiered.put(objects("g", range(4)), retain_keys=held)
+        remote.put(objects("far", range(3)))  # only in Mooncake
+        caplog.set_level(logging.DEBUG)
+        assert tiered.get_concatenated(["far0"]) == blob(0)
+        assert tiered.get_concatenated(["g1", "far1", "far2"]) == blob(1) + blob(1) + blob(2)
+        assert local.num_slots == 4 and tiered.num_slots == 4
+        assert local.stats()["growths"] == 0
+        assert not [r for r in caplog.records if "grew" in r.getMessage()]
+        stats = tiered.stats()
+        assert stats["kept_objects"] == 0 and stats["not_kept_objects"] == 3
+        assert not any(local.contains(["far0", "far1", "far2"]))
+        tiered.put([], release_keys=["g3"])  # one evictable object: room for one
+        assert tiered.get_concatenated(["far1", "far2"]) == blob(1) + blob(2)
+        assert local.contains(["far1", "far2", "g3"]) == [False, True, False]
+        assert tiered.stats()["kept_objects"] == 1
+        assert local.num_slots == 4 and local.stats()["growths"] == 0
+        assert not [r for r in caplog.records if "grew" in r.getMessage()]
+        local.check()
     finally:
         tiered.close()
 

@@ -9,8 +9,9 @@ Two stores with the aostore API:
 - ``TieredBlockObjectStore(local, remote)``: the local aostore arena is the hot tier and
   Mooncake the shared one. Puts land in the local store at once and are published to Mooncake
   by a writer thread in batches; a local miss is fetched from Mooncake in one batch per call
-  (and kept locally by default); only a miss in both raises ``does not exist``. Another engine
-  process with its own tiered store reads what this one published.
+  (and kept locally by default, where the local tier has room without growing); only a miss in
+  both raises ``does not exist``. Another engine process with its own tiered store reads what
+  this one published. Which write wins: see "One value per key" below.
 
 Setup comes from a small config (``MooncakeConfig.from_dict`` / ``from_file``, JSON) and
 ``connect(config)``. Nothing is imported from Mooncake until a store is connected, so
@@ -27,8 +28,33 @@ default 0.9), a key just read holds a lease (``--default_kv_lease_ttl``, 10 s) a
 live in the memory segments that clients mount, so they go when the client that holds their
 segment leaves. Give engines ``global_segment_size=0`` and run the pool in dedicated segment
 holders (``mooncake_client --global_segment_size=...``) when published data must outlive
-engine processes. Objects are immutable in Mooncake as here: a put of a key that Mooncake
-already holds keeps the stored bytes.
+engine processes.
+
+One value per key (SPEC section 8). ``MooncakeBlockObjectStore`` on its own is Mooncake's
+semantics: the first bytes written under a key stay (a ``put`` of a key Mooncake holds keeps
+them). ``TieredBlockObjectStore`` has one rule for both tiers: **the local tier decides and
+publication overwrites; the latest write through the tier wins.** Exactly the objects a put
+makes the local tier write (a new key, a key re-put after it was evicted locally, and under
+``grow`` a stored unreferenced key whose bytes the re-put replaces) are published, and the
+publisher makes Mooncake hold those bytes: ``upsert_batch`` for the keys Mooncake lacks or holds
+with other bytes (a key it holds with the same bytes is left alone). A put that the local tier
+does not write (a stored key under ``fail-closed``, a referenced one under ``grow``) keeps its
+bytes in both tiers and publishes nothing. Puts enqueue under one lock, in the order of their
+local writes, and the publisher keeps the last payload of a key across the batches it joins.
+So in the process that wrote it, every read of a key returns one value, before and after a
+local eviction: a read that misses locally first waits for this process's queued
+publications, then reads Mooncake. A fetched object is kept locally only if no put wrote the
+key while it was being fetched. The put path never waits for Mooncake: the lookup, compare and
+upsert run on the publisher thread (per batch, one ``batch_is_exist`` RPC more than a plain
+``put_batch``, and a read-back of the keys Mooncake already holds).
+
+What the rule does not give across processes (there is no invalidation between engines):
+another engine keeps serving the copy its local tier holds (what it put, or kept from a fetch
+before the overwrite) until it evicts it, and a read in another engine that runs while a key
+is being overwritten can find the key missing (``upsert_batch`` is not atomic for readers:
+is_exist 0 or no buffer during the write) and fails closed with ``does not exist``. Only keys
+re-put with different bytes are overwritten, so a shared block that engines recompute with
+the same bytes never opens that window.
 
 The Mooncake API used, as found in ``mooncake-transfer-engine-non-cuda==0.3.13.post1``
 (``mooncake.store.MooncakeDistributedStore``; the calls below release the GIL while they
@@ -43,7 +69,14 @@ wait, except ``close``):
   the whole batch (no key of a failed batch is stored). The values are staged in the client's
   local buffer (``local_buffer_size``): a batch larger than it fails with -600, so batches
   here stay under half of it. A key given twice keeps its first value; an existing key keeps
-  its bytes and still returns 0. -200 (``NO_AVAILABLE_HANDLE``): no mounted segment has room.
+  its bytes and still returns 0 (also in a batch that mixes new and existing keys; readers
+  meanwhile never miss it). -200 (``NO_AVAILABLE_HANDLE``): no mounted segment has room.
+- ``upsert_batch(keys, values) -> int``: the same, but an existing key gets the new bytes
+  (another client reads them right after; also for a key read within its lease, and with
+  another size). A key given twice keeps its first value. Not atomic for concurrent readers:
+  while a key is rewritten, ``batch_get_buffer`` gives ``None`` and ``is_exist`` can say 0;
+  no torn bytes were seen. About as fast as ``put_batch`` for new keys. ``upsert`` is the
+  single-key form.
 - ``batch_get_buffer(keys: list[str]) -> list[BufferHandle | None]``: one handle per key
   (``ptr()``, ``size()``, buffer protocol; the memory sits in the local buffer until the handle
   is freed). ``None`` for a missing key, and also for a key that did not fit in the local
@@ -56,6 +89,9 @@ wait, except ``close``):
   tell a miss from a failed read.
 - ``remove(key, force=False) -> int``: -706 (``OBJECT_HAS_LEASE``) for a key read within the
   lease; ``force=True`` skips the lease. -704 (``OBJECT_NOT_FOUND``) for a missing key.
+  ``batch_remove(keys, force=False) -> list[int]``: the same per key. Not used (remove then
+  put would open a window in which the key is missing for every reader, and fails under a
+  lease without ``force``).
 - ``health_check() -> int``: 0 healthy, 1 closed, 2 master unreachable; a local flag (under
   1 µs), set within about a second of the master going away, but only in a client that
   mounts a segment (with ``global_segment_size=0`` it stays 0). Checked before every batch;
@@ -425,6 +461,7 @@ class MooncakeBlockObjectStore:
             (
                 "puts",
                 "objects_written",
+                "objects_unchanged",
                 "bytes_written",
                 "put_batches",
                 "retains",
@@ -532,6 +569,59 @@ class MooncakeBlockObjectStore:
             self._stats["put_batches"] += 1
             self._stats["objects_written"] += len(chunk)
             self._stats["bytes_written"] += len(chunk) * self.object_nbytes
+
+    def publish(self, keys: Sequence[str], payloads: Sequence[Any]) -> None:
+        """Makes Mooncake hold exactly ``payloads[i]`` under ``keys[i]`` (distinct, validated
+        keys): the tiered store's publication, which overwrites. For ``TieredBlockObjectStore``.
+
+        Per bounded batch: ``batch_is_exist``; the keys Mooncake holds are read back and
+        compared; ``upsert_batch`` writes the absent keys and those whose bytes differ. A key
+        that already holds the same bytes is not written again, so republishing a shared
+        block (another engine computed the same prefix) never opens the window in which an
+        overwritten key reads as missing. Raises ``MooncakeError`` as ``put`` does.
+        """
+        step = self._batch_objects
+        for start in range(0, len(keys), step):
+            chunk = list(keys[start : start + step])
+            values = list(payloads[start : start + step])
+            names = [self.key_prefix + key for key in chunk] if self.key_prefix else chunk
+            with self._lock:
+                self._check_open()
+                self._check_reachable()
+                codes = self._client.batch_is_exist(names)
+            for key, code in zip(chunk, codes, strict=True):
+                if code not in (0, 1):
+                    self._raise_for_code(f"batch_is_exist of {key!r}", code)
+            write = [i for i, code in enumerate(codes) if code == 0]
+            present = [i for i, code in enumerate(codes) if code == 1]
+            if present:
+                with self._lock:
+                    self._check_open()
+                    handles = self._client.batch_get_buffer([names[i] for i in present])
+                    try:
+                        self._stats["get_batches"] += 1
+                        for index, handle in zip(present, handles, strict=True):
+                            if handle is None or not _same_bytes(handle, values[index]):
+                                write.append(index)
+                    finally:
+                        del handles
+                write.sort()
+            self._stats["objects_unchanged"] += len(chunk) - len(write)
+            if not write:
+                continue
+            with self._lock:
+                self._check_open()
+                self._check_reachable()
+                code = self._client.upsert_batch(
+                    [names[i] for i in write], [values[i] for i in write]
+                )
+            if code != 0:
+                self._raise_for_code(
+                    f"upsert_batch of {len(write)} objects from {chunk[write[0]]!r}", code
+                )
+            self._stats["put_batches"] += 1
+            self._stats["objects_written"] += len(write)
+            self._stats["bytes_written"] += len(write) * self.object_nbytes
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -732,9 +822,9 @@ class MooncakeBlockObjectStore:
         raise MooncakeError(f"Mooncake {what} failed with {_code(code)}{hint}")
 
     def stats(self) -> dict[str, int]:
-        """Counters: puts, objects/bytes written, put batches, retains, releases, reads
-        (calls), objects/bytes read, read misses (calls that raised ``does not exist``), get
-        batches, and ``object_nbytes``."""
+        """Counters: puts, objects/bytes written, objects that ``publish`` found unchanged, put
+        batches, retains, releases, reads (calls), objects/bytes read, read misses (calls that
+        raised ``does not exist``), get batches, and ``object_nbytes``."""
         return {"object_nbytes": self.object_nbytes, **self._stats}
 
     def close(self) -> None:
@@ -765,6 +855,17 @@ def _writable_view(host: Any) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("out must be C-contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _same_bytes(handle: Any, payload: Any) -> bool:
+    """Whether a Mooncake buffer handle holds exactly the bytes of ``payload``."""
+    with memoryview(handle) as held, memoryview(payload) as mine:
+        a = held if held.format == "B" and held.ndim == 1 else held.cast("B")
+        b = mine if mine.format == "B" and mine.ndim == 1 else mine.cast("B")
+        # Compared as bytes: memoryview's own == walks item by item (about 25x slower).
+        return a.nbytes == b.nbytes and a.tobytes() == (
+            payload if type(payload) is bytes else b.tobytes()
+        )
 
 
 def _copy_duplicates(keys: list[str], first: dict[str, int], view: memoryview, n: int) -> None:
@@ -815,19 +916,24 @@ class TieredBlockObjectStore:
     store owns both: ``close`` closes them.
 
     - ``put``/``put_blocks`` apply to ``local`` at once (with its semantics and errors,
-      retains and releases included), then queue the batch for Mooncake. A writer thread
-      publishes queued batches with ``put_batch``, joining several into one when they are
-      queued together. The queue holds ``max_pending_batches``; a put waits when it is full.
-      Payloads that are ``bytes`` are published as they are, other buffers are copied once at
-      put time (the caller may reuse them).
+      retains and releases included), then queue what the local tier wrote for Mooncake. A
+      writer thread publishes queued batches with ``MooncakeBlockObjectStore.publish``
+      (``upsert_batch`` of what Mooncake lacks or holds with other bytes), joining several
+      into one when they are queued together. The queue holds ``max_pending_batches``; a put
+      waits when it is full. Payloads that are ``bytes`` are published as they are, other
+      buffers are copied once at put time (the caller may reuse them).
     - A publication error is latched: later publications are skipped and the next ``put``,
       read, ``flush`` or ``close`` raises ``BlockObjectStoreError`` (``publication failed``)
       chained from it.
     - ``get_concatenated``/``get_into``/``get_array`` read ``local``; on a local miss they wait
       for queued publications, then fetch every key the local store lacks from Mooncake in
-      one batch (bounded in bytes) and, when ``keep_fetched``, put them in ``local`` (a put that
-      the local store cannot take is skipped). A key in neither tier raises
-      ``BlockObjectStoreError`` (``does not exist``, naming the key).
+      one batch (bounded in bytes) and, when ``keep_fetched``, put them in ``local`` as far as
+      it has room without growing (free slots plus evictable objects; the rest are counted in
+      ``not_kept_objects``): a read never makes a ``grow`` arena grow. A key in neither tier
+      raises ``BlockObjectStoreError`` (``does not exist``, naming the key).
+    - One value per key: the local tier decides and publication overwrites (the module
+      docstring has the rule). Only what a put makes ``local`` write is published, and the
+      publisher makes Mooncake hold those bytes.
     - ``flush()`` waits until everything queued is in Mooncake.
     """
 
@@ -857,6 +963,12 @@ class TieredBlockObjectStore:
         self._error: BaseException | None = None
         self._closed = False
         self._close_lock = threading.Lock()
+        # Serializes the tier's writes to the local store (puts and kept fetches), so that the
+        # publication queue's order is the order of the local writes, and a fetch is kept only
+        # if no put wrote the key while the read was fetching it.
+        self._write_lock = threading.Lock()
+        self._reads_in_flight = 0
+        self._written_during_reads: set[str] = set()
         self._stats = dict.fromkeys(
             (
                 "puts",
@@ -868,6 +980,7 @@ class TieredBlockObjectStore:
                 "remote_hit_objects",
                 "read_misses",
                 "kept_objects",
+                "not_kept_objects",
                 "keep_failures",
             ),
             0,
@@ -921,28 +1034,31 @@ class TieredBlockObjectStore:
         retain_keys: Iterable[str] = (),
         release_keys: Iterable[str] = (),
     ) -> None:
-        """``local.put(...)``, then queues the objects for Mooncake."""
+        """``local.put(...)``, then queues what the local tier wrote for Mooncake."""
         self._check_usable()
         batch = list(objects)
         latest: dict[str, Any] = {}
         for item in batch:
             latest[item.key] = item.payload
-        publish = self._written_by_put(list(latest))
-        self.local.put(batch, retain_keys=retain_keys, release_keys=release_keys)
-        self._stats["puts"] += 1
-        keys = [key for key, write in zip(latest, publish, strict=True) if write]
-        if keys:
-            payloads = [
-                payload if type(payload) is bytes else _snapshot(payload)
-                for payload in (latest[key] for key in keys)
-            ]
-            self._enqueue(keys, payloads)
+        with self._write_lock:
+            publish = self._written_by_put(list(latest))
+            try:
+                self.local.put(batch, retain_keys=retain_keys, release_keys=release_keys)
+            except (TypeError, ValueError, KeyError):
+                raise  # refused before anything changed
+            except BaseException:
+                self._publish_what_was_written(latest, publish)
+                raise
+            self._stats["puts"] += 1
+            keys = [key for key, write in zip(latest, publish, strict=True) if write]
+            if keys:
+                self._publish(keys, [latest[key] for key in keys])
 
     def _written_by_put(self, keys: list[str]) -> list[bool]:
         """Which of a put's distinct keys the local tier will write, i.e. store new or replace:
-        only those are published, so Mooncake gets the bytes the local tier holds. A key the
-        local tier already stores keeps its bytes (``fail-closed``: objects are immutable;
-        ``grow``: unless nothing references it), and so keeps the ones published with it."""
+        those are published (and overwrite Mooncake), so Mooncake gets the bytes the local tier
+        holds. A key the local tier already stores keeps its bytes (``fail-closed``: objects
+        are immutable; ``grow``: unless nothing references it) and is not published again."""
         if not keys:
             return []
         stored = self.local.contains(keys)
@@ -950,6 +1066,40 @@ class TieredBlockObjectStore:
             counts = self.local.reference_counts(keys)
             return [not s or c == 0 for s, c in zip(stored, counts, strict=True)]
         return [not s for s in stored]
+
+    def _publish(self, keys: list[str], payloads: Sequence[Any]) -> None:
+        """Queues ``payloads`` (a private copy unless ``bytes``) under ``keys``; called under
+        the write lock, right after the local put, so the queue's order is the local tier's."""
+        if self._reads_in_flight:
+            self._written_during_reads.update(keys)
+        self._enqueue(
+            keys,
+            [payload if type(payload) is bytes else _snapshot(payload) for payload in payloads],
+        )
+
+    def _publish_what_was_written(self, latest: Mapping[str, Any], publish: list[bool]) -> None:
+        """After a local put raised past validation (a policy's exception, say): publishes the
+        keys the local tier holds with this put's bytes anyway, so no local write is left
+        unpublished. Never raises over the put's own error."""
+        try:
+            keys = [key for key, write in zip(latest, publish, strict=True) if write]
+            stored = [key for key, s in zip(keys, self.local.contains(keys), strict=True) if s]
+            if not stored:
+                return
+            data, missing = self.local.get_many(stored)
+            n = self.object_nbytes
+            absent = set(missing)
+            held = [key for key in stored if key not in absent]
+            view = memoryview(data)
+            same = [
+                key
+                for i, key in enumerate(held)
+                if view[i * n : (i + 1) * n].tobytes() == _snapshot(latest[key])
+            ]
+            if same:
+                self._publish(same, [latest[key] for key in same])
+        except Exception as error:  # the put's own exception is the one to raise
+            logger.warning("could not queue a failed put's objects for Mooncake: %s", error)
 
     def put_blocks(
         self,
@@ -959,25 +1109,38 @@ class TieredBlockObjectStore:
         retain_keys: Iterable[str] = (),
         release_keys: Iterable[str] = (),
     ) -> None:
-        """``local.put_blocks(...)``, then queues the rows for Mooncake (one copy)."""
+        """``local.put_blocks(...)``, then queues the rows the local tier wrote (one copy)."""
         self._check_usable()
         key_list = list(keys)
         host = _tensors.block_bytes(blocks, len(key_list), self.object_nbytes)
         last = {key: i for i, key in enumerate(key_list)}  # the last row of a key wins
-        publish = self._written_by_put(list(last))
-        self.local.put_blocks(key_list, host, retain_keys=retain_keys, release_keys=release_keys)
-        self._stats["puts"] += 1
-        rows = [last[key] for key, write in zip(last, publish, strict=True) if write]
-        if rows:
+        n = self.object_nbytes
+        with self._write_lock:
+            publish = self._written_by_put(list(last))
+            try:
+                self.local.put_blocks(
+                    key_list, host, retain_keys=retain_keys, release_keys=release_keys
+                )
+            except (TypeError, ValueError, KeyError):
+                raise
+            except BaseException:
+                view = memoryview(host).cast("B")
+                by_key = {key: view[i * n : (i + 1) * n] for key, i in last.items()}
+                self._publish_what_was_written(by_key, publish)
+                raise
+            self._stats["puts"] += 1
+            rows = [last[key] for key, write in zip(last, publish, strict=True) if write]
+            if not rows:
+                return
             data = host if type(host) is bytes else _snapshot(host)
-            n = self.object_nbytes
+            written = [key_list[i] for i in rows]
+            if self._reads_in_flight:
+                self._written_during_reads.update(written)
             if len(rows) == len(key_list):
                 self._enqueue(key_list, _Rows(data, n, len(key_list)))
             else:
                 view = memoryview(data).cast("B")
-                self._enqueue(
-                    [key_list[i] for i in rows], [view[i * n : (i + 1) * n] for i in rows]
-                )
+                self._enqueue(written, [view[i * n : (i + 1) * n] for i in rows])
 
     def _enqueue(self, keys: list[str], payloads: Sequence[Any]) -> None:
         # As in BackgroundBlockObjectStore: the closed check and the enqueue are one step under
@@ -1012,10 +1175,11 @@ class TieredBlockObjectStore:
                     payloads.extend(more[1])
             try:
                 if keys and self._error is None:
-                    # Every queued key was written by the local tier, a later one after an earlier:
-                    # the last payload is what the local tier holds.
+                    # Every queued key was written by the local tier, in the order of the queue
+                    # (puts enqueue under the write lock): the last payload of a key is what
+                    # the local tier holds, and publication overwrites what Mooncake had.
                     unique = dict(zip(keys, payloads, strict=True))
-                    self.remote._write(list(unique), list(unique.values()))
+                    self.remote.publish(list(unique), list(unique.values()))
                     self._stats["published_objects"] += len(unique)
                     self._stats["publish_batches"] += 1
             except BaseException as error:  # latched; raised on the caller's next call
@@ -1091,6 +1255,25 @@ class TieredBlockObjectStore:
         first: dict[str, int] = {}
         for index, key in enumerate(keys):
             first.setdefault(_check_key(key), index)
+        with self._write_lock:
+            self._reads_in_flight += 1
+        try:
+            absent, targets = self._fetch_absent(first, view)
+            if absent and self.keep_fetched:
+                with self._write_lock:
+                    self._keep(absent, targets)
+        finally:
+            with self._write_lock:
+                self._reads_in_flight -= 1
+                if not self._reads_in_flight:
+                    self._written_during_reads.clear()
+        _copy_duplicates(keys, first, view, n)
+
+    def _fetch_absent(
+        self, first: dict[str, int], view: memoryview
+    ) -> tuple[list[str], list[memoryview]]:
+        """Reads each key locally, the rest from Mooncake; the keys fetched and their views."""
+        n = self.object_nbytes
         absent: list[str] = []
         for key, index in first.items():
             try:
@@ -1115,16 +1298,36 @@ class TieredBlockObjectStore:
                 f"aux_output_config.max_bytes or Mooncake's memory when a KV cache hit needs it."
             )
         self._stats["remote_hit_objects"] += len(absent)
-        if absent and self.keep_fetched:
-            # The last ones fit in the local tier when the batch is larger than it.
-            keep = list(zip(absent, targets, strict=True))[-int(self.local.num_slots) :]
-            try:
-                self.local.put([BlockObject(key, target) for key, target in keep])
-                self._stats["kept_objects"] += len(keep)
-            except BlockObjectStoreError as error:  # the local tier is full of referenced keys
-                self._stats["keep_failures"] += 1
-                logger.debug("keeping objects fetched from Mooncake failed: %s", error)
-        _copy_duplicates(keys, first, view, n)
+        return absent, targets
+
+    def _keep(self, absent: list[str], targets: list[memoryview]) -> None:
+        """Puts fetched objects in the local tier where it has room without growing: free slots
+        plus evictable objects. Skipped: keys stored meanwhile or written by a put while the
+        read was fetching (Mooncake may not have had those bytes yet), and whatever does not
+        fit. Called under the write lock. A read never allocates and never fails here."""
+        try:
+            candidates = [
+                (key, target)
+                for key, target, stored in zip(
+                    absent, targets, self.local.contains(absent), strict=True
+                )
+                if not stored and key not in self._written_during_reads
+            ]
+            stats = self.local.stats()
+            room = min(int(stats["free_slots"]) + int(stats["evictable"]), len(candidates))
+            # The last ones when not all fit (the local tier keeps the most recent).
+            keep = candidates[len(candidates) - room :] if room > 0 else []
+            self._stats["not_kept_objects"] += len(absent) - len(keep)
+            if not keep:
+                return
+            self.local.put([BlockObject(key, target) for key, target in keep])
+            self._stats["kept_objects"] += len(keep)
+        except BlockObjectStoreError as error:  # a policy refused the victims, say
+            self._stats["keep_failures"] += 1
+            logger.debug("keeping objects fetched from Mooncake failed: %s", error)
+        except Exception as error:  # a policy's own exception: the read still succeeds
+            self._stats["keep_failures"] += 1
+            logger.warning("keeping objects fetched from Mooncake failed: %r", error)
 
     # -- the rest ------------------------------------------------------------------------
 
@@ -1147,7 +1350,8 @@ class TieredBlockObjectStore:
 
         Tier counters: puts, queued/published objects, publish batches, pending batches,
         reads (calls), objects served locally and from Mooncake, read misses (calls that
-        raised), objects kept locally after a fetch and the puts that could not keep them.
+        raised), objects kept locally after a fetch, fetched objects not kept (no room without
+        growing, or written meanwhile) and the puts that could not keep them.
         """
         out = dict(self._stats)
         out["pending_batches"] = self._queue.qsize()
