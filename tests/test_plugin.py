@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -964,6 +965,7 @@ REAL_VLLM_SCRIPT = textwrap.dedent(
     import vllm, vllm.plugins
     vllm.plugins.load_general_plugins()
     import aostore
+    from aostore import vllm_plugin
     store_module = importlib.import_module(base + "store")
     if order == "plugin-first":
         for part in parts:
@@ -1016,6 +1018,7 @@ REAL_VLLM_SCRIPT = textwrap.dedent(
         }
     print(json.dumps({
         "vllm": vllm.__version__,
+        "release": vllm_plugin.recognize(store_module),
         "marked": bool(originals),
         "store_is_aostore": issubclass(store_module.BlockObjectStore, aostore.BlockObjectStore),
         "object_is_aostore": store_module.BlockObject is aostore.BlockObject,
@@ -1050,6 +1053,10 @@ def test_real_vllm_loads_the_plugin(order: str) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps(result, indent=1))
     assert result["marked"], "vllm.plugins.load_general_plugins() did not run aostore's plugin"
+    # The releases CI proves are recognized by content (KNOWN_RELEASES), so swapped in full.
+    for version in ("0.32.0", "0.33.0"):
+        if result["vllm"].startswith(version):
+            assert result["release"] == f"vLLM {version}", result
     assert result["store_is_aostore"]
     assert result["object_is_aostore"]
     assert result["error_is_aostore"]
@@ -1121,3 +1128,280 @@ def test_branch_with_a_variable_store_gets_aostores_real_classes(
     assert writer.get_optional("row") == b"logprobs" * 100
     assert writer.get_optional("missing") is None
     writer.close()
+
+
+# -- Seven throwaway vLLMs whose worker works with vLLM's classes (issue 16, item 2) -----------
+#
+# Each tree's worker uses vLLM's classes in a way aostore's do not support. The old plugin,
+# which compared names only, swapped in each of them and the worker then failed; the plugin
+# must keep the class at fault (and what depends on it) as vLLM's, and the worker must work.
+
+_WORKER_IMPORTS = f"""
+import dataclasses
+from {STORE} import (
+    BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError,
+)
+"""
+
+DEFECT_TREES: dict[str, dict[str, str]] = {
+    "positional-arguments": {
+        "store_params": "max_bytes, object_nbytes",
+        "worker_extra": """
+            def run():
+                store = BlockObjectStore(64, 8)  # vLLM's parameters are positional-or-keyword
+                store.put([BlockObject("a", b"a" * 8)])
+                return store.get_concatenated(["a"])
+        """,
+    },
+    "constructor-default": {
+        "store_params": "*, max_bytes, object_nbytes=8",
+        "worker_extra": """
+            def run():
+                store = BlockObjectStore(max_bytes=64)  # object_nbytes has a default in vLLM's
+                store.put([BlockObject("a", b"a" * 8)])
+                return store.get_concatenated(["a"])
+        """,
+    },
+    "forwarding-wrapper": {
+        "wrapper_extra": """
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+""",
+        "worker_extra": """
+            def run():
+                writer = BackgroundBlockObjectStore(
+                    BlockObjectStore(max_bytes=64, object_nbytes=8), max_pending_batches=2
+                )
+                writer.put([BlockObject("a", b"a" * 8)])
+                slots = writer.num_slots  # forwarded to the store by vLLM's __getattr__
+                data = writer.get_concatenated(["a"])
+                writer.close()
+                return slots, data
+        """,
+    },
+    "property-stats": {
+        "store_extra": """
+    @property
+    def stats(self):
+        return {"stored": len(self._objects)}
+""",
+        "worker_extra": """
+            def run():
+                store = BlockObjectStore(max_bytes=64, object_nbytes=8)
+                store.put([BlockObject("a", b"a" * 8)])
+                return store.stats["stored"]  # a property in vLLM's, a method in aostore's
+        """,
+    },
+    "frozen-dataclass-object": {
+        "worker_extra": """
+            def run():
+                first = BlockObject("a", b"a" * 8)
+                second = dataclasses.replace(first, key="b")
+                match second:
+                    case BlockObject(key, payload):
+                        pass
+                store = BlockObjectStore(max_bytes=64, object_nbytes=8)
+                store.put([first, second], retain_keys=[key])
+                data = store.get_concatenated([key])
+                store.close()
+                return dataclasses.asdict(second), payload, data
+        """,
+    },
+    "private-names": {
+        "worker_extra": """
+            def run():
+                writer = BackgroundBlockObjectStore(
+                    BlockObjectStore(max_bytes=64, object_nbytes=8), max_pending_batches=2
+                )
+                writer.put([BlockObject("a", b"a" * 8)])
+                writer._raise_if_failed()  # vLLM 0.33's wrapper has these three
+                state = (writer._error, writer._queue.maxsize)
+                writer.close()
+                return state
+        """,
+    },
+    "error-in-a-container": {
+        "worker_extra": """
+            MISS_ERRORS = (BlockObjectStoreError, KeyError)
+
+            def run():
+                store = BlockObjectStore(max_bytes=64, object_nbytes=8)
+                try:
+                    store.get_concatenated(["missing"])
+                except MISS_ERRORS:
+                    return "recomputed"
+        """,
+    },
+}
+
+# What each tree's worker returns with vLLM's classes (and must still return).
+DEFECT_RESULTS: dict[str, Any] = {
+    "positional-arguments": b"a" * 8,
+    "constructor-default": b"a" * 8,
+    "forwarding-wrapper": (8, b"a" * 8),
+    "property-stats": 1,
+    "frozen-dataclass-object": ({"key": "b", "payload": b"a" * 8}, b"a" * 8, b"a" * 8),
+    "private-names": (None, 2),
+    "error-in-a-container": "recomputed",
+}
+
+# The classes that must stay vLLM's in each tree, and words of the reason the line gives.
+DEFECT_KEPT: dict[str, tuple[tuple[str, ...], str]] = {
+    "positional-arguments": (
+        ("BlockObjectStore", "BackgroundBlockObjectStore", "BlockObjectStoreError"),
+        "parameter max_bytes is positional-or-keyword in vLLM's, keyword-only in aostore's",
+    ),
+    "constructor-default": (
+        ("BlockObjectStore", "BackgroundBlockObjectStore", "BlockObjectStoreError"),
+        "parameter object_nbytes has default 8 in vLLM's, no default in aostore's",
+    ),
+    "forwarding-wrapper": (("BackgroundBlockObjectStore",), "defines __getattr__"),
+    "property-stats": (
+        ("BlockObjectStore", "BackgroundBlockObjectStore", "BlockObjectStoreError"),
+        "BlockObjectStore.stats: a property in vLLM's, a method in aostore's",
+    ),
+    "frozen-dataclass-object": (("BlockObject",), "not replaced on a vLLM that CI does not"),
+    "private-names": (
+        ("BackgroundBlockObjectStore",),
+        "aostore's BackgroundBlockObjectStore lacks _error, _queue, _raise_if_failed",
+    ),
+    "error-in-a-container": (
+        ("BlockObjectStoreError", "BlockObjectStore", "BackgroundBlockObjectStore"),
+        f"held where the swap cannot reach ({PACKAGE}.worker.MISS_ERRORS)",
+    ),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(DEFECT_TREES))
+def test_worker_that_works_with_vllms_classes_still_works(
+    make_tree: TreeMaker, caplog: pytest.LogCaptureFixture, defect: str
+) -> None:
+    options = dict(DEFECT_TREES[defect])
+    options["worker_extra"] = _WORKER_IMPORTS + textwrap.dedent(options["worker_extra"])
+    fake = make_tree("grow", **options)
+    worker, store_module = fake.modules["worker"], fake.modules[STORE]
+    # With vLLM's own classes, before the plugin: the worker works.
+    assert worker.run() == DEFECT_RESULTS[defect]
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    # After it: the worker still works (it failed after the old plugin's swap) ...
+    assert worker.run() == DEFECT_RESULTS[defect]
+    # ... because the class at fault, and what depends on it, stayed vLLM's.
+    kept, why = DEFECT_KEPT[defect]
+    for name in kept:
+        assert getattr(store_module, name) is fake.originals[name], name
+        assert getattr(worker, name) is fake.originals[name], name
+    (record,) = plugin_records(caplog)
+    assert record.levelno == logging.WARNING
+    assert why in record.getMessage(), record.getMessage()
+
+
+# -- The class-by-class check, piece by piece ---------------------------------------------------
+
+
+def test_any_changed_file_of_the_package_is_no_longer_the_release(make_tree: TreeMaker) -> None:
+    fake = make_tree("grow", known=True)
+    store_module = fake.modules[STORE]
+    assert vllm_plugin.recognize(store_module) == "fake vLLM (grow)"
+    directory = Path(store_module.__file__).parent
+    (directory / "shm.py").write_text("# a file the release does not have\n")
+    assert vllm_plugin.recognize(store_module) is None
+    (directory / "shm.py").unlink()
+    with (directory / "worker.py").open("a") as worker:
+        worker.write("# changed\n")
+    assert vllm_plugin.recognize(store_module) is None
+    assert vllm_plugin.plan(store_module).release is None
+
+
+def test_known_releases_name_the_files_ci_runs() -> None:
+    assert set(vllm_plugin.KNOWN_RELEASES) == {"vLLM 0.32.0", "vLLM 0.33.0"}
+    for files in vllm_plugin.KNOWN_RELEASES.values():
+        assert {"store.py", "worker.py", "routed_experts.py"} <= set(files)
+        assert all(len(digest) == 64 for digest in files.values())
+
+
+def test_hidden_references_are_found_wherever_the_swap_cannot_reach(
+    make_tree: TreeMaker,
+) -> None:
+    fake = make_tree("grow")
+    error, store = fake.originals["BlockObjectStoreError"], fake.originals["BlockObjectStore"]
+    holder = types.ModuleType("vllm.holder")
+    holder.__dict__.update(
+        ERRORS={"miss": [error]},
+        by_default=eval("lambda errors=(1, (error,)): errors", {"error": error}),
+        Handler=type("Handler", (), {"__module__": "vllm.holder", "store_class": store}),
+        plain=error,  # a module global: the swap updates it
+    )
+    enclosing = error
+
+    def closure() -> Any:
+        return enclosing
+
+    holder.__dict__["closure"] = closure
+    sys.modules["vllm.holder"] = holder
+    found = vllm_plugin.hidden_references(fake.originals)
+    assert sorted(found["BlockObjectStoreError"]) == [
+        "vllm.holder.ERRORS",
+        "vllm.holder.by_default",
+        "vllm.holder.closure",
+    ]
+    assert found["BlockObjectStore"] == ["vllm.holder.Handler.store_class"]
+    decision = vllm_plugin.plan(fake.modules[STORE])
+    assert decision.replace == {}
+    assert "vllm.holder.Handler.store_class" in decision.keep["BlockObjectStore"]
+
+
+def test_subclassed_vllm_class_is_kept(make_tree: TreeMaker) -> None:
+    worker = f"""
+        from {STORE} import BlockObjectStoreError
+
+        class MissError(BlockObjectStoreError):
+            pass
+    """
+    decision = vllm_plugin.plan(make_tree("grow", worker_extra=worker).modules[STORE])
+    assert decision.keep["BlockObjectStoreError"] == (
+        f"vLLM's BlockObjectStoreError is subclassed ({PACKAGE}.worker.MissError)"
+    )
+    assert decision.replace == {}
+
+
+def test_getattr_strings_count_as_uses(make_tree: TreeMaker) -> None:
+    worker = "def depth(writer):\n    return getattr(writer, '_queue').qsize()\n"
+    decision = vllm_plugin.plan(make_tree("grow", worker_extra=worker).modules[STORE])
+    assert decision.keep["BackgroundBlockObjectStore"] == (
+        "aostore's BackgroundBlockObjectStore lacks _queue"
+    )
+    assert "BlockObjectStore" in decision.replace
+
+
+def _signature(text: str) -> inspect.Signature:
+    namespace: dict[str, Any] = {}
+    exec(f"def f({text}): pass", namespace)
+    return inspect.signature(namespace["f"])
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours", "gap"),
+    [
+        ("*, a, b", "*, a, b, c=1", None),
+        ("*, a, b", "*, b, a", None),
+        ("x, *, r=()", "x, *, r=()", None),
+        ("x, *, retain_keys=()", "x, /, *, retain_keys=None", "parameter 1 is x"),
+        ("x, *, retain_keys=()", "x, *, retain_keys=None", None),
+        ("x, *, other=()", "x, *, other=None", "parameter other has default ()"),
+        ("a, b", "*, a, b", "parameter a is positional-or-keyword in vLLM's, keyword-only"),
+        ("*, a, b=8", "*, a, b", "parameter b has default 8 in vLLM's, no default"),
+        ("*, a", "*, a, c", "aostore's needs parameter c"),
+        ("*, a", "", "aostore's has no parameter a"),
+        ("a", "b", "parameter 1 is a (positional-or-keyword) in vLLM's, b"),
+        ("a", "a, b=1", "aostore's has an extra positional parameter b"),
+        ("*args", "", "aostore's takes no *args"),
+        ("**kw", "*, a=1", "aostore's takes no **kwargs"),
+    ],
+)
+def test_signature_gap(theirs: str, ours: str, gap: str | None) -> None:
+    found = vllm_plugin.signature_gap(_signature(theirs), _signature(ours))
+    if gap is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(gap), found

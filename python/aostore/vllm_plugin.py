@@ -477,15 +477,20 @@ def hidden_references(originals: Mapping[str, type]) -> dict[str, list[str]]:
             continue
         for global_name, value in list(namespace.items()):
             where = f"{module_name}.{global_name}"
-            held = _holds(value, targets)
-            if isinstance(value, type) and value.__module__ == module_name:
-                for entry, member in list(vars(value).items()):
-                    if entry in _SKIPPED_CLASS_ENTRIES:
-                        continue
-                    name = targets.get(id(member))
-                    members = {name} if name is not None else _holds(member, targets)
-                    for hit in members:
-                        found.setdefault(hit, []).append(f"{where}.{entry}")
+            try:
+                held = _holds(value, targets)
+                members: list[tuple[str, set[str]]] = []
+                if isinstance(value, type) and value.__module__ == module_name:
+                    for entry, member in list(vars(value).items()):
+                        if entry in _SKIPPED_CLASS_ENTRIES:
+                            continue
+                        name = targets.get(id(member))
+                        members.append((entry, {name} if name else _holds(member, targets)))
+            except Exception:  # a container subclass that cannot be iterated: not ours to judge
+                continue
+            for entry, hits in members:
+                for hit in hits:
+                    found.setdefault(hit, []).append(f"{where}.{entry}")
             for hit in held:
                 found.setdefault(hit, []).append(where)
     return found
