@@ -1351,6 +1351,12 @@ def test_hidden_references_are_found_wherever_the_swap_cannot_reach(
     assert "vllm.holder.Handler.store_class" in decision.keep["BlockObjectStore"]
 
 
+def test_a_method_calling_super_is_not_a_hidden_reference(make_tree: TreeMaker) -> None:
+    extra = "\n    def __repr__(self):\n        return super().__repr__()\n"
+    fake = make_tree("grow", store_extra=extra)
+    assert "BlockObjectStore" in vllm_plugin.plan(fake.modules[STORE]).replace
+
+
 def test_subclassed_vllm_class_is_kept(make_tree: TreeMaker) -> None:
     worker = f"""
         from {STORE} import BlockObjectStoreError

@@ -441,7 +441,13 @@ def _holds(value: Any, targets: Mapping[int, str], depth: int = 0) -> set[str]:
     elif isinstance(value, classmethod | staticmethod):
         items = [value.__func__]
     elif isinstance(value, types.FunctionType):
-        cells = [cell.cell_contents for cell in value.__closure__ or () if _cell_set(cell)]
+        # ``__class__`` is the cell of a method that calls super(): its own class, not a holder.
+        names = value.__code__.co_freevars
+        cells = [
+            cell.cell_contents
+            for name, cell in zip(names, value.__closure__ or (), strict=False)
+            if name != "__class__" and _cell_set(cell)
+        ]
         items = [*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values(), *cells]
     elif isinstance(value, property):
         items = [value.fget, value.fset, value.fdel]
@@ -886,7 +892,9 @@ def plan(module: Any) -> Plan:
             where = ", ".join(sorted(hidden[name]))
             result.keep[name] = f"vLLM's {name} is also held where the swap cannot reach ({where})"
             continue
-        gap = compare(cls, ours[name], used)
+        # The fixed store is compared as the plugin installs it (same names, its own defaults).
+        our_class = EngineBlockObjectStore if name == FIXED_STORE else ours[name]
+        gap = compare(cls, our_class, used)
         if gap is None and used.unreadable:
             gap = f"cannot read the source of {', '.join(sorted(used.unreadable))}"
         if gap:
