@@ -35,7 +35,8 @@ one start-up line. What it does:
      ``__getattr__``/``__getattribute__``, one that other classes subclass, and one also held
      somewhere the swap cannot update (a container such as ``MISS_ERRORS =
      (BlockObjectStoreError, KeyError)``, a class attribute, a default argument, a closure,
-     in any imported ``vllm`` module). ``BlockObject`` is never replaced there: aostore's
+     in any imported ``vllm`` module), and every class when a source file that names them
+     cannot be read or parsed. ``BlockObject`` is never replaced there: aostore's
      stores take any object with ``.key`` and ``.payload``, so vLLM's own (a frozen dataclass
      that code may ``dataclasses.replace``) keeps working. What depends on a kept class stays
      vLLM's too: the stores when ``BlockObjectStoreError`` stays (aostore's stores raise
@@ -54,7 +55,8 @@ one start-up line. What it does:
 4. sends aostore's growth warnings to the store module's ``logger`` too (looked up at each
    growth), where vLLM's users and tests look for them.
 
-Calling :func:`register` again does nothing (the store module is marked), and
+Calling :func:`register` again does nothing (the store module is marked; not after a failure,
+so a later call tries again), and
 ``AOSTORE_VLLM_PLUGIN=0`` (also ``false``, ``no``, ``off``) turns the plugin off. What it did is
 said once per process, in one line on the ``vllm.plugins.aostore`` logger: vLLM's default
 logging shows ``vllm.*`` loggers at INFO with its own handler. The line is at INFO when every
