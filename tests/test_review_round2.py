@@ -12,7 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from aostore import (
+    BackgroundBlockObjectStore,
+    BlockObject,
+    BlockObjectStore,
+    BlockObjectStoreError,
+    VariableBlockObjectStore,
+)
 from scripts import TIMEOUT, run_script
 
 N = 64
@@ -435,10 +441,66 @@ def test_aostore_stores_without_overrides_still_get_the_rust_writer():
         BlockObjectStore(max_bytes=8 * N, object_nbytes=N),
         GrowBlockObjectStore(max_bytes=8 * N, object_nbytes=N),
         SlowClose(max_bytes=8 * N, object_nbytes=N),  # close is called through Python anyway
+        VariableBlockObjectStore(max_bytes=8 * N),  # logprob rows: the same GIL-free writer
     ):
         writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
         assert type(writer._writer) is NativeWriter
         writer.close()
+
+
+def test_the_variable_store_through_the_rust_writer_keeps_its_contract():
+    store = VariableBlockObjectStore(max_bytes=64)
+    writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+    writer.put([BlockObject("a", b"x" * 10), BlockObject("b", b"")], retain_keys=["a"])
+    writer.put([BlockObject("a", b"y" * 20)])  # replaced, referenced or not
+    assert writer.get_optional("a") == b"y" * 20
+    assert writer.get_optional("b") == b""
+    assert writer.get_optional("zz") is None
+    data, missing, offsets = writer.get_many(["a", "zz", "b"])
+    assert (bytes(data), missing) == (b"y" * 20, ["zz"])
+    assert writer.contains(["a", "zz"]) == [True, False]
+    writer.flush()
+    # A batch it cannot hold is refused whole, latched, and raised from the next call.
+    writer.put([BlockObject("big", b"z" * 100)])
+    with pytest.raises(BlockObjectStoreError, match="publication failed") as raised:
+        writer.flush()
+    assert "cannot retain" in str(raised.value.__cause__)
+    assert store.get_concatenated(["a"]) == b"y" * 20
+    store.check()
+    with pytest.raises(BlockObjectStoreError, match="publication failed"):
+        writer.close()
+
+
+def test_put_blocks_on_a_variable_store_background_is_an_argument_error():
+    writer = BackgroundBlockObjectStore(VariableBlockObjectStore(max_bytes=64), max_pending_batches=2)
+    with pytest.raises(BlockObjectStoreError, match="publication failed") as raised:
+        writer.put_blocks(["a"], np.zeros((1, 4), dtype=np.uint8))
+    assert isinstance(raised.value.__cause__, TypeError)
+    with pytest.raises(BlockObjectStoreError):
+        writer.close()
+
+
+def test_a_variable_store_with_a_policy_gets_the_python_writer():
+    from aostore._native import NativeWriter
+
+    class Oldest:
+        def on_reference_change(self, key: str, old: int, new: int) -> None:
+            pass
+
+        def select_victims(self, candidates: Any, count: int) -> list[str]:
+            return [next(candidates) for _ in range(count)]
+
+        def on_remove(self, keys: Any, reason: str) -> None:
+            pass
+
+    store = VariableBlockObjectStore(max_bytes=8, policy=Oldest())
+    writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+    assert type(writer._writer) is not NativeWriter
+    for key in "abc":
+        writer.put([BlockObject(key, b"1234")])
+    assert writer.get_optional("a") is None
+    assert writer.get_concatenated(["b", "c"]) == b"12341234"
+    writer.close()
 
 
 # 10. ----------------------------------------------------------- policy re-entry from a thread

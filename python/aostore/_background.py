@@ -10,8 +10,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from aostore import _tensors
-from aostore._native import BlockObjectStoreError, NativeStore, NativeWriter
+from aostore._native import BlockObjectStoreError, NativeStore, NativeVariableStore, NativeWriter
 from aostore._store import BlockObjectStore
+from aostore._variable import VariableBlockObjectStore
 
 # Bumped in a forked child: a Python writer's thread does not exist there.
 _fork_generation = 0
@@ -150,25 +151,34 @@ class _PythonWriter:
         self._raise_if_failed()
 
 
-# The methods the Rust writer calls in the core directly; any other definition of them (on the
-# instance or on a subclass) must be honoured, so the store then gets the Python writer.
-_CORE_METHODS = {
-    name: {inspect.getattr_static(cls, name) for cls in (NativeStore, BlockObjectStore)}
-    for name in ("put", "put_blocks")
+# The methods the Rust writer calls in the core directly, per native store class; any other
+# definition of them (on the instance or on a subclass) must be honoured, so the store then
+# gets the Python writer.
+_CORE_METHODS: dict[type, dict[str, set[Any]]] = {
+    NativeStore: {
+        name: {inspect.getattr_static(cls, name) for cls in (NativeStore, BlockObjectStore)}
+        for name in ("put", "put_blocks")
+    },
+    NativeVariableStore: {
+        "put": {
+            inspect.getattr_static(cls, "put")
+            for cls in (NativeVariableStore, VariableBlockObjectStore)
+        }
+    },
 }
 
 
 def _native_eligible(store: object) -> bool:
-    """Whether the Rust writer can drive ``store``: an aostore store without a Python policy
-    whose ``put``/``put_blocks`` are aostore's own (not replaced on the instance, as a test's
-    mocks are, nor overridden by a subclass)."""
-    if not isinstance(store, NativeStore) or store.policy is not None:
+    """Whether the Rust writer can drive ``store``: an aostore store, fixed or variable-size,
+    without a Python policy, whose writing methods are aostore's own (not replaced on the
+    instance, as a test's mocks are, nor overridden by a subclass)."""
+    base = next((cls for cls in _CORE_METHODS if isinstance(store, cls)), None)
+    if base is None or getattr(store, "policy", None) is not None:
         return False
-    if any(name in getattr(store, "__dict__", {}) for name in ("put", "put_blocks")):
+    own = _CORE_METHODS[base]
+    if any(name in getattr(store, "__dict__", {}) for name in own):
         return False
-    return all(
-        inspect.getattr_static(type(store), name) in own for name, own in _CORE_METHODS.items()
-    )
+    return all(inspect.getattr_static(type(store), name) in own[name] for name in own)
 
 
 class BackgroundBlockObjectStore:
@@ -180,9 +190,10 @@ class BackgroundBlockObjectStore:
     ``get_concatenated`` first waits for every queued put. ``close`` drains the queue, stops
     the thread, closes ``store`` once and raises any latched error; it is idempotent.
 
-    ``store`` may be any object with ``put``, ``get_concatenated`` and ``close``. An aostore store
-    (without a Python policy, and with aostore's own ``put``/``put_blocks``) gets a writer
-    thread in Rust that never takes the GIL: the engine thread only hands the batch over. With
+    ``store`` may be any object with ``put``, ``get_concatenated`` and ``close``. An aostore store,
+    fixed or variable-size (without a Python policy, and with aostore's own ``put``/``put_blocks``)
+    gets a writer thread in Rust that never takes the GIL: the engine thread only hands the batch
+    over. With
     an aostore store, argument errors (a key that is not ``str``, a payload that is not a
     buffer) are latched at once and raised from that ``put``; other stores see them when the
     writer applies the batch.
@@ -259,12 +270,12 @@ class BackgroundBlockObjectStore:
             return
         if self._writer.closed:
             raise RuntimeError("auxiliary output store is closed")
-        if isinstance(self._writer, NativeWriter) and _tensors.is_tensor(blocks):
+        object_nbytes = getattr(self._store, "object_nbytes", None)
+        if isinstance(self._writer, NativeWriter) and object_nbytes and _tensors.is_tensor(blocks):
             # The Rust writer reads plain buffers: a tensor becomes its host bytes here (a CUDA
             # tensor is copied to the host once, on the caller's thread). The numpy view's base
             # is a tensor of its own over the same storage, so ``set_()`` on the caller's
             # tensor leaves the memory the writer reads alive.
-            object_nbytes = self._store.object_nbytes  # type: ignore[attr-defined]
             blocks = _tensors.block_bytes(blocks, len(key_list), object_nbytes)
         self._writer.put_blocks(key_list, blocks, retain_keys=retains, release_keys=releases)
 

@@ -133,7 +133,9 @@ class NativeVariableStore:
 class NativeWriter:
     """The Rust writer thread behind ``aostore.BackgroundBlockObjectStore``."""
 
-    def __new__(cls, store: NativeStore, max_pending_batches: int) -> NativeWriter: ...
+    def __new__(
+        cls, store: NativeStore | NativeVariableStore, max_pending_batches: int
+    ) -> NativeWriter: ...
     def put(
         self,
         objects: Iterable[Any],
@@ -154,4 +156,4 @@ class NativeWriter:
     @property
     def closed(self) -> bool: ...
     @property
-    def store(self) -> NativeStore: ...
+    def store(self) -> NativeStore | NativeVariableStore: ...

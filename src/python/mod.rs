@@ -220,7 +220,7 @@ impl NativeStore {
     }
 
     /// The core, for a writer thread.
-    pub(crate) fn core(&self, _py: Python<'_>) -> PyResult<SharedCore> {
+    pub(crate) fn core(&self) -> PyResult<SharedCore> {
         if self.generation != fork_generation() {
             return Err(forked_error());
         }

@@ -4,7 +4,7 @@
 //! object filled in place.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::gc::PyVisit;
@@ -30,7 +30,8 @@ const READ_ATTEMPTS: usize = 3;
 /// The native variable-size store: a `VariableStore` behind a mutex, shared by threads.
 #[pyclass(module = "aostore._native", subclass, frozen, name = "NativeVariableStore")]
 pub struct NativeVariableStore {
-    inner: Mutex<VariableStore>,
+    /// Shared with a Rust writer thread (`NativeWriter`), which applies batches to it directly.
+    inner: Arc<Mutex<VariableStore>>,
     /// The victim policy; behind its own small lock only so `__clear__` can drop it (never
     /// while the store lock is held).
     policy: Mutex<Option<Py<PyAny>>>,
@@ -54,6 +55,14 @@ impl NativeVariableStore {
             in_policy: &self.in_policy,
         }
         .acquire()
+    }
+
+    /// The core, for a writer thread.
+    pub(crate) fn core(&self) -> PyResult<Arc<Mutex<VariableStore>>> {
+        if self.generation != fork_generation() {
+            return Err(forked_error());
+        }
+        Ok(Arc::clone(&self.inner))
     }
 
     fn ensure_open(&self) -> PyResult<()> {
@@ -189,7 +198,7 @@ impl NativeVariableStore {
         let chunk_nbytes = store.chunk_nbytes();
         let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
         Ok(Self {
-            inner: Mutex::new(store),
+            inner: Arc::new(Mutex::new(store)),
             has_policy: policy.is_some(),
             policy: Mutex::new(policy),
             in_policy: AtomicBool::new(false),

@@ -31,11 +31,13 @@ use pyo3::sync::PyOnceLock;
 use pyo3::PyTraverseError;
 
 use super::gather::{Gathered, OwnedViews, Owner};
+use super::variable::NativeVariableStore;
 use super::{
     fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore, SharedCore,
 };
 use crate::error::StoreError;
 use crate::store::BlockRef;
+use crate::variable::VariableStore;
 
 /// One queued `put` or `put_blocks`: views into Python memory, and the objects that own it.
 struct Job {
@@ -94,11 +96,44 @@ impl Shared {
     }
 }
 
-/// A writer thread in front of one aostore store (see `aostore.BackgroundBlockObjectStore`).
+/// The core a writer applies batches to: either store's, chosen once when the writer is made,
+/// so telling them apart costs one match per batch and nothing per object.
+#[derive(Clone)]
+enum Core {
+    Fixed(SharedCore),
+    Variable(Arc<Mutex<VariableStore>>),
+}
+
+impl Core {
+    /// Applies one batch; the fixed store in profile `grow` reports the slots it grew to.
+    fn put(
+        &self,
+        blocks: &[BlockRef<'_>],
+        retains: &[&str],
+        releases: &[&str],
+    ) -> Result<Option<usize>, StoreError> {
+        match self {
+            Core::Fixed(core) => {
+                let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
+                store.put(blocks, retains, releases).map(|report| report.grown_to)
+            }
+            Core::Variable(core) => {
+                let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
+                store.put(blocks, retains, releases).map(|()| None)
+            }
+        }
+    }
+}
+
+/// A writer thread in front of one aostore store, fixed or variable-size (see
+/// `aostore.BackgroundBlockObjectStore`).
 #[pyclass(module = "aostore._native", frozen, name = "NativeWriter")]
 pub struct NativeWriter {
     shared: Arc<Shared>,
-    store: Py<NativeStore>,
+    /// The Python store (`NativeStore` or `NativeVariableStore`), closed by `close()`.
+    store: Py<PyAny>,
+    /// The fixed store's object size, for `put_blocks`; `None` for the variable store.
+    object_nbytes: Option<usize>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// An argument error raised on a caller's thread, latched like a writer error. Read and
     /// written only with the GIL held, never under a Rust mutex.
@@ -107,7 +142,7 @@ pub struct NativeWriter {
     generation: u64,
 }
 
-fn run(shared: &Arc<Shared>, core: &SharedCore) {
+fn run(shared: &Arc<Shared>, core: &Core) {
     crate::sched::yield_to_running_threads();
     loop {
         let (views, skip) = {
@@ -184,7 +219,7 @@ fn wait_for_work<'a>(
 /// The writer's polling period once the engine has been quiet for 2 ms.
 const POLL_PERIOD: Duration = Duration::from_millis(1);
 
-fn apply(core: &SharedCore, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
+fn apply(core: &Core, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
     // SAFETY: every view borrows from the owners of this job, kept in `State::in_flight` until
     // this returns and dropped only later, by a thread holding the GIL.
     let (blocks, retains, releases) = unsafe {
@@ -197,8 +232,7 @@ fn apply(core: &SharedCore, views: &OwnedViews) -> Result<Option<usize>, StoreEr
         let releases: Vec<&str> = views.releases.iter().map(|k| k.text()).collect();
         (blocks, retains, releases)
     };
-    let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
-    store.put(&blocks, &retains, &releases).map(|report| report.grown_to)
+    core.put(&blocks, &retains, &releases)
 }
 
 /// Whether the interpreter may still be asked for a pending call. `interpreter_exiting`, an
@@ -406,11 +440,20 @@ fn closed_error() -> PyErr {
 #[pymethods]
 impl NativeWriter {
     #[new]
-    fn new(py: Python<'_>, store: Py<NativeStore>, max_pending_batches: usize) -> PyResult<Self> {
+    fn new(store: &Bound<'_, PyAny>, max_pending_batches: usize) -> PyResult<Self> {
         if max_pending_batches == 0 {
             return Err(PyValueError::new_err("max_pending_batches must be at least 1"));
         }
-        let core = store.get().core(py)?;
+        let (core, object_nbytes) = if let Ok(fixed) = store.cast::<NativeStore>() {
+            (Core::Fixed(fixed.get().core()?), Some(fixed.get().object_nbytes()))
+        } else if let Ok(variable) = store.cast::<NativeVariableStore>() {
+            (Core::Variable(variable.get().core()?), None)
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "NativeWriter needs an aostore store, not {}",
+                store.get_type().name()?
+            )));
+        };
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             work: Condvar::new(),
@@ -425,7 +468,8 @@ impl NativeWriter {
             .map_err(|e| PyRuntimeError::new_err(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             shared,
-            store,
+            store: store.clone().unbind(),
+            object_nbytes,
             thread: Mutex::new(Some(thread)),
             input_error: PyOnceLock::new(),
             generation: fork_generation(),
@@ -459,7 +503,10 @@ impl NativeWriter {
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         self.ensure_same_process()?;
-        let object_nbytes = self.store.get().object_nbytes();
+        let Some(object_nbytes) = self.object_nbytes else {
+            let error = PyTypeError::new_err("put_blocks needs a fixed-size store");
+            return Err(self.latch_input(py, error));
+        };
         let mut batch = Gathered::default();
         let gathered = batch
             .rows_of(keys, blocks, object_nbytes)
@@ -526,7 +573,7 @@ impl NativeWriter {
 
     /// The store the writer applies batches to.
     #[getter]
-    fn store(&self, py: Python<'_>) -> Py<NativeStore> {
+    fn store(&self, py: Python<'_>) -> Py<PyAny> {
         self.store.clone_ref(py)
     }
 
