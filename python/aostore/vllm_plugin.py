@@ -529,7 +529,7 @@ _EQUIVALENT_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "retain_keys": ((), None),
     "release_keys": ((), None),
 }
-_METHOD_TYPES = (
+_METHOD_TYPES: tuple[type, ...] = (
     types.FunctionType,
     types.BuiltinFunctionType,
     types.MethodDescriptorType,
