@@ -9,6 +9,7 @@ pub mod chunks;
 pub mod error;
 pub mod index;
 pub mod keys;
+mod ledger;
 mod references;
 pub mod sched;
 pub mod slab;

@@ -205,8 +205,7 @@ pub struct BlockStore {
     /// `grow` re-put replaced in place. Every object written and not yet removed is stored, so
     /// `stored == objects_written - evicted_stored - replaced`: a stored key lost any other way
     /// (a rollback forgetting it) breaks the equation.
-    evicted_stored: u64,
-    replaced: u64,
+    ledger: crate::ledger::Ledger,
     scratch: Scratch,
 }
 
@@ -291,8 +290,7 @@ impl BlockStore {
             stored: 0,
             referenced: 0,
             counters: Counters::default(),
-            evicted_stored: 0,
-            replaced: 0,
+            ledger: crate::ledger::Ledger::default(),
             scratch: Scratch::default(),
         })
     }
@@ -811,7 +809,7 @@ impl BlockStore {
         if slot != PENDING_SLOT {
             self.free_slots.push(slot);
             self.stored -= 1;
-            self.evicted_stored += 1;
+            self.ledger.evicted_stored += 1;
         }
         self.slab[idx].slot = NO_SLOT;
         self.counters.evictions += 1;
@@ -863,7 +861,7 @@ impl BlockStore {
             // A replaced key this call released may have been evicted; its entry is gone then.
             if self.slab.is_live(idx) && self.slab[idx].has_slot() {
                 arena.write_slot(self.slab[idx].slot, objects[position].payload);
-                self.replaced += 1;
+                self.ledger.replaced += 1;
                 self.counters.objects_written += 1;
                 self.counters.bytes_written += self.object_nbytes as u64;
             }
@@ -1111,14 +1109,7 @@ impl BlockStore {
                  neither"
             ));
         }
-        let ledger = self.counters.objects_written - self.evicted_stored - self.replaced;
-        if ledger != stored as u64 {
-            return Err(format!(
-                "every object written and not evicted or replaced is stored: {stored} stored, \
-                 {ledger} by the ledger ({} written, {} evicted, {} replaced)",
-                self.counters.objects_written, self.evicted_stored, self.replaced
-            ));
-        }
+        self.ledger.check(self.counters.objects_written, stored)?;
         if stored != self.stored || referenced != self.referenced {
             return Err(format!(
                 "counters match contents: stored {stored} vs {}, referenced {referenced} vs {}",

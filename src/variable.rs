@@ -265,8 +265,7 @@ pub struct VariableStore {
     /// Ledger for `check()`, as the fixed store's: stored objects removed by eviction, and
     /// objects whose chain a re-put replaced. `stored == objects_written - evicted_stored -
     /// replaced`: a stored key lost any other way breaks the equation.
-    evicted_stored: u64,
-    replaced: u64,
+    ledger: crate::ledger::Ledger,
     /// Changes whenever a put may have changed entries or chains, so a read planned under one
     /// lock can be copied under the next only if nothing changed in between.
     version: u64,
@@ -339,8 +338,7 @@ impl VariableStore {
             used_chunks: 0,
             referenced: 0,
             counters: Counters::default(),
-            evicted_stored: 0,
-            replaced: 0,
+            ledger: crate::ledger::Ledger::default(),
             version: 0,
             scratch: Scratch::default(),
         })
@@ -856,7 +854,7 @@ impl VariableStore {
                 self.stored -= 1;
                 self.stored_bytes -= nbytes as u64;
                 self.used_chunks -= nbytes.div_ceil(self.chunk_nbytes);
-                self.evicted_stored += 1;
+                self.ledger.evicted_stored += 1;
             }
             self.keys.slab[victim].slot = NO_SLOT;
             self.counters.evictions += 1;
@@ -875,7 +873,7 @@ impl VariableStore {
                 self.stored -= 1;
                 self.stored_bytes -= nbytes as u64;
                 self.used_chunks -= nbytes.div_ceil(self.chunk_nbytes);
-                self.replaced += 1;
+                self.ledger.replaced += 1;
             }
         }
         for (&(idx, position), &charge) in s.batch.iter().zip(&s.charges) {
@@ -1125,14 +1123,7 @@ impl VariableStore {
             }
         }
         chunks.validate(objects.into_iter())?;
-        let ledger = self.counters.objects_written - self.evicted_stored - self.replaced;
-        if ledger != stored as u64 {
-            return Err(format!(
-                "every object written and not evicted or replaced is stored: {stored} stored, \
-                 {ledger} by the ledger ({} written, {} evicted, {} replaced)",
-                self.counters.objects_written, self.evicted_stored, self.replaced
-            ));
-        }
+        self.ledger.check(self.counters.objects_written, stored)?;
         if stored != self.stored
             || stored_bytes != self.stored_bytes
             || used != self.used_chunks

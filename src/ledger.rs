@@ -1,0 +1,25 @@
+//! The ledger `check()` keeps in both stores: every object written and not yet removed is
+//! stored, so a stored key lost any way other than eviction or replacement (a rollback
+//! forgetting it, say) breaks an equation that no structural count can see.
+
+/// Stored objects removed by eviction, and objects whose bytes a re-put replaced.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Ledger {
+    pub evicted_stored: u64,
+    pub replaced: u64,
+}
+
+impl Ledger {
+    /// `stored == written - evicted_stored - replaced`, or the invariant's name.
+    pub(crate) fn check(&self, written: u64, stored: usize) -> Result<(), String> {
+        let ledger = written - self.evicted_stored - self.replaced;
+        if ledger == stored as u64 {
+            return Ok(());
+        }
+        Err(format!(
+            "every object written and not evicted or replaced is stored: {stored} stored, \
+             {ledger} by the ledger ({written} written, {} evicted, {} replaced)",
+            self.evicted_stored, self.replaced
+        ))
+    }
+}
