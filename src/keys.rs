@@ -1,8 +1,8 @@
 //! A key table: the open-addressing index, the slab of entries and the hasher together, with
 //! the batched lookup that overlaps a call's cache misses.
 //!
-//! The variable-size store keeps its keys here; the pieces are the ones the fixed store uses
-//! (`KeyIndex`, `Slab`), parameterised by the per-key data `M` and the inline key capacity `N`.
+//! Both stores keep their keys here, parameterised by the per-key data `M` and the inline key
+//! capacity `N` (the fixed store's entries are 128 bytes; the variable store's hold longer keys).
 
 use std::hash::BuildHasher;
 
@@ -27,6 +27,16 @@ impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
         Self {
             index: KeyIndex::with_capacity(capacity),
             slab: Slab::with_room(capacity),
+            hasher: FixedState::default(),
+        }
+    }
+
+    /// A table whose index holds `index_capacity` keys before it rehashes and whose slab
+    /// reserves address space for `slab_reserve` entries (see `Slab::with_reserve`).
+    pub fn with_reserve(index_capacity: usize, slab_reserve: usize) -> Self {
+        Self {
+            index: KeyIndex::with_capacity(index_capacity),
+            slab: Slab::with_reserve(slab_reserve),
             hasher: FixedState::default(),
         }
     }

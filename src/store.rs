@@ -4,14 +4,10 @@
 //! evictable keys (stored, unreferenced) are in the LRU, so an evicting put walks victims, never
 //! the keys that running requests hold.
 
-use std::hash::BuildHasher;
-
-use foldhash::fast::FixedState;
-
 use crate::arena::{Arena, Prefault};
 use crate::error::StoreError;
-use crate::index::KeyIndex;
-use crate::slab::{Slab, NIL, NO_SLOT, PENDING_SLOT};
+use crate::keys::KeyTable;
+use crate::slab::{Slab, INLINE_KEY_BYTES, NIL, NO_SLOT, PENDING_SLOT};
 
 /// One object of a batch: a key and exactly `object_nbytes` bytes.
 #[derive(Debug, Clone, Copy)]
@@ -191,9 +187,9 @@ pub struct BlockStore {
     object_nbytes: usize,
     num_slots: usize,
     profile: Profile,
-    index: KeyIndex,
-    hasher: FixedState,
-    slab: Slab,
+    /// Keys to entries (the one key table, shared with the variable store): the entries hold
+    /// each key's text, count, slot and LRU links.
+    keys: KeyTable<(), INLINE_KEY_BYTES>,
     /// Slots released by eviction, reused before fresh ones so touched pages are reused.
     free_slots: Vec<u32>,
     /// Slots below this were handed out at least once; above it the arena is untouched.
@@ -282,9 +278,7 @@ impl BlockStore {
             object_nbytes,
             num_slots,
             profile,
-            index: KeyIndex::with_capacity(index_reserve(num_slots)),
-            hasher: FixedState::default(),
-            slab: Slab::with_reserve(slab_reserve(num_slots)),
+            keys: KeyTable::with_reserve(index_reserve(num_slots), slab_reserve(num_slots)),
             free_slots: Vec::new(),
             next_slot: 0,
             stored: 0,
@@ -318,81 +312,12 @@ impl BlockStore {
     /// Frees the arena and every key; later calls fail with `Closed`. Idempotent.
     pub fn close(&mut self) {
         if self.arena.take().is_some() {
-            self.index = KeyIndex::with_capacity(0);
-            self.slab = Slab::default();
+            self.keys = KeyTable::with_capacity(0);
             self.free_slots = Vec::new();
             self.scratch = Scratch::default();
             self.stored = 0;
             self.referenced = 0;
         }
-    }
-
-    #[inline]
-    fn hash_key(&self, key: &str) -> u32 {
-        let full = self.hasher.hash_one(key);
-        (full ^ (full >> 32)) as u32
-    }
-
-    /// The entry of `key`, if the store knows it (stored or referenced).
-    #[inline]
-    fn find(&self, key: &str, hash: u32) -> Option<u32> {
-        let slab = &self.slab;
-        self.index.find(hash, |idx| slab[idx].key_bytes() == key.as_bytes())
-    }
-
-    /// The entry of `key`, created (unreferenced, without a slot) when missing.
-    fn find_or_insert(&mut self, key: &str, hash: u32, created: &mut Vec<u32>) -> u32 {
-        if let Some(idx) = self.find(key, hash) {
-            return idx;
-        }
-        let idx = self.slab.insert(key, hash);
-        self.index.insert(hash, idx);
-        created.push(idx);
-        idx
-    }
-
-    /// Resolves `keys` to entries, appending to `out`, in passes so that their cache misses
-    /// overlap: hash every key and prefetch its home bucket; take each key's candidate from the
-    /// buckets' 32-bit hashes alone (no entry read) and prefetch the candidate's entry; then
-    /// confirm each key's bytes. Missing keys get new entries (recorded in `created`) when
-    /// `created` is given, and resolve to `NIL` otherwise.
-    fn resolve(
-        &mut self,
-        keys: &[&str],
-        hashes: &mut Vec<u32>,
-        out: &mut Vec<u32>,
-        mut created: Option<&mut Vec<u32>>,
-    ) {
-        let first = out.len();
-        hashes.clear();
-        hashes.extend(keys.iter().map(|key| self.hash_key(key)));
-        for &hash in hashes.iter() {
-            self.index.prefetch(hash);
-        }
-        for &hash in hashes.iter() {
-            let candidate = self.index.find(hash, |_| true).unwrap_or(NIL);
-            if candidate != NIL {
-                self.slab.prefetch(candidate);
-            }
-            out.push(candidate);
-        }
-        for (i, key) in keys.iter().enumerate() {
-            let candidate = out[first + i];
-            if candidate != NIL && self.slab[candidate].key_bytes() == key.as_bytes() {
-                continue;
-            }
-            // No candidate, a 32-bit hash collision, or a key this loop just created.
-            out[first + i] = match created.as_deref_mut() {
-                Some(created) => self.find_or_insert(key, hashes[i], created),
-                None => self.find(key, hashes[i]).unwrap_or(NIL),
-            };
-        }
-    }
-
-    /// Frees an entry that is neither stored nor referenced.
-    fn forget(&mut self, idx: u32) {
-        self.index.remove(self.slab.hash(idx), idx);
-        self.slab.remove(idx);
     }
 
     /// Stores a batch and applies reference changes, evicting as needed (SPEC section 2).
@@ -446,14 +371,14 @@ impl BlockStore {
     ) -> Result<PutReport, StoreError> {
         // Resolve every key to an entry once. Entries created here are unreferenced and have no
         // slot, so they are invisible until something below gives them a count or a slot.
-        self.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
-        self.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
+        self.keys.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
+        self.keys.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
         if let Err(error) = self.validate_references(s) {
             self.forget_orphans(&s.created);
             return Err(error);
         }
         let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
-        self.resolve(&keys, &mut s.hashes, &mut s.entries, Some(&mut s.created));
+        self.keys.resolve(&keys, &mut s.hashes, &mut s.entries, Some(&mut s.created));
         s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
         self.dedupe_batch(s);
         if self.profile == Profile::Grow {
@@ -462,7 +387,7 @@ impl BlockStore {
             // leaves them readable. Counting the key as stored rather than dropped and re-added
             // gives the same `need`, LRU order and growth size as vLLM.
             for &(idx, position) in &s.batch {
-                if self.slab[idx].is_evictable() {
+                if self.keys.slab[idx].is_evictable() {
                     s.replaced.push((idx, position));
                 }
             }
@@ -531,17 +456,17 @@ impl BlockStore {
     /// it is in the batch too.
     fn dedupe_batch(&mut self, s: &mut Scratch) {
         for &(idx, _) in &s.batch {
-            self.slab[idx].mark = NOT_IN_BATCH;
+            self.keys.slab[idx].mark = NOT_IN_BATCH;
         }
         for &idx in &s.releases {
-            self.slab[idx].mark = NOT_IN_BATCH;
+            self.keys.slab[idx].mark = NOT_IN_BATCH;
         }
         let mut unique = 0;
         for i in 0..s.batch.len() {
             let (idx, position) = s.batch[i];
-            let mark = self.slab[idx].mark;
+            let mark = self.keys.slab[idx].mark;
             if mark == NOT_IN_BATCH {
-                self.slab[idx].mark = unique as u32;
+                self.keys.slab[idx].mark = unique as u32;
                 s.batch[unique] = (idx, position);
                 unique += 1;
             } else {
@@ -554,7 +479,7 @@ impl BlockStore {
     /// Whether `idx` is a batch key that this call did not release: such keys are never victims.
     #[inline]
     fn is_protected(&self, s: &Scratch, idx: u32) -> bool {
-        let mark = self.slab[idx].mark as usize;
+        let mark = self.keys.slab[idx].mark as usize;
         // Marks of entries outside this call are stale, so confirm the position.
         mark < s.batch.len() && s.batch[mark].0 == idx
     }
@@ -567,7 +492,7 @@ impl BlockStore {
         let mut new_keys = 0usize;
         let mut unreferenced_in_batch = 0usize;
         for &(idx, _) in &s.batch {
-            let entry = &mut self.slab[idx];
+            let entry = &mut self.keys.slab[idx];
             let was_stored = entry.has_slot();
             if !was_stored {
                 entry.slot = PENDING_SLOT;
@@ -576,9 +501,9 @@ impl BlockStore {
             if entry.refs == 0 {
                 unreferenced_in_batch += 1;
                 if was_stored {
-                    self.slab.move_to_back(idx);
+                    self.keys.slab.move_to_back(idx);
                 } else {
-                    self.slab.push_back(idx);
+                    self.keys.slab.push_back(idx);
                 }
             }
         }
@@ -586,31 +511,31 @@ impl BlockStore {
         let mut kept = 0usize;
         for i in 0..s.released.len() {
             let idx = s.released[i];
-            if self.slab[idx].has_slot() {
-                self.slab.move_to_back(idx);
+            if self.keys.slab[idx].has_slot() {
+                self.keys.slab.move_to_back(idx);
                 s.released[kept] = idx;
                 kept += 1;
                 if self.is_protected(s, idx) {
                     released_in_batch += 1;
-                    self.slab[idx].mark = NOT_IN_BATCH;
+                    self.keys.slab[idx].mark = NOT_IN_BATCH;
                 }
             } else {
-                self.forget(idx);
+                self.keys.forget(idx);
             }
         }
         s.released.truncate(kept);
         // The LRU now reads: older keys, the batch's protected keys, the released keys.
         let protected = unreferenced_in_batch - released_in_batch;
-        Placement { new_keys, older: self.slab.lru_len() - protected - kept }
+        Placement { new_keys, older: self.keys.slab.lru_len() - protected - kept }
     }
 
     /// Victims without a policy: the oldest keys, then released ones. The walk touches victims
     /// only, however many keys are referenced.
     fn take_victims(&mut self, s: &mut Scratch, older: usize, count: usize) {
-        let mut cursor = self.slab.lru_head();
+        let mut cursor = self.keys.slab.lru_head();
         for _ in 0..count.min(older) {
             s.victims.push(cursor);
-            cursor = self.slab.lru_next(cursor);
+            cursor = self.keys.slab.lru_next(cursor);
         }
         let from_released = count - s.victims.len();
         s.victims.extend_from_slice(&s.released[..from_released]);
@@ -618,8 +543,8 @@ impl BlockStore {
         // The walk read only the dense links; fetch the victims' entries and index buckets all
         // at once.
         for &victim in &s.victims {
-            self.slab.prefetch(victim);
-            self.index.prefetch(self.slab.hash(victim));
+            self.keys.slab.prefetch(victim);
+            self.keys.index.prefetch(self.keys.slab.hash(victim));
         }
     }
 
@@ -633,8 +558,8 @@ impl BlockStore {
         policy: &mut dyn VictimPolicy,
     ) -> Result<(), StoreError> {
         let mut candidates = Candidates {
-            slab: &self.slab,
-            cursor: self.slab.lru_head(),
+            slab: &self.keys.slab,
+            cursor: self.keys.slab.lru_head(),
             older_left: older,
             released: &s.released,
             visited: 0,
@@ -647,8 +572,8 @@ impl BlockStore {
             return Err(refused);
         }
         for key in &chosen {
-            let idx = self.find(key, self.hash_key(key)).ok_or(refused.clone())?;
-            if !self.slab[idx].is_evictable() || self.is_protected(s, idx) {
+            let idx = self.keys.find(key, self.keys.hash_key(key)).ok_or(refused.clone())?;
+            if !self.keys.slab[idx].is_evictable() || self.is_protected(s, idx) {
                 return Err(refused);
             }
             s.victims.push(idx);
@@ -667,7 +592,7 @@ impl BlockStore {
         let mut removed = Vec::new();
         for &victim in &s.victims {
             if keep_keys {
-                removed.push(self.slab[victim].key().to_owned());
+                removed.push(self.keys.slab[victim].key().to_owned());
             }
             self.evict(victim);
         }
@@ -689,8 +614,8 @@ impl BlockStore {
         let rolled_back: Vec<String> = s
             .batch
             .iter()
-            .filter(|&&(idx, _)| self.slab[idx].slot == PENDING_SLOT)
-            .map(|&(idx, _)| self.slab[idx].key().to_owned())
+            .filter(|&&(idx, _)| self.keys.slab[idx].slot == PENDING_SLOT)
+            .map(|&(idx, _)| self.keys.slab[idx].key().to_owned())
             .collect();
         self.roll_back_new_keys(s);
         if let (Some(policy), StoreError::CannotRetain { .. }) = (policy, &error) {
@@ -709,7 +634,7 @@ impl BlockStore {
         s: &Scratch,
         policy: &mut dyn VictimPolicy,
     ) -> Result<(), StoreError> {
-        let slab = &self.slab;
+        let slab = &self.keys.slab;
         crate::references::replay(
             &s.retains,
             &s.releases,
@@ -737,8 +662,11 @@ impl BlockStore {
     /// Forgets entries among `indices` that ended up neither stored nor referenced.
     fn forget_orphans(&mut self, indices: &[u32]) {
         for &idx in indices {
-            if self.slab.is_live(idx) && self.slab[idx].refs == 0 && !self.slab[idx].has_slot() {
-                self.forget(idx);
+            if self.keys.slab.is_live(idx)
+                && self.keys.slab[idx].refs == 0
+                && !self.keys.slab[idx].has_slot()
+            {
+                self.keys.forget(idx);
             }
         }
     }
@@ -751,18 +679,18 @@ impl BlockStore {
             return Ok(());
         }
         for &idx in s.retains.iter().chain(&s.releases) {
-            let entry = &mut self.slab[idx];
+            let entry = &mut self.keys.slab[idx];
             entry.mark = entry.refs;
         }
         for &idx in &s.retains {
-            let entry = &mut self.slab[idx];
+            let entry = &mut self.keys.slab[idx];
             match entry.mark.checked_add(1) {
                 Some(count) => entry.mark = count,
                 None => return Err(StoreError::ReferenceOverflow { key: entry.key().to_owned() }),
             }
         }
         for &idx in &s.releases {
-            let entry = &mut self.slab[idx];
+            let entry = &mut self.keys.slab[idx];
             if entry.mark == 0 {
                 return Err(StoreError::NotReferenced { key: entry.key().to_owned() });
             }
@@ -773,12 +701,12 @@ impl BlockStore {
 
     #[inline]
     fn retain(&mut self, idx: u32) {
-        let entry = &mut self.slab[idx];
+        let entry = &mut self.keys.slab[idx];
         entry.refs += 1;
         if entry.refs == 1 {
             self.referenced += 1;
             if entry.has_slot() {
-                self.slab.unlink(idx);
+                self.keys.slab.unlink(idx);
             }
         }
         self.counters.retains += 1;
@@ -787,7 +715,7 @@ impl BlockStore {
     /// Returns whether the count reached zero.
     #[inline]
     fn release(&mut self, idx: u32) -> bool {
-        let entry = &mut self.slab[idx];
+        let entry = &mut self.keys.slab[idx];
         debug_assert!(entry.refs > 0, "validated release below zero");
         entry.refs -= 1;
         self.counters.releases += 1;
@@ -796,40 +724,40 @@ impl BlockStore {
         }
         self.referenced -= 1;
         if entry.has_slot() {
-            self.slab.push_back(idx);
+            self.keys.slab.push_back(idx);
         }
         true
     }
 
     /// Removes an evictable key (stored, or pending in this put).
     fn evict(&mut self, idx: u32) {
-        let slot = self.slab[idx].slot;
-        debug_assert!(self.slab[idx].is_evictable());
-        self.slab.unlink(idx);
+        let slot = self.keys.slab[idx].slot;
+        debug_assert!(self.keys.slab[idx].is_evictable());
+        self.keys.slab.unlink(idx);
         if slot != PENDING_SLOT {
             self.free_slots.push(slot);
             self.stored -= 1;
             self.ledger.evicted_stored += 1;
         }
-        self.slab[idx].slot = NO_SLOT;
+        self.keys.slab[idx].slot = NO_SLOT;
         self.counters.evictions += 1;
-        self.forget(idx);
+        self.keys.forget(idx);
     }
 
     /// A refused put stores none of its new keys.
     fn roll_back_new_keys(&mut self, s: &Scratch) {
         for &(idx, _) in &s.batch {
-            let entry = &self.slab[idx];
+            let entry = &self.keys.slab[idx];
             if entry.slot != PENDING_SLOT {
                 continue;
             }
             let unreferenced = entry.refs == 0;
             if unreferenced {
-                self.slab.unlink(idx);
+                self.keys.slab.unlink(idx);
             }
-            self.slab[idx].slot = NO_SLOT;
+            self.keys.slab[idx].slot = NO_SLOT;
             if unreferenced {
-                self.forget(idx);
+                self.keys.forget(idx);
             }
         }
     }
@@ -839,7 +767,7 @@ impl BlockStore {
     fn write_batch(&mut self, s: &Scratch, objects: &[BlockRef<'_>]) {
         let arena = self.arena.as_mut().expect("checked open");
         for &(idx, position) in &s.batch {
-            let entry = &mut self.slab[idx];
+            let entry = &mut self.keys.slab[idx];
             if entry.slot != PENDING_SLOT {
                 continue;
             }
@@ -859,8 +787,8 @@ impl BlockStore {
         }
         for &(idx, position) in &s.replaced {
             // A replaced key this call released may have been evicted; its entry is gone then.
-            if self.slab.is_live(idx) && self.slab[idx].has_slot() {
-                arena.write_slot(self.slab[idx].slot, objects[position].payload);
+            if self.keys.slab.is_live(idx) && self.keys.slab[idx].has_slot() {
+                arena.write_slot(self.keys.slab[idx].slot, objects[position].payload);
                 self.ledger.replaced += 1;
                 self.counters.objects_written += 1;
                 self.counters.bytes_written += self.object_nbytes as u64;
@@ -890,11 +818,10 @@ impl BlockStore {
         keys: &[&str],
         out: &mut [u8],
     ) -> Result<(), StoreError> {
-        self.resolve(keys, &mut s.hashes, &mut s.entries, None);
-        let missing = s
-            .entries
-            .iter()
-            .position(|&idx| idx == NIL || matches!(self.slab[idx].slot, NO_SLOT | PENDING_SLOT));
+        self.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        let missing = s.entries.iter().position(|&idx| {
+            idx == NIL || matches!(self.keys.slab[idx].slot, NO_SLOT | PENDING_SLOT)
+        });
         if let Some(at) = missing {
             self.counters.read_misses += 1;
             return Err(StoreError::Missing {
@@ -906,11 +833,11 @@ impl BlockStore {
         }
         let arena = self.arena.as_ref().expect("checked open");
         for (chunk, &idx) in out.chunks_exact_mut(self.object_nbytes).zip(&s.entries) {
-            chunk.copy_from_slice(arena.slot(self.slab[idx].slot));
+            chunk.copy_from_slice(arena.slot(self.keys.slab[idx].slot));
         }
         for &idx in &s.entries {
-            if self.slab[idx].refs == 0 {
-                self.slab.move_to_back(idx);
+            if self.keys.slab[idx].refs == 0 {
+                self.keys.slab.move_to_back(idx);
             }
         }
         self.counters.reads += keys.len() as u64;
@@ -934,22 +861,22 @@ impl BlockStore {
         }
         assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
         let mut s = std::mem::take(&mut self.scratch);
-        self.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        self.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
         let arena = self.arena.as_ref().expect("checked open");
         let mut written = 0;
         let first_missing = missing.len();
         for (i, &idx) in s.entries.iter().enumerate() {
-            if idx == NIL || matches!(self.slab[idx].slot, NO_SLOT | PENDING_SLOT) {
+            if idx == NIL || matches!(self.keys.slab[idx].slot, NO_SLOT | PENDING_SLOT) {
                 missing.push(i);
                 continue;
             }
             out[written..written + self.object_nbytes]
-                .copy_from_slice(arena.slot(self.slab[idx].slot));
+                .copy_from_slice(arena.slot(self.keys.slab[idx].slot));
             written += self.object_nbytes;
         }
         for &idx in &s.entries {
-            if idx != NIL && self.slab[idx].slot != NO_SLOT && self.slab[idx].refs == 0 {
-                self.slab.move_to_back(idx);
+            if idx != NIL && self.keys.slab[idx].slot != NO_SLOT && self.keys.slab[idx].refs == 0 {
+                self.keys.slab.move_to_back(idx);
             }
         }
         let misses = missing.len() - first_missing;
@@ -987,7 +914,7 @@ impl BlockStore {
             capacity: self.num_slots,
             stored: self.stored,
             referenced: self.referenced,
-            evictable: self.slab.lru_len(),
+            evictable: self.keys.slab.lru_len(),
             free_slots: self.num_slots - self.stored,
             object_nbytes: self.object_nbytes,
             counters: self.counters,
@@ -996,14 +923,15 @@ impl BlockStore {
 
     /// Evictable keys, oldest first. For tests and debugging: O(n).
     pub fn lru_keys(&self) -> Vec<&str> {
-        self.slab.lru_iter().map(|idx| self.slab[idx].key()).collect()
+        self.keys.slab.lru_iter().map(|idx| self.keys.slab[idx].key()).collect()
     }
 
     /// Every key with a reference count above zero, with its count, in no particular order.
     pub fn references(&self) -> Vec<(&str, u32)> {
-        self.slab
+        self.keys
+            .slab
             .live_indices()
-            .map(|idx| &self.slab[idx])
+            .map(|idx| &self.keys.slab[idx])
             .filter(|e| e.refs > 0)
             .map(|e| (e.key(), e.refs))
             .collect()
@@ -1014,9 +942,10 @@ impl BlockStore {
         let Some(arena) = self.arena.as_ref() else {
             return Vec::new();
         };
-        self.slab
+        self.keys
+            .slab
             .live_indices()
-            .map(|idx| &self.slab[idx])
+            .map(|idx| &self.keys.slab[idx])
             .filter(|e| e.has_slot())
             .map(|e| (e.key(), arena.slot(e.slot)))
             .collect()
@@ -1024,12 +953,14 @@ impl BlockStore {
 
     /// The reference count of `key` (0 when unknown).
     pub fn reference_count(&self, key: &str) -> u32 {
-        self.find(key, self.hash_key(key)).map_or(0, |idx| self.slab[idx].refs)
+        self.keys.find(key, self.keys.hash_key(key)).map_or(0, |idx| self.keys.slab[idx].refs)
     }
 
     /// Whether `key` is stored.
     pub fn contains(&self, key: &str) -> bool {
-        self.find(key, self.hash_key(key)).is_some_and(|idx| self.slab[idx].has_slot())
+        self.keys
+            .find(key, self.keys.hash_key(key))
+            .is_some_and(|idx| self.keys.slab[idx].has_slot())
     }
 
     /// Checks every invariant of SPEC section 11; the error names the broken one.
@@ -1037,7 +968,7 @@ impl BlockStore {
         if self.arena.is_none() {
             return Ok(());
         }
-        self.slab.validate()?;
+        self.keys.slab.validate()?;
         let used = self.next_slot as usize;
         if used > self.num_slots {
             return Err(format!("slots are in range: {used} handed out, {} exist", self.num_slots));
@@ -1046,15 +977,15 @@ impl BlockStore {
         let mut stored = 0usize;
         let mut referenced = 0usize;
         let mut indexed = 0usize;
-        for idx in self.slab.live_indices() {
-            let entry = &self.slab[idx];
-            if self.find(entry.key(), self.slab.hash(idx)) != Some(idx) {
+        for idx in self.keys.slab.live_indices() {
+            let entry = &self.keys.slab[idx];
+            if self.keys.find(entry.key(), self.keys.slab.hash(idx)) != Some(idx) {
                 return Err(format!(
                     "every key has one entry: {:?} is not found by its key",
                     entry.key()
                 ));
             }
-            if self.slab.hash(idx) != self.hash_key(entry.key()) {
+            if self.keys.slab.hash(idx) != self.keys.hash_key(entry.key()) {
                 return Err(format!("every key has one entry: {:?} has a stale hash", entry.key()));
             }
             indexed += 1;
@@ -1084,10 +1015,10 @@ impl BlockStore {
                 ));
             }
         }
-        if indexed != self.index.len() {
+        if indexed != self.keys.index.len() {
             return Err(format!(
                 "every key has one entry: {} indexed, {indexed} live",
-                self.index.len()
+                self.keys.index.len()
             ));
         }
         for &slot in &self.free_slots {
@@ -1133,8 +1064,8 @@ mod tests {
     fn store_with_count(key: &str, count: u32) -> BlockStore {
         let mut store = BlockStore::new(4, 1).unwrap();
         store.put(&[block(key, b"a")], &[key], &[]).unwrap();
-        let idx = store.find(key, store.hash_key(key)).unwrap();
-        store.slab[idx].refs = count;
+        let idx = store.keys.lookup(key).unwrap();
+        store.keys.slab[idx].refs = count;
         store.check().unwrap();
         store
     }
@@ -1173,13 +1104,13 @@ mod tests {
         store.check().unwrap();
         // What the old `grow` rollback did: drop a stored key's slot and forget the entry, with
         // every structural count kept consistent.
-        let idx = store.find("a", store.hash_key("a")).unwrap();
-        let slot = store.slab[idx].slot;
-        store.slab.unlink(idx);
-        store.slab[idx].slot = NO_SLOT;
+        let idx = store.keys.lookup("a").unwrap();
+        let slot = store.keys.slab[idx].slot;
+        store.keys.slab.unlink(idx);
+        store.keys.slab[idx].slot = NO_SLOT;
         store.free_slots.push(slot);
         store.stored -= 1;
-        store.forget(idx);
+        store.keys.forget(idx);
         let message = store.check().unwrap_err();
         assert!(message.contains("not evicted or replaced is stored"), "{message}");
     }
