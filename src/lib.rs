@@ -24,4 +24,4 @@ pub use store::{
     BlockRef, BlockStore, Candidates, Counters, Profile, PutReport, RemoveReason, Stats,
     VictimPolicy,
 };
-pub use variable::{ReadPlan, VariablePolicy, VariableStats, VariableStore};
+pub use variable::{ReadPlan, VariableStats, VariableStore};

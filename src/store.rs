@@ -133,18 +133,26 @@ pub enum RemoveReason {
     Rollback,
 }
 
-/// vLLM's `ExpertCachePolicy` contract. An `Err` fails the put with that message; the store
-/// stays consistent.
+/// vLLM's `ExpertCachePolicy` contract, the one policy trait of both stores. An `Err` fails the
+/// put with that message; the store stays consistent.
+///
+/// The fixed store asks `select_victims` once for the number of keys it must evict. The
+/// variable store, whose budget is bytes, asks for the number of keys the LRU order would take
+/// to cover what is still missing, and asks again while the keys chosen free too little; a put
+/// it refuses changes nothing, and the policy then hears each reference change undone (old and
+/// new swapped), newest first.
 pub trait VictimPolicy {
     /// After each applied retain (+1) or release (-1), in call order.
     fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String>;
-    /// Exactly `count` distinct keys from `candidates` (eligible keys, oldest first), or `None`.
+    /// Exactly `count` distinct keys from `candidates` (eligible keys, oldest first, none
+    /// chosen yet), or `None` to refuse the put. Only on the policy's path: a call per
+    /// candidate through `dyn` costs nothing next to the policy's own code.
     fn select_victims(
         &mut self,
-        candidates: &mut Candidates<'_>,
+        candidates: &mut dyn Iterator<Item = &str>,
         count: usize,
     ) -> Result<Option<Vec<String>>, String>;
-    /// After keys were removed.
+    /// After keys were evicted, or (`Rollback`) for the new keys of a refused put.
     fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String>;
 }
 

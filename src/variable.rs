@@ -20,7 +20,7 @@ use crate::chunks::{ChunkArena, EMPTY_CHAIN, MAX_CHUNKS};
 use crate::error::StoreError;
 use crate::keys::KeyTable;
 use crate::slab::{Entry, Slab, NIL, NO_SLOT, PENDING_SLOT};
-use crate::store::{BlockRef, Counters, RemoveReason};
+use crate::store::{BlockRef, Counters, RemoveReason, VictimPolicy};
 
 /// Key bytes kept inside a variable-store entry: vLLM's logprob keys
 /// (`vllm-logprobs/v1/{generation}/{fingerprint}/{block hash}/{token}`) are 110-130 bytes.
@@ -58,25 +58,6 @@ pub fn default_chunk_nbytes(max_bytes: usize) -> usize {
         chunk /= 2;
     }
     chunk
-}
-
-/// vLLM's `ExpertCachePolicy` contract, adapted to a byte budget: `select_victims` is asked for
-/// `count` keys, the number the LRU order would take to cover what is still missing, and asked
-/// again while the keys it chose free too little. An `Err` fails the put with that message and
-/// the put changes nothing.
-pub trait VariablePolicy {
-    /// After the call's retains (+1) and releases (-1), one call each, in call order; and, when
-    /// the put is refused, each change undone (old and new swapped), newest first.
-    fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String>;
-    /// Exactly `count` distinct keys from `candidates` (eligible keys, oldest first, none chosen
-    /// yet), or `None` to refuse the put.
-    fn select_victims(
-        &mut self,
-        candidates: &mut dyn Iterator<Item = &str>,
-        count: usize,
-    ) -> Result<Option<Vec<String>>, String>;
-    /// After keys were evicted, or (`Rollback`) for the new keys of a refused put.
-    fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String>;
 }
 
 /// Occupancy and counters of a variable-size store.
@@ -400,7 +381,7 @@ impl VariableStore {
         objects: &[BlockRef<'_>],
         retain_keys: &[&str],
         release_keys: &[&str],
-        policy: Option<&mut dyn VariablePolicy>,
+        policy: Option<&mut dyn VictimPolicy>,
     ) -> Result<(), StoreError> {
         if self.chunks.is_none() {
             return Err(StoreError::Closed);
@@ -422,7 +403,7 @@ impl VariableStore {
         objects: &[BlockRef<'_>],
         retain_keys: &[&str],
         release_keys: &[&str],
-        mut policy: Option<&mut dyn VariablePolicy>,
+        mut policy: Option<&mut dyn VictimPolicy>,
     ) -> Result<(), StoreError> {
         // Resolve every key once; entries created here are invisible until they get a count or
         // a slot, and are forgotten again if the call fails.
@@ -697,7 +678,7 @@ impl VariableStore {
         s: &mut Scratch,
         older: usize,
         need: usize,
-        policy: &mut dyn VariablePolicy,
+        policy: &mut dyn VictimPolicy,
     ) -> Result<(), StoreError> {
         let refused = StoreError::CannotRetainBytes { limit: self.capacity_bytes() };
         let mut freed = 0usize;
@@ -778,7 +759,7 @@ impl VariableStore {
         s: &mut Scratch,
         referenced_before: usize,
         error: StoreError,
-        policy: Option<&mut dyn VariablePolicy>,
+        policy: Option<&mut dyn VictimPolicy>,
     ) -> StoreError {
         let new_keys: Vec<String> = match (&policy, &error) {
             (Some(_), StoreError::CannotRetainBytes { .. }) => s
@@ -820,7 +801,7 @@ impl VariableStore {
     fn notify_reference_changes(
         &self,
         s: &Scratch,
-        policy: &mut dyn VariablePolicy,
+        policy: &mut dyn VictimPolicy,
         undone: bool,
     ) -> Result<(), StoreError> {
         let slab = &self.keys.slab;

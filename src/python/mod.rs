@@ -21,7 +21,7 @@ use pyo3::{ffi, intern, PyTraverseError};
 
 use crate::arena::Prefault;
 use crate::error::StoreError;
-use crate::store::{BlockStore, Candidates, Profile, RemoveReason, VictimPolicy};
+use crate::store::{BlockStore, Profile, RemoveReason, VictimPolicy};
 use gather::Gathered;
 use lock::{Held, StoreLock};
 
@@ -341,7 +341,7 @@ impl VictimPolicy for PyPolicy<'_> {
 
     fn select_victims(
         &mut self,
-        candidates: &mut Candidates<'_>,
+        candidates: &mut dyn Iterator<Item = &str>,
         count: usize,
     ) -> Result<Option<Vec<String>>, String> {
         self.ask_for_victims(candidates, count)

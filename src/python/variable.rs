@@ -20,8 +20,8 @@ use super::{
 };
 use crate::arena::Prefault;
 use crate::error::StoreError;
-use crate::store::{RemoveReason, VictimPolicy};
-use crate::variable::{ReadPlan, VariablePolicy, VariableStore};
+use crate::store::VictimPolicy;
+use crate::variable::{ReadPlan, VariableStore};
 
 /// A planned read that a put overtook is planned again this many times before it is copied in
 /// one locked call through a private buffer instead.
@@ -147,23 +147,6 @@ impl NativeVariableStore {
     }
 }
 
-impl VariablePolicy for PyPolicy<'_> {
-    fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String> {
-        VictimPolicy::on_reference_change(self, key, old, new)
-    }
-
-    fn select_victims(
-        &mut self,
-        candidates: &mut dyn Iterator<Item = &str>,
-        count: usize,
-    ) -> Result<Option<Vec<String>>, String> {
-        self.ask_for_victims(candidates, count)
-    }
-
-    fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String> {
-        VictimPolicy::on_remove(self, keys, reason)
-    }
-}
 
 #[pymethods]
 impl NativeVariableStore {
@@ -280,7 +263,7 @@ impl NativeVariableStore {
             error: None,
         });
         let result = self.with_store(py, |s| {
-            let policy = policy.as_mut().map(|p| p as &mut dyn VariablePolicy);
+            let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
             s.put_with_policy(&blocks, &retains, &releases, policy)
         })?;
         if let Some(error) = policy.and_then(|p| p.error) {
