@@ -8,8 +8,12 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
+use crate::error::StoreError;
 use crate::index::KeyIndex;
 use crate::slab::{Slab, NIL};
+
+/// `Entry::mark` of a key that is not in the current batch (see `KeyTable::dedupe_batch`).
+pub const NOT_IN_BATCH: u32 = u32::MAX;
 
 /// Keys to entries: an index by 32-bit hash, and the entries (key text, count, slot, `M`).
 #[derive(Debug)]
@@ -107,6 +111,76 @@ impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
                 Some(created) => self.find_or_insert(key, hashes[i], created),
                 None => self.find(key, hashes[i]).unwrap_or(NIL),
             };
+        }
+    }
+
+    /// Counts each retain and release against the key's references, in call order (retains
+    /// first); the first count that would leave `0..=u32::MAX` is the error. Touches nothing
+    /// but `mark`.
+    pub fn validate_references(
+        &mut self,
+        retains: &[u32],
+        releases: &[u32],
+    ) -> Result<(), StoreError> {
+        if releases.is_empty() && retains.is_empty() {
+            return Ok(());
+        }
+        let slab = &mut self.slab;
+        for &idx in retains.iter().chain(releases) {
+            let entry = &mut slab[idx];
+            entry.mark = entry.refs;
+        }
+        for &idx in retains {
+            let entry = &mut slab[idx];
+            match entry.mark.checked_add(1) {
+                Some(count) => entry.mark = count,
+                None => return Err(StoreError::ReferenceOverflow { key: entry.key().to_owned() }),
+            }
+        }
+        for &idx in releases {
+            let entry = &mut slab[idx];
+            if entry.mark == 0 {
+                return Err(StoreError::NotReferenced { key: entry.key().to_owned() });
+            }
+            entry.mark -= 1;
+        }
+        Ok(())
+    }
+
+    /// Dedupes a batch of `(entry, payload index)` in place: the first occurrence fixes the
+    /// position, the last payload wins (Python dict semantics). Afterwards a batch entry's
+    /// `mark` is its position in `batch`, and a released key's is `NOT_IN_BATCH` unless it is
+    /// in the batch too.
+    pub fn dedupe_batch(&mut self, batch: &mut Vec<(u32, usize)>, releases: &[u32]) {
+        let slab = &mut self.slab;
+        for &(idx, _) in batch.iter() {
+            slab[idx].mark = NOT_IN_BATCH;
+        }
+        for &idx in releases {
+            slab[idx].mark = NOT_IN_BATCH;
+        }
+        let mut unique = 0;
+        for i in 0..batch.len() {
+            let (idx, position) = batch[i];
+            let mark = slab[idx].mark;
+            if mark == NOT_IN_BATCH {
+                slab[idx].mark = unique as u32;
+                batch[unique] = (idx, position);
+                unique += 1;
+            } else {
+                batch[mark as usize].1 = position;
+            }
+        }
+        batch.truncate(unique);
+    }
+
+    /// Forgets entries among `indices` that ended up neither stored nor referenced.
+    pub fn forget_orphans(&mut self, indices: &[u32]) {
+        for &idx in indices {
+            let slab = &self.slab;
+            if slab.is_live(idx) && slab[idx].refs == 0 && !slab[idx].has_slot() {
+                self.forget(idx);
+            }
         }
     }
 

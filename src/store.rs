@@ -6,7 +6,7 @@
 
 use crate::arena::{Arena, Prefault};
 use crate::error::StoreError;
-use crate::keys::KeyTable;
+use crate::keys::{KeyTable, NOT_IN_BATCH};
 use crate::slab::{Slab, INLINE_KEY_BYTES, NIL, NO_SLOT, PENDING_SLOT};
 
 /// One object of a batch: a key and exactly `object_nbytes` bytes.
@@ -184,9 +184,6 @@ impl<'a> Iterator for Candidates<'a> {
         Some(self.slab[idx].key())
     }
 }
-
-/// `Entry::mark` of a key that is not in the current batch.
-const NOT_IN_BATCH: u32 = u32::MAX;
 
 /// A bounded block store with reference counts and O(1) eviction of unreferenced keys.
 #[derive(Debug)]
@@ -381,14 +378,14 @@ impl BlockStore {
         // slot, so they are invisible until something below gives them a count or a slot.
         self.keys.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
         self.keys.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
-        if let Err(error) = self.validate_references(s) {
-            self.forget_orphans(&s.created);
+        if let Err(error) = self.keys.validate_references(&s.retains, &s.releases) {
+            self.keys.forget_orphans(&s.created);
             return Err(error);
         }
         let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
         self.keys.resolve(&keys, &mut s.hashes, &mut s.entries, Some(&mut s.created));
         s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
-        self.dedupe_batch(s);
+        self.keys.dedupe_batch(&mut s.batch, &s.releases);
         if self.profile == Profile::Grow {
             // vLLM 0.33 replaces a re-put object that nothing references. The old bytes stay in
             // their slot until the put cannot fail any more (`write_batch`), so a refused put
@@ -410,8 +407,8 @@ impl BlockStore {
         }
         if let Some(policy) = policy.as_deref_mut() {
             if let Err(error) = self.notify_reference_changes(s, policy) {
-                self.forget_orphans(&s.created);
-                self.forget_orphans(&s.released);
+                self.keys.forget_orphans(&s.created);
+                self.keys.forget_orphans(&s.released);
                 return Err(error);
             }
         }
@@ -457,31 +454,6 @@ impl BlockStore {
             }
         }
         Ok(report)
-    }
-
-    /// Dedupe: the first occurrence fixes the position, the last payload wins. Afterwards a batch
-    /// entry's `mark` is its position in `s.batch`, and a released key's is `NOT_IN_BATCH` unless
-    /// it is in the batch too.
-    fn dedupe_batch(&mut self, s: &mut Scratch) {
-        for &(idx, _) in &s.batch {
-            self.keys.slab[idx].mark = NOT_IN_BATCH;
-        }
-        for &idx in &s.releases {
-            self.keys.slab[idx].mark = NOT_IN_BATCH;
-        }
-        let mut unique = 0;
-        for i in 0..s.batch.len() {
-            let (idx, position) = s.batch[i];
-            let mark = self.keys.slab[idx].mark;
-            if mark == NOT_IN_BATCH {
-                self.keys.slab[idx].mark = unique as u32;
-                s.batch[unique] = (idx, position);
-                unique += 1;
-            } else {
-                s.batch[mark as usize].1 = position;
-            }
-        }
-        s.batch.truncate(unique);
     }
 
     /// Whether `idx` is a batch key that this call did not release: such keys are never victims.
@@ -664,46 +636,6 @@ impl BlockStore {
         self.arena.as_mut().expect("checked open").grow(num_slots)?;
         self.num_slots = num_slots;
         self.counters.growths += 1;
-        Ok(())
-    }
-
-    /// Forgets entries among `indices` that ended up neither stored nor referenced.
-    fn forget_orphans(&mut self, indices: &[u32]) {
-        for &idx in indices {
-            if self.keys.slab.is_live(idx)
-                && self.keys.slab[idx].refs == 0
-                && !self.keys.slab[idx].has_slot()
-            {
-                self.keys.forget(idx);
-            }
-        }
-    }
-
-    /// Counts each retain and release against the key's references, in call order (retains
-    /// first); the first count that would leave `0..=u32::MAX` is the error. Touches nothing
-    /// but `mark`.
-    fn validate_references(&mut self, s: &Scratch) -> Result<(), StoreError> {
-        if s.releases.is_empty() && s.retains.is_empty() {
-            return Ok(());
-        }
-        for &idx in s.retains.iter().chain(&s.releases) {
-            let entry = &mut self.keys.slab[idx];
-            entry.mark = entry.refs;
-        }
-        for &idx in &s.retains {
-            let entry = &mut self.keys.slab[idx];
-            match entry.mark.checked_add(1) {
-                Some(count) => entry.mark = count,
-                None => return Err(StoreError::ReferenceOverflow { key: entry.key().to_owned() }),
-            }
-        }
-        for &idx in &s.releases {
-            let entry = &mut self.keys.slab[idx];
-            if entry.mark == 0 {
-                return Err(StoreError::NotReferenced { key: entry.key().to_owned() });
-            }
-            entry.mark -= 1;
-        }
         Ok(())
     }
 

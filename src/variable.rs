@@ -161,7 +161,6 @@ impl Scratch {
 // this call released it, which makes it a possible victim), or `CHOSEN | i` for the victim at
 // `Scratch::victims[i]`. Marks of keys outside the call are stale, so every reading confirms
 // the position it names.
-const NOT_IN_BATCH: u32 = u32::MAX;
 const RELEASED: u32 = 1 << 31;
 const CHOSEN: u32 = 1 << 30;
 const POSITION: u32 = CHOSEN - 1;
@@ -409,18 +408,19 @@ impl VariableStore {
         // a slot, and are forgotten again if the call fails.
         self.keys.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
         self.keys.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
-        if let Err(error) = self.validate_references(s) {
-            self.forget_orphans(&s.created);
+        if let Err(error) = self.keys.validate_references(&s.retains, &s.releases) {
+            self.keys.forget_orphans(&s.created);
             return Err(error);
         }
         let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
         self.keys.resolve(&keys, &mut s.hashes, &mut s.entries, Some(&mut s.created));
         s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
-        self.dedupe_batch(s);
+        assert!(s.batch.len() < POSITION as usize, "batch too large");
+        self.keys.dedupe_batch(&mut s.batch, &s.releases);
         let refused = StoreError::CannotRetainBytes { limit: self.capacity_bytes() };
         if s.batch.iter().any(|&(_, position)| objects[position].payload.len() > MAX_OBJECT_NBYTES)
         {
-            self.forget_orphans(&s.created);
+            self.keys.forget_orphans(&s.created);
             self.counters.capacity_errors += 1;
             return Err(refused);
         }
@@ -447,7 +447,7 @@ impl VariableStore {
         if let Some(policy) = policy.as_deref_mut() {
             if let Err(error) = self.notify_reference_changes(s, policy, false) {
                 self.roll_back(s, referenced_before);
-                self.forget_orphans(&s.created);
+                self.keys.forget_orphans(&s.created);
                 return Err(error);
             }
         }
@@ -477,62 +477,6 @@ impl VariableStore {
             }
         }
         Ok(())
-    }
-
-    /// Counts each retain and release against the key's references, in call order (retains
-    /// first); the first count that would leave `0..=u32::MAX` is the error. Touches nothing but
-    /// `mark`.
-    fn validate_references(&mut self, s: &Scratch) -> Result<(), StoreError> {
-        if s.releases.is_empty() && s.retains.is_empty() {
-            return Ok(());
-        }
-        let slab = &mut self.keys.slab;
-        for &idx in s.retains.iter().chain(&s.releases) {
-            let entry = &mut slab[idx];
-            entry.mark = entry.refs;
-        }
-        for &idx in &s.retains {
-            let entry = &mut slab[idx];
-            match entry.mark.checked_add(1) {
-                Some(count) => entry.mark = count,
-                None => return Err(StoreError::ReferenceOverflow { key: entry.key().to_owned() }),
-            }
-        }
-        for &idx in &s.releases {
-            let entry = &mut slab[idx];
-            if entry.mark == 0 {
-                return Err(StoreError::NotReferenced { key: entry.key().to_owned() });
-            }
-            entry.mark -= 1;
-        }
-        Ok(())
-    }
-
-    /// Dedupe: the first occurrence fixes the position, the last payload wins. Afterwards a batch
-    /// entry's `mark` is its position in `s.batch` and a released key's is `NOT_IN_BATCH` unless
-    /// it is in the batch too.
-    fn dedupe_batch(&mut self, s: &mut Scratch) {
-        assert!(s.batch.len() < POSITION as usize, "batch too large");
-        let slab = &mut self.keys.slab;
-        for &(idx, _) in &s.batch {
-            slab[idx].mark = NOT_IN_BATCH;
-        }
-        for &idx in &s.releases {
-            slab[idx].mark = NOT_IN_BATCH;
-        }
-        let mut unique = 0;
-        for i in 0..s.batch.len() {
-            let (idx, position) = s.batch[i];
-            let mark = slab[idx].mark;
-            if mark == NOT_IN_BATCH {
-                slab[idx].mark = unique as u32;
-                s.batch[unique] = (idx, position);
-                unique += 1;
-            } else {
-                s.batch[mark as usize].1 = position;
-            }
-        }
-        s.batch.truncate(unique);
     }
 
     fn lru_unlink(&mut self, s: &mut Scratch, idx: u32) {
@@ -791,7 +735,7 @@ impl VariableStore {
             }
             (_, error) => error,
         };
-        self.forget_orphans(&s.created);
+        self.keys.forget_orphans(&s.created);
         error
     }
 
@@ -873,19 +817,9 @@ impl VariableStore {
         }
         chunks.flush_writes();
         debug_assert!(self.used_chunks <= self.capacity_chunks);
-        self.forget_orphans(&s.orphans);
-        self.forget_orphans(&s.created);
+        self.keys.forget_orphans(&s.orphans);
+        self.keys.forget_orphans(&s.created);
         removed
-    }
-
-    /// Forgets entries among `indices` that ended up neither stored nor referenced.
-    fn forget_orphans(&mut self, indices: &[u32]) {
-        for &idx in indices {
-            let slab = &self.keys.slab;
-            if slab.is_live(idx) && slab[idx].refs == 0 && !slab[idx].has_slot() {
-                self.keys.forget(idx);
-            }
-        }
     }
 
     /// Resolves `keys` for a read, without touching the LRU: where each stored key's bytes go

@@ -147,7 +147,6 @@ impl NativeVariableStore {
     }
 }
 
-
 #[pymethods]
 impl NativeVariableStore {
     #[new]
