@@ -11,6 +11,11 @@ figures and a latency plot.
 
 ``python -m aostore churn`` exercises a full store in steady state instead: batches of 64 new
 blocks with 64 retains and 64 releases, and reads of 64 random live blocks, in ns per object.
+
+``python -m aostore vllm-check`` (or ``aostore vllm-check``) is a dry run of the vLLM plugin:
+it imports the installed vLLM's store module, runs the plugin's gate without starting an
+engine or swapping anything, and prints what would be replaced (with which profile and
+prefault) or kept and why; exit status 0 when aostore would be used, 1 when not.
 """
 
 from __future__ import annotations
@@ -236,7 +241,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     churn_parser.add_argument("--slots", type=int, default=167_341, help="capacity in objects")
     churn_parser.add_argument("--object-nbytes", type=int, default=5_888, help="bytes per object")
     churn_parser.add_argument("--batches", type=int, default=2_000, help="batches of 64")
+    check_parser = sub.add_parser(
+        "vllm-check",
+        help="dry run of the vLLM plugin: what it would replace here (exit 0) or keep (exit 1)",
+    )
+    check_parser.add_argument(
+        "--json", dest="as_json", action="store_true", help="print the report as JSON"
+    )
     args = parser.parse_args(argv)
+    if args.command == "vllm-check":
+        from aostore import _vllm_check
+
+        return _vllm_check.run(as_json=args.as_json)
     if args.command != "churn":
         return replay(args)
     if args.slots < _BATCH or args.object_nbytes < 1 or args.batches < 1:

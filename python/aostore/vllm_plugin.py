@@ -62,7 +62,8 @@ said once per process, in one line on the ``vllm.plugins.aostore`` logger: vLLM'
 logging shows ``vllm.*`` loggers at INFO with its own handler. The line is at INFO when every
 class was replaced and at WARNING when any class stays vLLM's, when a setting was ignored or
 the probe could not tell, or when nothing would show INFO yet (vLLM's front end loads plugins
-before it configures logging).
+before it configures logging). :func:`dry_run` (``aostore vllm-check``) computes the same
+decision without swapping anything.
 """
 
 from __future__ import annotations
@@ -93,12 +94,14 @@ __all__ = [
     "KNOWN_RELEASES",
     "LOGGER",
     "STORE_MODULE",
+    "DryRun",
     "EngineBlockObjectStore",
     "GrowBlockObjectStore",
     "Plan",
     "Usage",
     "aostore_classes",
     "compare",
+    "dry_run",
     "fingerprint",
     "forced_profile",
     "hidden_references",
@@ -1041,6 +1044,83 @@ def register() -> None:
             pass
 
 
+def _decide(store_module: Any) -> tuple[Plan, str, str, bool]:
+    """What :func:`register` swaps in (and :func:`dry_run` reports): the plan, with the fixed
+    store's class chosen, and the profile, why, and whether that deserves a warning."""
+    decision = plan(store_module)
+    profile = reason = ""
+    warn = False
+    if FIXED_STORE in decision.replace:
+        profile, reason, warn = _choose_profile(dict(decision.vllm))
+        decision.replace[FIXED_STORE] = (
+            GrowBlockObjectStore if profile == "grow" else EngineBlockObjectStore
+        )
+    return decision, profile, reason, warn
+
+
+@dataclasses.dataclass
+class DryRun:
+    """What :func:`register` would do in this process, as :func:`dry_run` found it."""
+
+    disabled: bool = False
+    """``AOSTORE_VLLM_PLUGIN`` turns the plugin off: it would do nothing."""
+    missing: str = ""
+    """Why the store module cannot be imported (``ImportError``: nothing to do)."""
+    failed: str = ""
+    """Why importing or planning failed: :func:`register` would keep vLLM's classes and warn."""
+    registered: dict[str, Any] | None = None
+    """The plugin already ran in this process: vLLM's classes it replaced, by name."""
+    decision: Plan | None = None
+    """The plan, with the fixed store's class chosen (as :func:`register` would swap it in)."""
+    profile: str = ""
+    """The fixed store's profile, when it is replaced."""
+    reason: str = ""
+    """Why that profile."""
+    warn: bool = False
+    """Whether the profile's choice deserves a warning (a setting ignored, a probe that failed)."""
+    prefault: bool | Literal["background"] = "background"
+    """How stores built by vLLM would commit their arena (``AOSTORE_VLLM_PREFAULT``)."""
+
+    @property
+    def replaced(self) -> list[str]:
+        """vLLM's classes that would be (or were) replaced by aostore's."""
+        if self.registered is not None:
+            return list(self.registered)
+        return list(self.decision.replace) if self.decision is not None else []
+
+
+def dry_run() -> DryRun:
+    """Computes what :func:`register` would do here, without swapping anything.
+
+    The same steps as :func:`register` (the switch, the store module's import, :func:`plan`,
+    the profile, probe included), none of its effects: no class is swapped, nothing is marked
+    and nothing is logged. Never raises for what :func:`register` would survive: a failure is
+    reported in ``failed``.
+    """
+    result = DryRun(prefault=_engine_prefault())
+    if _disabled():
+        result.disabled = True
+        return result
+    try:
+        store_module = importlib.import_module(STORE_MODULE)
+    except ImportError as error:
+        result.missing = f"{type(error).__name__}: {error}"
+        return result
+    except Exception as error:
+        result.failed = f"{type(error).__name__}: {error}"
+        return result
+    mark = getattr(store_module, _MARK, None)
+    if mark is not None:
+        result.registered = dict(mark)
+        return result
+    try:
+        with _lock:
+            result.decision, result.profile, result.reason, result.warn = _decide(store_module)
+    except Exception as error:
+        result.failed = f"{type(error).__name__}: {error}"
+    return result
+
+
 def _register() -> None:
     try:
         store_module = importlib.import_module(STORE_MODULE)
@@ -1049,15 +1129,8 @@ def _register() -> None:
         return
     if hasattr(store_module, _MARK):
         return
-    decision = plan(store_module)
+    decision, profile, reason, warn = _decide(store_module)
     originals = dict(decision.vllm)
-    profile = reason = ""
-    warn = False
-    if FIXED_STORE in decision.replace:
-        profile, reason, warn = _choose_profile(originals)
-        decision.replace[FIXED_STORE] = (
-            GrowBlockObjectStore if profile == "grow" else EngineBlockObjectStore
-        )
     undo: _Undo = []
     targeted = False
     try:
