@@ -42,8 +42,6 @@ class BlockObjectStore(NativeStore):
         pin_memory: bool = False,
         prefault: bool | Literal["background"] = False,
     ) -> BlockObjectStore:
-        if not (type(prefault) is bool or (type(prefault) is str and prefault == "background")):
-            raise ValueError(f"prefault must be True, False or 'background', not {prefault!r}")
         if pin_memory and profile == "grow":
             raise ValueError("pin_memory=True needs a fixed arena; profile 'grow' may move it")
         self = super().__new__(

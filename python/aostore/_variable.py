@@ -38,8 +38,6 @@ class VariableBlockObjectStore(NativeVariableStore):
         chunk_nbytes: int | None = None,
         prefault: bool | Literal["background"] = False,
     ) -> VariableBlockObjectStore:
-        if not (type(prefault) is bool or (type(prefault) is str and prefault == "background")):
-            raise ValueError(f"prefault must be True, False or 'background', not {prefault!r}")
         return super().__new__(
             cls, max_bytes=max_bytes, policy=policy, chunk_nbytes=chunk_nbytes, prefault=prefault
         )

@@ -2,6 +2,7 @@
 //! Python exceptions. No store logic lives here.
 
 mod gather;
+mod handle;
 mod lock;
 mod variable;
 mod writer;
@@ -11,8 +12,7 @@ use std::sync::{Arc, Mutex, Once, PoisonError};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{
-    PyAssertionError, PyKeyError, PyMemoryError, PyOverflowError, PyRuntimeError, PyTypeError,
-    PyValueError,
+    PyKeyError, PyMemoryError, PyOverflowError, PyRuntimeError, PyTypeError, PyValueError,
 };
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
@@ -23,7 +23,7 @@ use crate::arena::Prefault;
 use crate::error::StoreError;
 use crate::store::{BlockStore, Profile, RemoveReason, VictimPolicy};
 use gather::Gathered;
-use lock::{Held, StoreLock};
+use handle::Handle;
 
 pyo3::create_exception!(
     aostore,
@@ -169,24 +169,12 @@ fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> Vec<&'a str> {
 /// must not hold the Python object: it never takes the GIL).
 pub(crate) type SharedCore = Arc<Mutex<BlockStore>>;
 
-/// The native store: a `BlockStore` behind a mutex, so one store can be shared by threads.
-///
-/// The mutex is only ever taken with the GIL released, so a thread holding it can always get
-/// the GIL back and no two threads wait on each other. The one exception is a victim policy,
-/// which runs Python while the lock is held: see `lock`.
+/// The native fixed-size store: a `BlockStore` behind the handle both stores share.
 #[pyclass(module = "aostore._native", subclass, frozen, name = "NativeStore")]
 pub struct NativeStore {
-    inner: SharedCore,
-    policy: Option<Py<PyAny>>,
-    /// Set while a policy callback runs (with the lock held), for `lock_contended`.
-    in_policy: AtomicBool,
-    /// Set by `close()`; read without the lock so a closed store fails before argument checks.
-    closed: AtomicBool,
+    pub(crate) handle: Handle<BlockStore>,
     /// Fixed at construction, so size checks need neither the lock nor a GIL release.
     object_nbytes: usize,
-    /// `fork_generation()` at construction: a forked child must not touch a lock that another
-    /// thread of the parent may have held at fork time.
-    generation: u64,
 }
 
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
@@ -206,72 +194,6 @@ fn forked_error() -> PyErr {
         "this aostore store was created in the parent process before fork(); its lock and \
          threads are not usable here: create a new store in the child",
     )
-}
-
-impl NativeStore {
-    pub(crate) fn lock(&self) -> Result<Held<'_, BlockStore>, StoreError> {
-        StoreLock {
-            mutex: &self.inner,
-            owner: std::ptr::from_ref(self) as usize,
-            has_policy: self.policy.is_some(),
-            in_policy: &self.in_policy,
-        }
-        .acquire()
-    }
-
-    /// The core, for a writer thread.
-    pub(crate) fn core(&self) -> PyResult<SharedCore> {
-        if self.generation != fork_generation() {
-            return Err(forked_error());
-        }
-        Ok(Arc::clone(&self.inner))
-    }
-
-    fn ensure_open(&self) -> PyResult<()> {
-        if self.generation != fork_generation() {
-            return Err(forked_error());
-        }
-        if self.closed.load(Ordering::Acquire) {
-            return Err(to_py_err(StoreError::Closed));
-        }
-        Ok(())
-    }
-
-    /// The common tail of `put` and `put_blocks`: reference keys, the store call with the GIL
-    /// released, the policy's own exception, and the growth warning.
-    fn put_gathered(&self, py: Python<'_>, batch: &Gathered<'_>) -> PyResult<()> {
-        // SAFETY: `batch` outlives the views, which are dropped at the end of this call.
-        let (blocks, retains, releases) = unsafe { batch.views() };
-        let mut policy = self.policy.as_ref().map(|policy| PyPolicy {
-            policy,
-            active: &self.in_policy,
-            error: None,
-        });
-        let result = self.with_store(py, |s| {
-            let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
-            s.put_with_policy(&blocks, &retains, &releases, policy)
-        })?;
-        if let Some(error) = policy.and_then(|p| p.error) {
-            return Err(error);
-        }
-        let report = result.map_err(to_py_err)?;
-        if let Some(num_slots) = report.grown_to {
-            log_growth(py, num_slots);
-        }
-        Ok(())
-    }
-
-    /// Runs `f` on the store with the GIL released: the lock is only ever taken without the GIL.
-    fn with_store<T: Send>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut BlockStore) -> T + Send,
-    ) -> PyResult<T> {
-        if self.generation != fork_generation() {
-            return Err(forked_error());
-        }
-        py.detach(|| self.lock().map(|mut held| f(&mut held.guard))).map_err(to_py_err)
-    }
 }
 
 /// vLLM's `ExpertCachePolicy`, called from the core with the GIL re-acquired. The first Python
@@ -441,8 +363,7 @@ impl CandidateKeys {
     }
 }
 
-#[pymethods]
-impl NativeStore {
+handle::store_methods!(NativeStore {
     #[new]
     #[pyo3(signature = (*, max_bytes, object_nbytes, policy = None, profile = "fail-closed", prefault = None))]
     fn new(
@@ -480,14 +401,7 @@ impl NativeStore {
         )
         .map_err(to_py_err)?;
         let object_nbytes = store.object_nbytes();
-        Ok(Self {
-            inner: Arc::new(Mutex::new(store)),
-            policy,
-            in_policy: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
-            object_nbytes,
-            generation: fork_generation(),
-        })
+        Ok(Self { handle: Handle::new(store, policy), object_nbytes })
     }
 
     /// Bytes per object.
@@ -499,25 +413,7 @@ impl NativeStore {
     /// Objects the store holds at most.
     #[getter]
     fn num_slots(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with_store(py, |s| s.num_slots())
-    }
-
-    /// Stores `objects` (each with `.key` and a payload of exactly `object_nbytes` bytes) and
-    /// applies `retain_keys` (+1 each), then `release_keys` (-1 each), evicting unreferenced
-    /// keys as needed. Bad input raises and changes nothing.
-    #[pyo3(signature = (objects, *, retain_keys = None, release_keys = None))]
-    fn put(
-        &self,
-        py: Python<'_>,
-        objects: &Bound<'_, PyAny>,
-        retain_keys: Option<&Bound<'_, PyAny>>,
-        release_keys: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        self.ensure_open()?;
-        let mut batch = Gathered::default();
-        batch.objects(objects)?;
-        batch.references(retain_keys, release_keys)?;
-        self.put_gathered(py, &batch)
+        self.handle.with_store(py, |s| s.num_slots())
     }
 
     /// Stores `blocks[i]` under `keys[i]` from one C-contiguous buffer of
@@ -532,12 +428,12 @@ impl NativeStore {
         retain_keys: Option<&Bound<'_, PyAny>>,
         release_keys: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        self.ensure_open()?;
+        self.handle.ensure_open()?;
         let object_nbytes = self.object_nbytes;
         let mut batch = Gathered::default();
         batch.rows_of(keys, blocks, object_nbytes)?;
         batch.references(retain_keys, release_keys)?;
-        self.put_gathered(py, &batch)
+        self.handle.put_gathered(py, &batch)
     }
 
     /// Writes the payloads of `keys`, concatenated, into `out`: a writable C-contiguous buffer
@@ -548,7 +444,7 @@ impl NativeStore {
         keys: &Bound<'py, PyAny>,
         out: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        self.ensure_open()?;
+        self.handle.ensure_open()?;
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
         let object_nbytes = self.object_nbytes;
@@ -574,7 +470,7 @@ impl NativeStore {
             )));
         }
         let ptr = buffer.buf_ptr() as usize;
-        self.with_store(py, |s| {
+        self.handle.with_store(py, |s| {
             // SAFETY: the buffer is writable, C-contiguous, `len` bytes long and stays exported
             // (so in place) until `buffer` drops after this call.
             let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
@@ -588,19 +484,13 @@ impl NativeStore {
     /// Start address and length in bytes of the arena, for registering it with a driver
     /// (`cudaHostRegister`). Valid until `close()` or a growth.
     fn arena_span(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
-        self.with_store(py, |s| s.arena_span())?.ok_or_else(|| to_py_err(StoreError::Closed))
-    }
-
-    /// The victim policy given to the constructor, or None.
-    #[getter]
-    fn policy(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.policy.as_ref().map(|p| p.clone_ref(py))
+        self.handle.with_store(py, |s| s.arena_span())?.ok_or_else(|| to_py_err(StoreError::Closed))
     }
 
     /// "fail-closed" or "grow".
     #[getter]
     fn profile(&self, py: Python<'_>) -> PyResult<&'static str> {
-        self.with_store(py, |s| match s.profile() {
+        self.handle.with_store(py, |s| match s.profile() {
             Profile::FailClosed => "fail-closed",
             Profile::Grow => "grow",
         })
@@ -613,7 +503,7 @@ impl NativeStore {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        self.ensure_open()?;
+        self.handle.ensure_open()?;
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
         let object_nbytes = self.object_nbytes;
@@ -623,7 +513,7 @@ impl NativeStore {
             .ok_or_else(|| PyOverflowError::new_err("read too large"))?;
         let bytes = new_uninit_bytes(py, len)?;
         let ptr = bytes_ptr(&bytes) as usize;
-        self.with_store(py, |s| {
+        self.handle.with_store(py, |s| {
             // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else can
             // see yet, held for the duration of the call; for `len == 0` it may be the shared
             // empty bytes object, and nothing is written.
@@ -643,7 +533,7 @@ impl NativeStore {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyList>)> {
-        self.ensure_open()?;
+        self.handle.ensure_open()?;
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
         let len = texts
@@ -654,6 +544,7 @@ impl NativeStore {
         let bytes = new_uninit_bytes(py, len)?;
         let ptr = bytes_ptr(&bytes) as usize;
         let (written, missing) = self
+            .handle
             .with_store(py, |s| {
                 // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else
                 // can see yet, held for the duration of the call; for `len == 0` CPython returns
@@ -668,114 +559,21 @@ impl NativeStore {
         Ok((data, PyList::new(py, missing.iter().map(|&i| &keys[i]))?))
     }
 
-    /// Whether each key is stored, without reading it or touching LRU order.
-    fn contains<'py>(
-        &self,
-        py: Python<'py>,
-        keys: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
-        self.ensure_open()?;
-        let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
-        let found = self.with_store(py, |s| s.contains_many(&texts))?.map_err(to_py_err)?;
-        PyList::new(py, found)
-    }
-
-    /// Frees the arena; later calls raise `RuntimeError`. Idempotent.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        // Closed for good only once the core has closed (a policy calling back in is refused).
-        self.with_store(py, BlockStore::close)?;
-        self.closed.store(true, Ordering::Release);
-        Ok(())
-    }
-
-    /// Whether `close()` was called (and finished).
-    #[getter]
-    fn closed(&self) -> bool {
-        // The flag is set once the core has closed, so it needs neither the lock nor a GIL
-        // release (the façade checks it before every tensor call).
-        self.closed.load(Ordering::Acquire)
-    }
-
-    // The policy never changes, so a cycle through the store (a policy that refers to it) is
-    // broken by clearing the policy object; the collector only needs to see this edge.
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.policy)
-    }
-
-    /// The reference count of each of `keys` (0 for a key the store does not know), in order,
-    /// without touching LRU order.
-    fn reference_counts(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        self.ensure_open()?;
-        let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
-        self.with_store(py, |s| texts.iter().map(|key| s.reference_count(key)).collect())
-    }
-
-    /// Raises `AssertionError` naming the first broken store invariant.
-    fn check(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_store(py, |s| s.check())?.map_err(PyAssertionError::new_err)
-    }
-
     /// Occupancy and counters as a dict of ints.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.with_store(py, |s| s.stats())?;
-        let c = stats.counters;
-        let dict = PyDict::new(py);
-        for (name, value) in [
+        let stats = self.handle.with_store(py, |s| s.stats())?;
+        let occupancy = [
             ("capacity", stats.capacity as u64),
             ("object_nbytes", stats.object_nbytes as u64),
             ("stored", stats.stored as u64),
             ("referenced", stats.referenced as u64),
             ("evictable", stats.evictable as u64),
             ("free_slots", stats.free_slots as u64),
-            ("puts", c.puts),
-            ("objects_written", c.objects_written),
-            ("retains", c.retains),
-            ("releases", c.releases),
-            ("evictions", c.evictions),
-            ("capacity_errors", c.capacity_errors),
-            ("growths", c.growths),
-            ("reads", c.reads),
-            ("read_misses", c.read_misses),
-            ("bytes_written", c.bytes_written),
-            ("bytes_read", c.bytes_read),
-            ("eviction_visits", c.eviction_visits),
-        ] {
-            dict.set_item(name, value)?;
-        }
-        Ok(dict)
+        ];
+        handle::stats_dict(py, &occupancy, &stats.counters, true)
     }
 
-    /// Every key the store knows, without touching LRU order (O(n); for tests and debugging):
-    /// `{"lru": [evictable keys, oldest first], "references": {key: count},
-    /// "objects": {key: payload bytes}}`.
-    fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        type Contents = (Vec<String>, Vec<(String, u32)>, Vec<(String, Vec<u8>)>);
-        let (lru, refs, objects): Contents = self.with_store(py, |s| {
-            (
-                s.lru_keys().into_iter().map(str::to_owned).collect(),
-                s.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
-                s.objects().into_iter().map(|(k, p)| (k.to_owned(), p.to_vec())).collect(),
-            )
-        })?;
-        let dict = PyDict::new(py);
-        let lru = PyList::new(py, lru)?;
-        let references = PyDict::new(py);
-        for (key, count) in refs {
-            references.set_item(key, count)?;
-        }
-        let payloads = PyDict::new(py);
-        for (key, payload) in objects {
-            payloads.set_item(key, PyBytes::new(py, &payload))?;
-        }
-        let objects = payloads;
-        dict.set_item("lru", lru)?;
-        dict.set_item("references", references)?;
-        dict.set_item("objects", objects)?;
-        Ok(dict)
-    }
-}
+});
 
 /// `prefault=`: `False` (pages committed on first write), `True` (all now), or `"background"`
 /// (all, by a thread, without making the constructor wait).
@@ -783,10 +581,11 @@ fn prefault_arg(value: &Bound<'_, PyAny>) -> PyResult<Prefault> {
     if let Ok(flag) = value.cast::<pyo3::types::PyBool>() {
         return Ok(if flag.is_true() { Prefault::Now } else { Prefault::OnWrite });
     }
-    match value.cast::<PyString>().ok().and_then(|s| s.to_str().ok().map(str::to_owned)) {
+    // Exactly a str (not a subclass that may compare equal): the one check of this argument.
+    match value.cast_exact::<PyString>().ok().and_then(|s| s.to_str().ok().map(str::to_owned)) {
         Some(text) if text == "background" => Ok(Prefault::Background),
         _ => Err(PyValueError::new_err(format!(
-            "prefault must be True, False or \"background\", not {}",
+            "prefault must be True, False or 'background', not {}",
             value.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string())
         ))),
     }

@@ -3,97 +3,31 @@
 //! error mapping), plus the two-phase read that lets a result of unknown size be one `bytes`
 //! object filled in place.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-
-use pyo3::exceptions::{PyAssertionError, PyValueError};
-use pyo3::gc::PyVisit;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use pyo3::PyTraverseError;
 
-use super::gather::Gathered;
-use super::lock::{Held, StoreLock};
+use super::handle::{stats_dict, store_methods, Handle};
 use super::{
-    as_texts, bytes_ptr, collect_keys, fork_generation, forked_error, key_text, new_uninit_bytes,
-    prefault_arg, size_arg, to_py_err, too_large, PyPolicy,
+    as_texts, bytes_ptr, collect_keys, key_text, new_uninit_bytes, prefault_arg, size_arg,
+    to_py_err, too_large,
 };
 use crate::arena::Prefault;
-use crate::error::StoreError;
-use crate::store::VictimPolicy;
 use crate::variable::{ReadPlan, VariableStore};
 
 /// A planned read that a put overtook is planned again this many times before it is copied in
 /// one locked call through a private buffer instead.
 const READ_ATTEMPTS: usize = 3;
 
-/// The native variable-size store: a `VariableStore` behind a mutex, shared by threads.
+/// The native variable-size store: a `VariableStore` behind the handle both stores share.
 #[pyclass(module = "aostore._native", subclass, frozen, name = "NativeVariableStore")]
 pub struct NativeVariableStore {
-    /// Shared with a Rust writer thread (`NativeWriter`), which applies batches to it directly.
-    inner: Arc<Mutex<VariableStore>>,
-    /// The victim policy; behind its own small lock only so `__clear__` can drop it (never
-    /// while the store lock is held).
-    policy: Mutex<Option<Py<PyAny>>>,
-    /// Whether a policy was given: then a thread waiting for the lock must watch `in_policy`.
-    has_policy: bool,
-    /// Set while a policy callback runs (with the lock held).
-    in_policy: AtomicBool,
-    closed: AtomicBool,
+    pub(crate) handle: Handle<VariableStore>,
     max_bytes: usize,
     chunk_nbytes: usize,
-    /// `fork_generation()` at construction: a forked child must not touch the lock.
-    generation: u64,
 }
 
 impl NativeVariableStore {
-    fn lock(&self) -> Result<Held<'_, VariableStore>, StoreError> {
-        StoreLock {
-            mutex: &self.inner,
-            owner: std::ptr::from_ref(self) as usize,
-            has_policy: self.has_policy,
-            in_policy: &self.in_policy,
-        }
-        .acquire()
-    }
-
-    /// The core, for a writer thread.
-    pub(crate) fn core(&self) -> PyResult<Arc<Mutex<VariableStore>>> {
-        if self.generation != fork_generation() {
-            return Err(forked_error());
-        }
-        Ok(Arc::clone(&self.inner))
-    }
-
-    fn ensure_open(&self) -> PyResult<()> {
-        if self.generation != fork_generation() {
-            return Err(forked_error());
-        }
-        if self.closed.load(Ordering::Acquire) {
-            return Err(to_py_err(StoreError::Closed));
-        }
-        Ok(())
-    }
-
-    /// Runs `f` on the store with the GIL released: the lock is only ever taken without the GIL.
-    fn with_store<T: Send>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut VariableStore) -> T + Send,
-    ) -> PyResult<T> {
-        if self.generation != fork_generation() {
-            return Err(forked_error());
-        }
-        py.detach(|| self.lock().map(|mut held| f(&mut held.guard))).map_err(to_py_err)
-    }
-
-    /// A new reference to the policy, taken with the GIL held so that the put can use it while
-    /// `__clear__` may run; dropped by the caller after the store lock is released.
-    fn policy_ref(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        let policy = self.policy.lock().unwrap_or_else(PoisonError::into_inner);
-        policy.as_ref().map(|p| p.clone_ref(py))
-    }
-
     /// Reads `keys` into one new `bytes` object: plan under the lock (sizes and places), make the
     /// object with the GIL, copy into it under the lock if no put ran in between. With
     /// `require_all`, a missing key raises.
@@ -105,7 +39,7 @@ impl NativeVariableStore {
     ) -> PyResult<(Bound<'py, PyBytes>, ReadPlan)> {
         let mut plan = ReadPlan::default();
         for _ in 0..READ_ATTEMPTS {
-            let planned = self.with_store(py, move |s| {
+            let planned = self.handle.with_store(py, move |s| {
                 let result = s.plan_read(keys, &mut plan).and_then(|()| {
                     if require_all && !plan.missing().is_empty() {
                         Err(s.missing_error(keys, &plan))
@@ -120,7 +54,7 @@ impl NativeVariableStore {
             let len = plan.total();
             let bytes = new_uninit_bytes(py, len)?;
             let ptr = bytes_ptr(&bytes) as usize;
-            let (returned, copied) = self.with_store(py, move |s| {
+            let (returned, copied) = self.handle.with_store(py, move |s| {
                 // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else
                 // can see yet, held for the duration of the call; for `len == 0` CPython returns
                 // its shared empty bytes object, and the empty slice writes nothing.
@@ -135,6 +69,7 @@ impl NativeVariableStore {
         }
         // Puts keep overtaking the plan: read in one locked call into a private buffer.
         let (data, plan) = self
+            .handle
             .with_store(py, |s| {
                 if require_all {
                     s.get_concatenated(keys).map(|data| (data, None))
@@ -147,8 +82,7 @@ impl NativeVariableStore {
     }
 }
 
-#[pymethods]
-impl NativeVariableStore {
+store_methods!(NativeVariableStore {
     #[new]
     #[pyo3(signature = (*, max_bytes, policy = None, chunk_nbytes = None, prefault = None))]
     fn new(
@@ -179,32 +113,7 @@ impl NativeVariableStore {
             VariableStore::with_commit(max_bytes, chunk_nbytes, prefault).map_err(to_py_err)?;
         let chunk_nbytes = store.chunk_nbytes();
         let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
-        Ok(Self {
-            inner: Arc::new(Mutex::new(store)),
-            has_policy: policy.is_some(),
-            policy: Mutex::new(policy),
-            in_policy: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
-            max_bytes,
-            chunk_nbytes,
-            generation: fork_generation(),
-        })
-    }
-
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        // A policy being cleared or read right now is skipped this time, not waited for.
-        if let Ok(policy) = self.policy.try_lock() {
-            if let Some(policy) = policy.as_ref() {
-                visit.call(policy)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn __clear__(&self) {
-        let policy = self.policy.lock().unwrap_or_else(PoisonError::into_inner).take();
-        // Dropped here, after the lock above is released.
-        drop(policy);
+        Ok(Self { handle: Handle::new(store, policy), max_bytes, chunk_nbytes })
     }
 
     /// The byte budget given to the constructor.
@@ -225,52 +134,6 @@ impl NativeVariableStore {
         self.max_bytes / self.chunk_nbytes * self.chunk_nbytes
     }
 
-    /// Whether `close()` was called (and finished).
-    #[getter]
-    fn closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
-
-    /// The victim policy given to the constructor, or None.
-    #[getter]
-    fn policy(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.policy_ref(py)
-    }
-
-    /// Stores `objects` (each with `.key` and a payload of any size, zero included), replacing
-    /// the payload of a key that is stored, then applies `retain_keys` (+1 each) and
-    /// `release_keys` (-1 each), evicting unreferenced keys by bytes as needed. Bad input raises
-    /// and changes nothing; so does a batch that cannot be held (`cannot retain`).
-    #[pyo3(signature = (objects, *, retain_keys = None, release_keys = None))]
-    fn put(
-        &self,
-        py: Python<'_>,
-        objects: &Bound<'_, PyAny>,
-        retain_keys: Option<&Bound<'_, PyAny>>,
-        release_keys: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        self.ensure_open()?;
-        let mut batch = Gathered::default();
-        batch.objects(objects)?;
-        batch.references(retain_keys, release_keys)?;
-        // SAFETY: `batch` outlives the views, which are dropped at the end of this call.
-        let (blocks, retains, releases) = unsafe { batch.views() };
-        let policy_object = self.policy_ref(py);
-        let mut policy = policy_object.as_ref().map(|policy| PyPolicy {
-            policy,
-            active: &self.in_policy,
-            error: None,
-        });
-        let result = self.with_store(py, |s| {
-            let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
-            s.put_with_policy(&blocks, &retains, &releases, policy)
-        })?;
-        if let Some(error) = policy.and_then(|p| p.error) {
-            return Err(error);
-        }
-        result.map_err(to_py_err)
-    }
-
     /// The payloads of `keys`, concatenated in order, as `bytes`; a key that is not stored
     /// raises `BlockObjectStoreError` ("does not exist") and changes nothing.
     fn get_concatenated<'py>(
@@ -278,7 +141,7 @@ impl NativeVariableStore {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        self.ensure_open()?;
+        self.handle.ensure_open()?;
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
         Ok(self.read(py, &texts, true)?.0)
@@ -295,7 +158,7 @@ impl NativeVariableStore {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyList>, Bound<'py, PyList>)> {
-        self.ensure_open()?;
+        self.handle.ensure_open()?;
         let keys = collect_keys(keys)?;
         let texts = as_texts(&keys);
         let (data, plan) = self.read(py, &texts, false)?;
@@ -312,43 +175,16 @@ impl NativeVariableStore {
         py: Python<'py>,
         key: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        self.ensure_open()?;
+        self.handle.ensure_open()?;
         let text = key_text(key)?;
         let (data, plan) = self.read(py, &[text], false)?;
         Ok(plan.missing().is_empty().then_some(data))
     }
 
-    /// Whether each key is stored, without reading it or touching LRU order.
-    fn contains<'py>(
-        &self,
-        py: Python<'py>,
-        keys: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
-        self.ensure_open()?;
-        let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
-        let found = self.with_store(py, |s| s.contains_many(&texts))?.map_err(to_py_err)?;
-        PyList::new(py, found)
-    }
-
-    /// Frees the arena; later calls raise `RuntimeError`. Idempotent.
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_store(py, VariableStore::close)?;
-        self.closed.store(true, Ordering::Release);
-        Ok(())
-    }
-
-    /// Raises `AssertionError` naming the first broken invariant (keys, LRU, allocator).
-    fn check(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_store(py, |s| s.check())?.map_err(PyAssertionError::new_err)
-    }
-
     /// Occupancy and counters as a dict of ints (sizes in bytes).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (stats, arena_bytes) = self.with_store(py, |s| (s.stats(), s.arena_bytes()))?;
-        let c = stats.counters;
-        let dict = PyDict::new(py);
-        for (name, value) in [
+        let (stats, arena_bytes) = self.handle.with_store(py, |s| (s.stats(), s.arena_bytes()))?;
+        let occupancy = [
             ("capacity", stats.capacity_bytes as u64),
             ("chunk_nbytes", stats.chunk_nbytes as u64),
             ("arena_bytes", arena_bytes as u64),
@@ -358,55 +194,16 @@ impl NativeVariableStore {
             ("free_bytes", (stats.capacity_bytes - stats.used_bytes) as u64),
             ("referenced", stats.referenced as u64),
             ("evictable", stats.evictable as u64),
-            ("puts", c.puts),
-            ("objects_written", c.objects_written),
-            ("retains", c.retains),
-            ("releases", c.releases),
-            ("evictions", c.evictions),
-            ("capacity_errors", c.capacity_errors),
-            ("reads", c.reads),
-            ("read_misses", c.read_misses),
-            ("bytes_written", c.bytes_written),
-            ("bytes_read", c.bytes_read),
-            ("eviction_visits", c.eviction_visits),
-        ] {
-            dict.set_item(name, value)?;
-        }
-        Ok(dict)
+        ];
+        stats_dict(py, &occupancy, &stats.counters, false)
     }
 
     /// Mean runs of adjacent chunks per stored object (1.0: every object in one piece).
     fn mean_runs(&self, py: Python<'_>) -> PyResult<f64> {
-        self.with_store(py, |s| s.mean_runs())
+        self.handle.with_store(py, |s| s.mean_runs())
     }
 
-    /// Every key the store knows, without touching LRU order (O(n); for tests and debugging):
-    /// `{"lru": [evictable keys, oldest first], "references": {key: count},
-    /// "objects": {key: payload bytes}}`.
-    fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        type Contents = (Vec<String>, Vec<(String, u32)>, Vec<(String, Vec<u8>)>);
-        let (lru, refs, objects): Contents = self.with_store(py, |s| {
-            (
-                s.lru_keys().into_iter().map(str::to_owned).collect(),
-                s.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
-                s.objects().into_iter().map(|(k, p)| (k.to_owned(), p)).collect(),
-            )
-        })?;
-        let dict = PyDict::new(py);
-        let references = PyDict::new(py);
-        for (key, count) in refs {
-            references.set_item(key, count)?;
-        }
-        let payloads = PyDict::new(py);
-        for (key, payload) in objects {
-            payloads.set_item(key, PyBytes::new(py, &payload))?;
-        }
-        dict.set_item("lru", PyList::new(py, lru)?)?;
-        dict.set_item("references", references)?;
-        dict.set_item("objects", payloads)?;
-        Ok(dict)
-    }
-}
+});
 
 /// Registers the classes of this module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

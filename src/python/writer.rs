@@ -445,9 +445,9 @@ impl NativeWriter {
             return Err(PyValueError::new_err("max_pending_batches must be at least 1"));
         }
         let (core, object_nbytes) = if let Ok(fixed) = store.cast::<NativeStore>() {
-            (Core::Fixed(fixed.get().core()?), Some(fixed.get().object_nbytes()))
+            (Core::Fixed(fixed.get().handle.core()?), Some(fixed.get().object_nbytes()))
         } else if let Ok(variable) = store.cast::<NativeVariableStore>() {
-            (Core::Variable(variable.get().core()?), None)
+            (Core::Variable(variable.get().handle.core()?), None)
         } else {
             return Err(PyTypeError::new_err(format!(
                 "NativeWriter needs an aostore store, not {}",

@@ -1,0 +1,409 @@
+//! The one handle both native stores are built on: the core behind its lock, the fork check,
+//! the closed state, the victim policy and its part in cycle collection, and the methods whose
+//! Python face is the same for both stores (`store_methods!` exposes them on each class).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use pyo3::exceptions::PyAssertionError;
+use pyo3::gc::PyVisit;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::PyTraverseError;
+
+use super::gather::Gathered;
+use super::lock::{Held, StoreLock};
+use super::{
+    as_texts, collect_keys, fork_generation, forked_error, log_growth, to_py_err, PyPolicy,
+};
+use crate::error::StoreError;
+use crate::store::{BlockRef, BlockStore, Counters, VictimPolicy};
+use crate::variable::VariableStore;
+
+/// Every key a store knows, copied out under the lock: the LRU (oldest first), the reference
+/// counts, and the stored objects' bytes.
+pub(crate) type Contents = (Vec<String>, Vec<(String, u32)>, Vec<(String, Vec<u8>)>);
+
+/// What the handle needs of a store's core; both cores implement it by delegating, so each
+/// call is a direct, monomorphized one.
+pub(crate) trait Core: Send + 'static {
+    /// A put; `Some(slots)` when the arena grew (the fixed store's profile `grow`).
+    fn put(
+        &mut self,
+        blocks: &[BlockRef<'_>],
+        retains: &[&str],
+        releases: &[&str],
+        policy: Option<&mut dyn VictimPolicy>,
+    ) -> Result<Option<usize>, StoreError>;
+    fn close(&mut self);
+    fn check(&self) -> Result<(), String>;
+    fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError>;
+    fn reference_count(&self, key: &str) -> u32;
+    fn contents(&self) -> Contents;
+}
+
+impl Core for BlockStore {
+    fn put(
+        &mut self,
+        blocks: &[BlockRef<'_>],
+        retains: &[&str],
+        releases: &[&str],
+        policy: Option<&mut dyn VictimPolicy>,
+    ) -> Result<Option<usize>, StoreError> {
+        self.put_with_policy(blocks, retains, releases, policy).map(|report| report.grown_to)
+    }
+    fn close(&mut self) {
+        BlockStore::close(self);
+    }
+    fn check(&self) -> Result<(), String> {
+        BlockStore::check(self)
+    }
+    fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
+        BlockStore::contains_many(self, keys)
+    }
+    fn reference_count(&self, key: &str) -> u32 {
+        BlockStore::reference_count(self, key)
+    }
+    fn contents(&self) -> Contents {
+        (
+            self.lru_keys().into_iter().map(str::to_owned).collect(),
+            self.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
+            self.objects().into_iter().map(|(k, p)| (k.to_owned(), p.to_vec())).collect(),
+        )
+    }
+}
+
+impl Core for VariableStore {
+    fn put(
+        &mut self,
+        blocks: &[BlockRef<'_>],
+        retains: &[&str],
+        releases: &[&str],
+        policy: Option<&mut dyn VictimPolicy>,
+    ) -> Result<Option<usize>, StoreError> {
+        self.put_with_policy(blocks, retains, releases, policy).map(|()| None)
+    }
+    fn close(&mut self) {
+        VariableStore::close(self);
+    }
+    fn check(&self) -> Result<(), String> {
+        VariableStore::check(self)
+    }
+    fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
+        VariableStore::contains_many(self, keys)
+    }
+    fn reference_count(&self, key: &str) -> u32 {
+        VariableStore::reference_count(self, key)
+    }
+    fn contents(&self) -> Contents {
+        (
+            self.lru_keys().into_iter().map(str::to_owned).collect(),
+            self.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
+            self.objects().into_iter().map(|(k, p)| (k.to_owned(), p)).collect(),
+        )
+    }
+}
+
+/// A core behind its mutex, shared by threads, with the state every native store keeps.
+///
+/// The mutex is only ever taken with the GIL released, so a thread holding it can always get
+/// the GIL back and no two threads wait on each other. The one exception is a victim policy,
+/// which runs Python while the lock is held: see `lock.rs`.
+pub(crate) struct Handle<S> {
+    /// Shared with a Rust writer thread (`NativeWriter`), which applies batches to it directly
+    /// and never holds the Python object.
+    inner: Arc<Mutex<S>>,
+    /// The victim policy; behind its own small lock only so `__clear__` can drop it (never while
+    /// the store lock is held).
+    policy: Mutex<Option<Py<PyAny>>>,
+    /// Whether a policy was given: then a thread waiting for the lock must watch `in_policy`,
+    /// and a put takes the policy lock (a store without one never does).
+    has_policy: bool,
+    /// Set while a policy callback runs (with the store lock held).
+    in_policy: AtomicBool,
+    /// Set by `close()`; read without the lock so a closed store fails before argument checks.
+    closed: AtomicBool,
+    /// `fork_generation()` at construction: a forked child must not touch a lock that another
+    /// thread of the parent may have held at fork time.
+    generation: u64,
+}
+
+impl<S: Core> Handle<S> {
+    pub(crate) fn new(core: S, policy: Option<Py<PyAny>>) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(core)),
+            has_policy: policy.is_some(),
+            policy: Mutex::new(policy),
+            in_policy: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            generation: fork_generation(),
+        }
+    }
+
+    fn lock(&self) -> Result<Held<'_, S>, StoreError> {
+        StoreLock {
+            mutex: &self.inner,
+            owner: std::ptr::from_ref(self) as usize,
+            has_policy: self.has_policy,
+            in_policy: &self.in_policy,
+        }
+        .acquire()
+    }
+
+    fn ensure_same_process(&self) -> PyResult<()> {
+        if self.generation != fork_generation() {
+            return Err(forked_error());
+        }
+        Ok(())
+    }
+
+    /// The core, for a writer thread.
+    pub(crate) fn core(&self) -> PyResult<Arc<Mutex<S>>> {
+        self.ensure_same_process()?;
+        Ok(Arc::clone(&self.inner))
+    }
+
+    /// Fails on a store made before `fork()` or closed, before any argument is looked at.
+    pub(crate) fn ensure_open(&self) -> PyResult<()> {
+        self.ensure_same_process()?;
+        if self.closed.load(Ordering::Acquire) {
+            return Err(to_py_err(StoreError::Closed));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the core with the GIL released: the lock is only ever taken without the GIL.
+    pub(crate) fn with_store<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut S) -> T + Send,
+    ) -> PyResult<T> {
+        self.ensure_same_process()?;
+        py.detach(|| self.lock().map(|mut held| f(&mut held.guard))).map_err(to_py_err)
+    }
+
+    /// A new reference to the policy, taken with the GIL held so that a put can use it while
+    /// `__clear__` may run; dropped by the caller after the store lock is released.
+    pub(crate) fn policy_ref(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        if !self.has_policy {
+            return None;
+        }
+        let policy = self.policy.lock().unwrap_or_else(PoisonError::into_inner);
+        policy.as_ref().map(|p| p.clone_ref(py))
+    }
+
+    /// The common tail of every put: the core call with the GIL released, the policy's own
+    /// exception, and the growth warning.
+    pub(crate) fn put_gathered(&self, py: Python<'_>, batch: &Gathered<'_>) -> PyResult<()> {
+        // SAFETY: `batch` outlives the views, which are dropped at the end of this call.
+        let (blocks, retains, releases) = unsafe { batch.views() };
+        let policy_object = self.policy_ref(py);
+        let mut policy = policy_object.as_ref().map(|policy| PyPolicy {
+            policy,
+            active: &self.in_policy,
+            error: None,
+        });
+        let result = self.with_store(py, |s| {
+            let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
+            s.put(&blocks, &retains, &releases, policy)
+        })?;
+        if let Some(error) = policy.and_then(|p| p.error) {
+            return Err(error);
+        }
+        if let Some(num_slots) = result.map_err(to_py_err)? {
+            log_growth(py, num_slots);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn close(&self, py: Python<'_>) -> PyResult<()> {
+        // Closed for good only once the core has closed (a policy calling back in is refused).
+        self.with_store(py, S::close)?;
+        self.closed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    pub(crate) fn closed(&self) -> bool {
+        // Set once the core has closed, so it needs neither the lock nor a GIL release (the
+        // façade checks it before every tensor call).
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // A policy being cleared or read right now is skipped this time, not waited for.
+        if let Ok(policy) = self.policy.try_lock() {
+            if let Some(policy) = policy.as_ref() {
+                visit.call(policy)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn clear(&self) {
+        let policy = self.policy.lock().unwrap_or_else(PoisonError::into_inner).take();
+        // Dropped here, after the lock above is released.
+        drop(policy);
+    }
+
+    pub(crate) fn check(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_store(py, |s| s.check())?.map_err(PyAssertionError::new_err)
+    }
+
+    pub(crate) fn contains<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        self.ensure_open()?;
+        let keys = collect_keys(keys)?;
+        let texts = as_texts(&keys);
+        let found = self.with_store(py, |s| s.contains_many(&texts))?.map_err(to_py_err)?;
+        PyList::new(py, found)
+    }
+
+    pub(crate) fn reference_counts(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u32>> {
+        self.ensure_open()?;
+        let keys = collect_keys(keys)?;
+        let texts = as_texts(&keys);
+        self.with_store(py, |s| texts.iter().map(|key| s.reference_count(key)).collect())
+    }
+
+    pub(crate) fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (lru, refs, objects) = self.with_store(py, |s| s.contents())?;
+        let references = PyDict::new(py);
+        for (key, count) in refs {
+            references.set_item(key, count)?;
+        }
+        let payloads = PyDict::new(py);
+        for (key, payload) in objects {
+            payloads.set_item(key, PyBytes::new(py, &payload))?;
+        }
+        let dict = PyDict::new(py);
+        dict.set_item("lru", PyList::new(py, lru)?)?;
+        dict.set_item("references", references)?;
+        dict.set_item("objects", payloads)?;
+        Ok(dict)
+    }
+}
+
+/// `stats()`: the store's own occupancy figures first, then the counters both stores keep
+/// (`growths` only where the store can grow).
+pub(crate) fn stats_dict<'py>(
+    py: Python<'py>,
+    occupancy: &[(&str, u64)],
+    c: &Counters,
+    growths: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    for &(name, value) in occupancy {
+        dict.set_item(name, value)?;
+    }
+    let head = [
+        ("puts", c.puts),
+        ("objects_written", c.objects_written),
+        ("retains", c.retains),
+        ("releases", c.releases),
+        ("evictions", c.evictions),
+        ("capacity_errors", c.capacity_errors),
+    ];
+    let tail = [
+        ("reads", c.reads),
+        ("read_misses", c.read_misses),
+        ("bytes_written", c.bytes_written),
+        ("bytes_read", c.bytes_read),
+        ("eviction_visits", c.eviction_visits),
+    ];
+    let grown = growths.then_some(("growths", c.growths));
+    for (name, value) in head.into_iter().chain(grown).chain(tail) {
+        dict.set_item(name, value)?;
+    }
+    Ok(dict)
+}
+
+/// The `#[pymethods]` block of a native store class: its own `$extra` methods, then the ones
+/// both stores expose the same way through their `handle` field. One block per class, as pyo3
+/// wants, with the shared methods written once.
+macro_rules! store_methods {
+    ($class:ty { $($extra:tt)* }) => {
+        #[pymethods]
+        impl $class {
+            $($extra)*
+
+            /// Stores `objects` (each with `.key` and a payload) and applies `retain_keys` (+1
+            /// each), then `release_keys` (-1 each), evicting unreferenced keys as needed. Bad
+            /// input raises and changes nothing.
+            #[pyo3(signature = (objects, *, retain_keys = None, release_keys = None))]
+            fn put(
+                &self,
+                py: Python<'_>,
+                objects: &Bound<'_, PyAny>,
+                retain_keys: Option<&Bound<'_, PyAny>>,
+                release_keys: Option<&Bound<'_, PyAny>>,
+            ) -> PyResult<()> {
+                self.handle.ensure_open()?;
+                let mut batch = $crate::python::gather::Gathered::default();
+                batch.objects(objects)?;
+                batch.references(retain_keys, release_keys)?;
+                self.handle.put_gathered(py, &batch)
+            }
+
+            /// Whether each key is stored, without reading it or touching LRU order.
+            fn contains<'py>(
+                &self,
+                py: Python<'py>,
+                keys: &Bound<'py, PyAny>,
+            ) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+                self.handle.contains(py, keys)
+            }
+
+            /// The reference count of each of `keys` (0 for a key the store does not know), in
+            /// order, without touching LRU order.
+            fn reference_counts(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+                self.handle.reference_counts(py, keys)
+            }
+
+            /// Frees the arena; later calls raise `RuntimeError`. Idempotent.
+            fn close(&self, py: Python<'_>) -> PyResult<()> {
+                self.handle.close(py)
+            }
+
+            /// Whether `close()` was called (and finished).
+            #[getter]
+            fn closed(&self) -> bool {
+                self.handle.closed()
+            }
+
+            /// The victim policy given to the constructor, or None.
+            #[getter]
+            fn policy(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+                self.handle.policy_ref(py)
+            }
+
+            /// Raises `AssertionError` naming the first broken store invariant.
+            fn check(&self, py: Python<'_>) -> PyResult<()> {
+                self.handle.check(py)
+            }
+
+            /// Every key the store knows, without touching LRU order (O(n); for tests and
+            /// debugging): `{"lru": [evictable keys, oldest first], "references": {key: count},
+            /// "objects": {key: payload bytes}}`.
+            fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+                self.handle.snapshot(py)
+            }
+
+            fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+                self.handle.traverse(&visit)
+            }
+
+            fn __clear__(&self) {
+                self.handle.clear();
+            }
+        }
+    };
+}
+
+pub(crate) use store_methods;
