@@ -184,6 +184,26 @@ impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
         }
     }
 
+    /// Evictable keys, oldest first. For tests and debugging: O(n).
+    pub fn lru_keys(&self) -> Vec<&str> {
+        self.slab.lru_iter().map(|idx| self.slab[idx].key()).collect()
+    }
+
+    /// Every key with a reference count above zero, with its count, in no particular order.
+    pub fn references(&self) -> Vec<(&str, u32)> {
+        let slab = &self.slab;
+        slab.live_indices()
+            .map(|idx| &slab[idx])
+            .filter(|e| e.refs > 0)
+            .map(|e| (e.key(), e.refs))
+            .collect()
+    }
+
+    /// The reference count of `key` (0 when unknown).
+    pub fn reference_count(&self, key: &str) -> u32 {
+        self.lookup(key).map_or(0, |idx| self.slab[idx].refs)
+    }
+
     /// Frees an entry that is neither stored nor referenced (and so not in the LRU).
     pub fn forget(&mut self, idx: u32) {
         self.index.remove(self.slab.hash(idx), idx);

@@ -863,18 +863,12 @@ impl BlockStore {
 
     /// Evictable keys, oldest first. For tests and debugging: O(n).
     pub fn lru_keys(&self) -> Vec<&str> {
-        self.keys.slab.lru_iter().map(|idx| self.keys.slab[idx].key()).collect()
+        self.keys.lru_keys()
     }
 
     /// Every key with a reference count above zero, with its count, in no particular order.
     pub fn references(&self) -> Vec<(&str, u32)> {
-        self.keys
-            .slab
-            .live_indices()
-            .map(|idx| &self.keys.slab[idx])
-            .filter(|e| e.refs > 0)
-            .map(|e| (e.key(), e.refs))
-            .collect()
+        self.keys.references()
     }
 
     /// Every stored key with its bytes, in no particular order. Touches no LRU position.
@@ -893,7 +887,7 @@ impl BlockStore {
 
     /// The reference count of `key` (0 when unknown).
     pub fn reference_count(&self, key: &str) -> u32 {
-        self.keys.find(key, self.keys.hash_key(key)).map_or(0, |idx| self.keys.slab[idx].refs)
+        self.keys.reference_count(key)
     }
 
     /// Whether `key` is stored.
