@@ -5,6 +5,7 @@ Every wait has a timeout, so a broken writer fails a test instead of hanging the
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -13,7 +14,10 @@ from typing import Any
 from unittest import mock
 
 import model
+import numpy as np
 import pytest
+from scripts import TIMEOUT as SCRIPT_TIMEOUT
+from scripts import run_script
 
 TIMEOUT = 10.0  # seconds; only reached when something is broken
 SETTLE = 0.2  # seconds to give a thread that should stay blocked the chance not to
@@ -440,3 +444,179 @@ def test_writer_over_a_store_with_mocked_put_calls_the_mock(aostore, background)
         bg.close()
     finally:
         store.close()
+
+
+# ------------------------------------------------------------- which writer, and payload lifetimes
+# Real stores only, by the module's lazy ``aostore`` fixture; N-byte objects.
+
+N = 64
+
+
+def fill(value: int, nbytes: int = N) -> bytes:
+    return bytes([value % 256]) * nbytes
+
+
+def test_a_second_bad_put_drops_its_exception_outside_the_writer_lock():
+    # The dropped exception holds an object whose __del__ reads writer.closed, which takes the
+    # writer's state lock: dropping it under that lock deadlocked the caller's own thread.
+    out = run_script(
+        """
+        store = BlockObjectStore(max_bytes=8 * 64, object_nbytes=64)
+        writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+        native = writer._writer
+
+        class Trap:
+            def __del__(self):
+                native.closed
+
+        class BadKey(TypeError):
+            pass
+
+        class Item:
+            payload = bytes(64)
+
+            @property
+            def key(self):
+                raise BadKey("a key that is not str", Trap())
+
+        for attempt in range(3):
+            try:
+                writer.put([Item()])
+            except BlockObjectStoreError as error:
+                assert "publication failed" in str(error)
+        print("no deadlock")
+        try:
+            writer.close()
+        except BlockObjectStoreError:
+            pass
+        """
+    )
+    assert "no deadlock" in out
+
+
+def test_a_subclass_put_override_is_honoured_by_the_background_writer(aostore):
+    class CountingStore(aostore.BlockObjectStore):
+        def put(self, objects: Any, **kwargs: Any) -> None:
+            self.calls = getattr(self, "calls", 0) + 1
+            super().put(objects, **kwargs)
+
+    store = CountingStore(max_bytes=8 * N, object_nbytes=N)
+    writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=2)
+    writer.put([aostore.BlockObject("a", fill(1))])
+    writer.put([aostore.BlockObject("b", fill(2))])
+    assert writer.get_concatenated(["a", "b"]) == fill(1) + fill(2)
+    assert store.calls == 2
+    writer.close()
+
+
+def test_aostore_stores_without_overrides_still_get_the_rust_writer(aostore):
+    from aostore._native import NativeWriter
+    from aostore.vllm_plugin import GrowBlockObjectStore
+
+    class SlowClose(aostore.BlockObjectStore):
+        def close(self) -> None:
+            time.sleep(0.3)
+            super().close()
+
+    for store in (
+        aostore.BlockObjectStore(max_bytes=8 * N, object_nbytes=N),
+        GrowBlockObjectStore(max_bytes=8 * N, object_nbytes=N),
+        SlowClose(max_bytes=8 * N, object_nbytes=N),  # close is called through Python anyway
+        aostore.VariableBlockObjectStore(max_bytes=8 * N),  # logprob rows: the same writer
+    ):
+        writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=2)
+        assert type(writer._writer) is NativeWriter
+        writer.close()
+
+
+def test_the_variable_store_through_the_rust_writer_keeps_its_contract(aostore):
+    BlockObject = aostore.BlockObject
+    store = aostore.VariableBlockObjectStore(max_bytes=64)
+    writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=2)
+    writer.put([BlockObject("a", b"x" * 10), BlockObject("b", b"")], retain_keys=["a"])
+    writer.put([BlockObject("a", b"y" * 20)])  # replaced, referenced or not
+    assert writer.get_optional("a") == b"y" * 20
+    assert writer.get_optional("b") == b""
+    assert writer.get_optional("zz") is None
+    data, missing, _offsets = writer.get_many(["a", "zz", "b"])
+    assert (bytes(data), missing) == (b"y" * 20, ["zz"])
+    assert writer.contains(["a", "zz"]) == [True, False]
+    writer.flush()
+    # A batch it cannot hold is refused whole, latched, and raised from the next call.
+    writer.put([BlockObject("big", b"z" * 100)])
+    with pytest.raises(aostore.BlockObjectStoreError, match="publication failed") as raised:
+        writer.flush()
+    assert "cannot retain" in str(raised.value.__cause__)
+    assert store.get_concatenated(["a"]) == b"y" * 20
+    store.check()
+    with pytest.raises(aostore.BlockObjectStoreError, match="publication failed"):
+        writer.close()
+
+
+def test_put_blocks_on_a_variable_store_background_is_an_argument_error(aostore):
+    store = aostore.VariableBlockObjectStore(max_bytes=64)
+    writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=2)
+    with pytest.raises(aostore.BlockObjectStoreError, match="publication failed") as raised:
+        writer.put_blocks(["a"], np.zeros((1, 4), dtype=np.uint8))
+    assert isinstance(raised.value.__cause__, TypeError)
+    with pytest.raises(aostore.BlockObjectStoreError):
+        writer.close()
+
+
+def test_a_variable_store_with_a_policy_gets_the_python_writer(aostore):
+    from aostore._native import NativeWriter
+
+    class Oldest:
+        def on_reference_change(self, key: str, old: int, new: int) -> None:
+            pass
+
+        def select_victims(self, candidates: Any, count: int) -> list[str]:
+            return [next(candidates) for _ in range(count)]
+
+        def on_remove(self, keys: Any, reason: str) -> None:
+            pass
+
+    store = aostore.VariableBlockObjectStore(max_bytes=8, policy=Oldest())
+    writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=2)
+    assert type(writer._writer) is not NativeWriter
+    for key in "abc":
+        writer.put([aostore.BlockObject(key, b"1234")])
+    assert writer.get_optional("a") is None
+    assert writer.get_concatenated(["b", "c"]) == b"12341234"
+    writer.close()
+
+
+def test_set_on_a_tensor_after_a_background_put_blocks_is_harmless(aostore):
+    torch = pytest.importorskip("torch")
+    store = aostore.BlockObjectStore(max_bytes=128 * N, object_nbytes=N)
+    writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=64)
+    tensors = [torch.full((4, N), i, dtype=torch.uint8) for i in range(32)]
+    for i, tensor in enumerate(tensors):
+        writer.put_blocks([f"k{i}-{j}" for j in range(4)], tensor)
+        tensor.set_(torch.empty(0, dtype=torch.uint8))  # the caller's tensor lets go at once
+    del tensors
+    gc.collect()
+    for i in range(32):
+        assert writer.get_concatenated([f"k{i}-{j}" for j in range(4)]) == fill(i) * 4
+    writer.close()
+
+
+def test_a_bytearray_payload_is_released_once_its_batch_is_applied(aostore):
+    store = aostore.BlockObjectStore(max_bytes=8 * N, object_nbytes=N)
+    writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=2)
+    payload = bytearray(fill(5))
+    writer.put([aostore.BlockObject("k", payload)])
+    deadline = time.monotonic() + SCRIPT_TIMEOUT
+    resized = False
+    while time.monotonic() < deadline:
+        # Ordinary Python code runs the interpreter's pending calls, where the writer releases
+        # applied batches; no call into the writer happens here.
+        try:
+            payload.extend(b"!")
+            resized = True
+            break
+        except BufferError:
+            time.sleep(0.01)
+    assert resized, "the payload stayed exported after its batch was applied"
+    assert store.get_concatenated(["k"]) == fill(5)
+    writer.close()

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from scripts import TIMEOUT
 
 N = 512
 SLOTS = 256
@@ -441,3 +442,64 @@ def test_closing_a_background_writer_while_producers_and_readers_work(kind):
     workers.join()
     assert store.closed
     assert results.get("producer-0", 0) > 0, results
+
+
+# --------------------------------------------------------------------------- concurrent close
+
+
+class SlowClose(BlockObjectStore):
+    """A store whose close() takes a while, so a second closer arrives during it."""
+
+    def close(self) -> None:
+        time.sleep(0.3)
+        super().close()
+
+
+class PythonSlowStore:
+    def __init__(self) -> None:
+        self.closed = False
+        self.objects: dict[str, bytes] = {}
+
+    def put(self, objects: Any, *, retain_keys: Any = (), release_keys: Any = ()) -> None:
+        if retain_keys:
+            raise RuntimeError("this store refuses retains")
+        for obj in objects:
+            self.objects[obj.key] = bytes(obj.payload)
+
+    def get_concatenated(self, keys: Any) -> bytes:
+        return b"".join(self.objects[k] for k in keys)
+
+    def close(self) -> None:
+        time.sleep(0.3)
+        self.closed = True
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_every_concurrent_close_returns_after_the_store_closed_and_raises(kind):
+    if kind == "native":
+        store: Any = SlowClose(max_bytes=N, object_nbytes=N)
+        failing = [BlockObject("a", bytes([1]) * N), BlockObject("b", bytes([2]) * N)]
+        writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+        writer.put(failing, retain_keys=["a", "b"])  # cannot retain: latched
+    else:
+        store = PythonSlowStore()
+        writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+        writer.put([BlockObject("a", bytes([1]) * N)], retain_keys=["a"])  # raises in the writer
+    seen: list[tuple[bool, str]] = []
+
+    def close() -> None:
+        try:
+            writer.close()
+            seen.append((bool(store.closed), "returned"))
+        except BlockObjectStoreError as error:
+            seen.append((bool(store.closed), str(error)))
+
+    threads = [threading.Thread(target=close) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert len(seen) == 3
+    assert all(closed for closed, _ in seen), seen
+    assert all("publication failed" in message for _, message in seen), seen

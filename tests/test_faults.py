@@ -9,6 +9,7 @@ exactly the updates that went through.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -538,3 +539,42 @@ def test_an_arena_the_os_cannot_give_is_a_clear_error():
         "growth: MemoryError",
         "consistent",
     ], result.stdout
+
+
+# --------------------------------------------------------------------------- a raising log handler
+
+
+class Explode(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        raise RuntimeError("this log filter raises")
+
+
+@pytest.fixture
+def raising_aostore_logger():
+    logger = logging.getLogger("aostore")
+    bomb = Explode()
+    logger.addFilter(bomb)
+    raise_exceptions = logging.raiseExceptions
+    logging.raiseExceptions = False  # keep the test's output quiet; the rule holds either way
+    yield
+    logging.raiseExceptions = raise_exceptions
+    logger.removeFilter(bomb)
+
+
+def test_a_raising_log_filter_loses_no_batch_and_skips_no_close(raising_aostore_logger):
+    store = BlockObjectStore(max_bytes=2 * N, object_nbytes=N, profile="grow")
+    writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+    keys = [f"k{i}" for i in range(4)]
+    writer.put([BlockObject(k, fill(i)) for i, k in enumerate(keys)], retain_keys=keys)
+    writer.put([BlockObject("after", fill(9))], retain_keys=["after"])
+    assert writer.get_concatenated([*keys, "after"]) == b"".join(fill(i) for i in [0, 1, 2, 3, 9])
+    assert store.stats()["growths"] >= 1
+    writer.close()
+    assert store.closed
+
+
+def test_a_raising_log_filter_does_not_fail_a_growing_put(raising_aostore_logger):
+    store = BlockObjectStore(max_bytes=N, object_nbytes=N, profile="grow")
+    store.put([BlockObject("a", fill(1)), BlockObject("b", fill(2))], retain_keys=["a", "b"])
+    assert store.get_concatenated(["a", "b"]) == fill(1) + fill(2)
+    store.close()

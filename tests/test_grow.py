@@ -26,6 +26,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from scripts import run_script
 
 aostore = pytest.importorskip("aostore")
 BlockObject = aostore.BlockObject
@@ -314,3 +315,42 @@ def test_model_validates_releases_before_changing_anything() -> None:
 
 def make_object(key: str) -> Any:
     return BlockObject(key, key.encode() * 4)
+
+
+# --------------------------------------------------------------------------- a refused growth
+
+
+def test_a_refused_grow_put_keeps_a_replaced_object_with_its_old_bytes():
+    # k2 is stored and unreferenced, so the put replaces it; the arena cannot double under the
+    # address-space limit, so the put is refused: k2 must still be there with its old bytes.
+    out = run_script(
+        """
+        import resource
+
+        def vm():
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+        NBYTES = 16 << 20
+        store = BlockObjectStore(max_bytes=4 * NBYTES, object_nbytes=NBYTES, profile="grow")
+        old = [np.full(NBYTES, i, dtype=np.uint8) for i in range(4)]
+        store.put([BlockObject(f"k{i}", old[i]) for i in range(4)], retain_keys=["k0", "k1"])
+        limit = vm() + (48 << 20)
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        new = np.full(NBYTES, 9, dtype=np.uint8)
+        batch = [BlockObject("k2", new)] + [BlockObject(f"n{i}", new) for i in range(4)]
+        keys = [b.key for b in batch]
+        try:
+            store.put(batch, retain_keys=keys)
+        except MemoryError:
+            print("refused")
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # room to read back
+        store.check()
+        assert store.get_concatenated(["k2"]) == old[2].tobytes(), "k2 lost or replaced"
+        assert store.stats()["stored"] == 4
+        print("kept")
+        """,
+        timeout=120,
+    )
+    assert out.split() == ["refused", "kept"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scripts import TIMEOUT as SCRIPT_TIMEOUT
 
 aostore = pytest.importorskip("aostore")
 BlockObject = aostore.BlockObject
@@ -564,3 +565,49 @@ def test_reference_changes_with_a_policy_cost_linear_time(kind: str, phase: str)
     small, large = 2_000, 16_000
     ratio = per_key_seconds(kind, large, phase) / per_key_seconds(kind, small, phase)
     assert ratio < 3.0, f"per-key cost grew {ratio:.1f}x from {small} to {large} keys"
+
+
+# -------------------------------------------------------------------- a policy waiting on a thread
+
+
+def test_a_policy_waiting_on_a_thread_that_uses_its_store_gets_an_error_not_a_deadlock():
+    n = 64
+    results: list[object] = []
+
+    class Waiting:
+        def on_reference_change(self, key: str, old: int, new: int) -> None:
+            pass
+
+        def on_remove(self, keys: list[str], reason: str) -> None:
+            pass
+
+        def select_victims(self, candidates: Any, count: int) -> list[str]:
+            chosen = [next(candidates) for _ in range(count)]
+
+            def read() -> None:
+                try:
+                    results.append(store_with_policy.get_concatenated(["a"]))
+                except Error as error:
+                    results.append(error)
+
+            helper = threading.Thread(target=read)
+            helper.start()
+            helper.join(SCRIPT_TIMEOUT)
+            results.append("joined" if not helper.is_alive() else "still blocked")
+            return chosen
+
+    def fill(value: int) -> bytes:
+        return bytes([value]) * n
+
+    store_with_policy = aostore.BlockObjectStore(max_bytes=2 * n, object_nbytes=n, policy=Waiting())
+    store_with_policy.put([BlockObject("a", fill(1)), BlockObject("b", fill(2))])
+    started = time.monotonic()
+    store_with_policy.put([BlockObject("c", fill(3))])
+    elapsed = time.monotonic() - started
+    assert results[-1] == "joined", results
+    assert isinstance(results[0], Error), results
+    assert "victim policy" in str(results[0])
+    assert elapsed < SCRIPT_TIMEOUT
+    assert store_with_policy.get_concatenated(["b", "c"]) == fill(2) + fill(3)
+    store_with_policy.check()
+    store_with_policy.close()

@@ -171,3 +171,91 @@ def test_a_forked_child_can_build_and_use_its_own_background_prefault_store() ->
     )
     assert "child True" in out, out
     assert "status 0" in out, out
+
+
+# --------------------------------------------------------------------- fork and exit with a writer
+
+
+def test_a_forked_child_gets_a_clear_error_never_a_hang():
+    out = run_script(
+        """
+        store = BlockObjectStore(max_bytes=64 << 16, object_nbytes=1 << 16)
+        writer = BackgroundBlockObjectStore(store, max_pending_batches=1)
+        payload = bytes(1 << 16)
+        stop = threading.Event()
+
+        def busy():  # keeps the store lock and the writer busy at fork time
+            i = 0
+            while not stop.is_set():
+                writer.put([BlockObject(f"k{i % 64}", payload)])
+                i += 1
+
+        thread = threading.Thread(target=busy)
+        thread.start()
+        time.sleep(0.2)
+        pid = os.fork()
+        if pid == 0:
+            outcomes = []
+            for call in (lambda: store.put([BlockObject("c", payload)]),
+                         lambda: store.get_concatenated(["k1"]),
+                         lambda: writer.put([BlockObject("c", payload)]),
+                         lambda: writer.get_concatenated(["k1"]),
+                         lambda: writer.close()):
+                try:
+                    call()
+                    outcomes.append("worked")
+                except RuntimeError as error:
+                    outcomes.append("fork" in str(error))
+            print("child", outcomes, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        stop.set()
+        thread.join()
+        writer.close()
+        print("parent ok", flush=True)
+        """
+    )
+    assert "child [True, True, True, True, True]" in out, out
+    assert "parent ok" in out
+
+
+def test_a_python_writer_in_a_forked_child_raises():
+    out = run_script(
+        """
+        class Slow:
+            def put(self, objects, *, retain_keys=(), release_keys=()):
+                time.sleep(5)
+            def get_concatenated(self, keys):
+                return b""
+            def close(self):
+                pass
+
+        writer = BackgroundBlockObjectStore(Slow(), max_pending_batches=4)
+        writer.put([BlockObject("a", b"x")])
+        pid = os.fork()
+        if pid == 0:
+            try:
+                writer.get_concatenated(["a"])
+                print("child worked", flush=True)
+            except RuntimeError as error:
+                print("child", "fork" in str(error), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        """
+    )
+    assert "child True" in out, out
+
+
+def test_an_abandoned_writer_at_interpreter_exit_exits_cleanly():
+    for _ in range(3):
+        out = run_script(
+            """
+            store = BlockObjectStore(max_bytes=64 << 16, object_nbytes=1 << 16)
+            writer = BackgroundBlockObjectStore(store, max_pending_batches=8)
+            for i in range(32):
+                writer.put([BlockObject(f"k{i}", bytearray(1 << 16))])
+            keep = [writer]  # module globals: torn down during interpreter finalization
+            print("end")
+            """
+        )
+        assert "end" in out

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aostore import BlockObject, BlockObjectStore, BlockObjectStoreError
+from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -746,3 +746,25 @@ def test_import_does_not_load_torch():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# --------------------------------------------------------------------------- structured dtypes
+
+
+def test_structured_dtypes_with_an_o_in_a_field_name_are_plain_data():
+    dtype = np.dtype([("Open", "u1"), ("Close", "<u2"), ("Other", "i1")])
+    assert dtype.itemsize == 4
+    rows = np.zeros(4, dtype=dtype)
+    rows["Open"] = [1, 2, 3, 4]
+    store = BlockObjectStore(max_bytes=8 * 16, object_nbytes=16)
+    store.put([BlockObject("a", rows)])
+    store.put_blocks(["b"], rows.reshape(1, 4))
+    out = np.zeros(8, dtype=dtype)
+    store.get_into(["a", "b"], out)
+    assert out["Open"].tolist() == [1, 2, 3, 4, 1, 2, 3, 4]
+    writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+    writer.put([BlockObject("c", rows)])
+    assert writer.get_concatenated(["c"]) == rows.tobytes()
+    with pytest.raises(TypeError):  # a real object field is still refused
+        store.put([BlockObject("d", np.array([object()] * 2, dtype=object))])
+    writer.close()

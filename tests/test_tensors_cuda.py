@@ -8,6 +8,9 @@ recording stand-in for ``torch.cuda.cudart()``), run everywhere.
 from __future__ import annotations
 
 import ctypes
+import gc
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -236,3 +239,54 @@ def test_pinned_reads_do_not_alias_slots(stores):
     assert store.stats()["evictions"] == 2
     assert bool((on_device == 1).all())
     assert bool((on_host == 1).all())
+
+
+# ------------------------------------------------- concurrent and missing closes of a pinned arena
+
+
+class FakeCudart:
+    """Counts cudaHostRegister/Unregister calls (no GPU here) and checks the arena is mapped."""
+
+    def __init__(self) -> None:
+        self.unregistered: list[int] = []
+        self.lock = threading.Lock()
+
+    def cudaHostUnregister(self, address: int) -> int:
+        time.sleep(0.05)  # widen the window for a second closer
+        with self.lock:
+            self.unregistered.append(address)
+        return 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    torch = pytest.importorskip("torch")
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    return cudart
+
+
+def pinned_store() -> BlockObjectStore:
+    store = BlockObjectStore(max_bytes=8 * N, object_nbytes=N)
+    store._pinned = True  # as _pin_arena leaves it after cudaHostRegister
+    return store
+
+
+def test_concurrent_closes_of_a_pinned_store_unregister_once(fake_cuda):
+    store = pinned_store()
+    address, _ = store.arena_span()
+    threads = [threading.Thread(target=store.close) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert fake_cuda.unregistered == [address]
+    assert store.closed
+
+
+def test_a_pinned_store_collected_without_close_is_unregistered_first(fake_cuda):
+    store = pinned_store()
+    address, _ = store.arena_span()
+    del store
+    gc.collect()
+    assert fake_cuda.unregistered == [address]
