@@ -259,3 +259,51 @@ def test_an_abandoned_writer_at_interpreter_exit_exits_cleanly():
             """
         )
         assert "end" in out
+
+
+# ---------------------------------------------------------------- fork with a busy variable store
+
+VARIABLE_FORK_SCRIPT = """
+import os, threading, time
+from aostore import BlockObject, VariableBlockObjectStore
+store = VariableBlockObjectStore(max_bytes=1 << 22, prefault="background")
+payload = bytes(3000)
+stop = threading.Event()
+
+def busy():  # keeps the store lock busy at fork time
+    i = 0
+    while not stop.is_set():
+        store.put([BlockObject(f"k{i % 64}", payload)])
+        i += 1
+
+thread = threading.Thread(target=busy)
+thread.start()
+time.sleep(0.2)
+pid = os.fork()
+if pid == 0:
+    outcomes = []
+    for call in (lambda: store.put([BlockObject("c", payload)]),
+                 lambda: store.get_concatenated(["k1"]),
+                 lambda: store.get_many(["k1"]),
+                 lambda: store.contains(["k1"]),
+                 lambda: store.stats()):
+        try:
+            call()
+            outcomes.append("worked")
+        except RuntimeError as error:
+            outcomes.append("fork" in str(error))
+    print("child", outcomes, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+stop.set()
+thread.join()
+store.check()
+store.close()
+print("parent ok", flush=True)
+"""
+
+
+def test_a_forked_child_of_a_busy_variable_store_gets_a_clear_error_never_a_hang():
+    out = run_script(VARIABLE_FORK_SCRIPT, timeout=60)
+    assert "child [True, True, True, True, True]" in out, out
+    assert "parent ok" in out, out

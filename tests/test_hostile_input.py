@@ -1,4 +1,4 @@
-"""Hostile input at every Python entry point (SPEC section 11, issue 5 part 1).
+"""Hostile input at every Python entry point of both stores (SPEC section 11, issue 5 part 1).
 
 Every call gets wrong types, wrong sizes, huge and negative numbers, NaN, keys with lone
 surrogates, NUL bytes and 1 MB of text, strided and object buffers, and user objects whose
@@ -9,7 +9,10 @@ user's own exception. A failing call changes nothing: ``snapshot()`` before and 
 equal and ``check()`` holds. A call with valid input succeeds and does what the contract says.
 
 Anything that may take the process down runs in a subprocess, so a crash fails one test and
-not the run.
+not the run. The hand-written cases run against both stores (``kind``: the fixed
+``BlockObjectStore`` and the ``VariableBlockObjectStore``); the generated ones, and the entry
+points only the fixed store has (``get_into``, ``put_blocks``, tensors), run against the fixed
+store.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from aostore import (
+    BackgroundBlockObjectStore,
+    BlockObject,
+    BlockObjectStore,
+    BlockObjectStoreError,
+    VariableBlockObjectStore,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -65,10 +74,25 @@ def fill(value: int, nbytes: int = N) -> bytes:
     return bytes([value % 256]) * nbytes
 
 
-def populated(policy: Any = None, slots: int = SLOTS) -> BlockObjectStore:
+KINDS = ("fixed", "variable")
+
+
+def new_store(kind: str, policy: Any = None, slots: int = SLOTS, **options: Any) -> Any:
+    """A fixed store of ``slots`` objects of N bytes, or a variable store of as many bytes."""
+    if kind == "fixed":
+        return BlockObjectStore(max_bytes=slots * N, object_nbytes=N, policy=policy, **options)
+    return VariableBlockObjectStore(max_bytes=slots * N, policy=policy, **options)
+
+
+def valid(kind: str, value: int) -> bytes:
+    """A valid payload: N bytes for the fixed store, 1 to 11 (by value) for the variable one."""
+    return fill(value, N if kind == "fixed" else 1 + value % 11)
+
+
+def populated(policy: Any = None, slots: int = SLOTS, kind: str = "fixed") -> Any:
     """r1 (count 2) and r2 referenced; e1, e2, "a\\0b", "ключ🔑" evictable; "pending"
     referenced but not stored."""
-    store = BlockObjectStore(max_bytes=slots * N, object_nbytes=N, policy=policy)
+    store = new_store(kind, policy, slots)
     store.put(
         [BlockObject(key, fill(i + 1)) for i, key in enumerate(BASE_KEYS)],
         retain_keys=["r1", "r1", "r2", PENDING],
@@ -541,27 +565,32 @@ def test_put_with_hostile_input_raises_documented_errors_and_changes_nothing(
     store.close()
 
 
-def test_user_exception_from_iteration_propagates_and_changes_nothing():
-    store = populated()
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_exception_from_iteration_propagates_and_changes_nothing(kind):
+    store = populated(kind=kind)
     before = store.snapshot()
-    objects = RaisingIter([BlockObject("new", fill(1)), BlockObject("new2", fill(2))])
-    with pytest.raises(UserError, match="iter midway"):
-        store.put(objects)
-    with pytest.raises(UserError, match="iter midway"):
-        store.put([], retain_keys=RaisingIter(["e1", "e2"]))
-    with pytest.raises(UserError, match="iter midway"):
-        store.put([], release_keys=RaisingIter(["r1", "r2"]))
-    with pytest.raises(UserError, match="iter midway"):
-        store.get_concatenated(RaisingIter(["e1", "e2"]))
-    with pytest.raises(UserError, match="iter midway"):
-        store.put_blocks(RaisingIter(["n1", "n2"]), fill(1, 2 * N))
+    objects = RaisingIter([BlockObject("new", valid(kind, 1)), BlockObject("new2", valid(kind, 2))])
+    calls = [
+        lambda: store.put(objects),
+        lambda: store.put([], retain_keys=RaisingIter(["e1", "e2"])),
+        lambda: store.put([], release_keys=RaisingIter(["r1", "r2"])),
+        lambda: store.get_concatenated(RaisingIter(["e1", "e2"])),
+        lambda: store.get_many(RaisingIter(["e1", "e2"])),
+        lambda: store.contains(RaisingIter(["e1", "e2"])),
+    ]
+    if kind == "fixed":
+        calls.append(lambda: store.put_blocks(RaisingIter(["n1", "n2"]), fill(1, 2 * N)))
+    for call in calls:
+        with pytest.raises(UserError, match="iter midway"):
+            call()
     assert_unchanged(store, before)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("item", [RaisingKey(), RaisingPayload()], ids=type)
-def test_user_exception_from_key_or_payload_property_is_not_swallowed(item):
+def test_user_exception_from_key_or_payload_property_is_not_swallowed(item, kind):
     """The user's exception propagates (or at least is the cause of the TypeError)."""
-    store = populated()
+    store = populated(kind=kind)
     before = store.snapshot()
     with pytest.raises((UserError, TypeError)) as raised:
         store.put([BlockObject("ok", fill(1)), item])
@@ -572,7 +601,8 @@ def test_user_exception_from_key_or_payload_property_is_not_swallowed(item):
     assert_unchanged(store, before)
 
 
-def test_keyboard_interrupt_from_a_key_property_propagates():
+@pytest.mark.parametrize("kind", KINDS)
+def test_keyboard_interrupt_from_a_key_property_propagates(kind):
     class Interrupting:
         payload = fill(1)
 
@@ -580,30 +610,36 @@ def test_keyboard_interrupt_from_a_key_property_propagates():
         def key(self) -> str:
             raise KeyboardInterrupt
 
-    store = populated()
+    store = populated(kind=kind)
     before = store.snapshot()
     with pytest.raises(KeyboardInterrupt):
         store.put([Interrupting()])
     assert_unchanged(store, before)
 
 
-def test_lying_or_raising_len_is_only_a_hint():
-    store = populated()
-    store.put(RaisingLen([BlockObject("n1", fill(1))]), retain_keys=RaisingLen(["n1"]))
-    store.put(LyingLen([BlockObject("n2", fill(2))], 0), release_keys=LyingLen(["n1"], 10**6))
-    assert store.get_concatenated(RaisingLen(["n1", "n2"])) == fill(1) + fill(2)
+@pytest.mark.parametrize("kind", KINDS)
+def test_lying_or_raising_len_is_only_a_hint(kind):
+    store = populated(kind=kind)
+    one, two = valid(kind, 1), valid(kind, 2)
+    store.put(RaisingLen([BlockObject("n1", one)]), retain_keys=RaisingLen(["n1"]))
+    store.put(LyingLen([BlockObject("n2", two)], 0), release_keys=LyingLen(["n1"], 10**6))
+    assert store.get_concatenated(RaisingLen(["n1", "n2"])) == one + two
+    assert store.get_many(LyingLen(["n2", "zz"], 10**9))[1] == ["zz"]
+    assert store.contains(LyingLen(["n1"], 0)) == [True]
     store.check()
 
 
-def test_buffers_mutated_while_put_iterates():
-    store = populated()
+@pytest.mark.parametrize("kind", KINDS)
+def test_buffers_mutated_while_put_iterates(kind):
+    store = populated(kind=kind)
     before = store.snapshot()
-    payload = bytearray(fill(1))
+    payload = bytearray(valid(kind, 1))
+    size, two = len(payload), valid(kind, 2)
 
     def resizing() -> Iterator[BlockObject]:
         yield BlockObject("g1", payload)
         payload.append(0)  # the store holds the buffer exported: BufferError, nothing stored
-        yield BlockObject("g2", fill(2))
+        yield BlockObject("g2", two)
 
     with pytest.raises(BufferError):
         store.put(resizing())
@@ -611,13 +647,13 @@ def test_buffers_mutated_while_put_iterates():
 
     def rewriting() -> Iterator[BlockObject]:
         yield BlockObject("g1", payload)
-        payload[:] = fill(7)  # same size: allowed; the put copies what is there at the end
-        yield BlockObject("g2", fill(2))
+        payload[:] = fill(7, size)  # same size: allowed; the put copies what is there at the end
+        yield BlockObject("g2", two)
 
     store.put(rewriting())
-    assert store.get_concatenated(["g1", "g2"]) == fill(7) + fill(2)
-    payload[:] = fill(8)  # the store copied: later writes to the caller's buffer do not leak in
-    assert store.get_concatenated(["g1"]) == fill(7)
+    assert store.get_concatenated(["g1", "g2"]) == fill(7, size) + two
+    payload[:] = fill(8, size)  # the store copied: later writes to the caller's buffer do not leak
+    assert store.get_concatenated(["g1"]) == fill(7, size)
     payload.append(0)  # and it released the export
     store.check()
 
@@ -646,32 +682,36 @@ def test_out_resized_while_get_into_iterates_its_keys():
     store.check()
 
 
-def test_user_code_closing_the_store_while_put_iterates():
-    store = populated()
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_code_closing_the_store_while_put_iterates(kind):
+    store = populated(kind=kind)
 
     def closing() -> Iterator[BlockObject]:
-        yield BlockObject("g1", fill(1))
+        yield BlockObject("g1", valid(kind, 1))
         store.close()
-        yield BlockObject("g2", fill(2))
+        yield BlockObject("g2", valid(kind, 2))
 
     with pytest.raises(RuntimeError, match="closed"):
         store.put(closing())
     assert store.closed
     with pytest.raises(RuntimeError, match="closed"):
-        store.put([BlockObject("g3", fill(3))])
+        store.put([BlockObject("g3", valid(kind, 3))])
 
 
-def test_user_code_reentering_the_store_while_put_iterates():
-    store = populated()
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_code_reentering_the_store_while_put_iterates(kind):
+    store = populated(kind=kind)
+    one, two, five = valid(kind, 1), valid(kind, 2), valid(kind, 5)
 
     def reentering() -> Iterator[BlockObject]:
-        yield BlockObject("g1", fill(1))
-        store.put([BlockObject("inner", fill(5))], retain_keys=["inner"])
-        assert store.get_concatenated(["inner"]) == fill(5)
-        yield BlockObject("g2", fill(2))
+        yield BlockObject("g1", one)
+        store.put([BlockObject("inner", five)], retain_keys=["inner"])
+        assert store.get_concatenated(["inner"]) == five
+        assert store.get_many(["inner"])[0] == five
+        yield BlockObject("g2", two)
 
     store.put(reentering(), release_keys=["inner"])
-    assert store.get_concatenated(["g1", "g2", "inner"]) == fill(1) + fill(2) + fill(5)
+    assert store.get_concatenated(["g1", "g2", "inner"]) == one + two + five
     assert "inner" not in store.snapshot()["references"]
     store.check()
 
@@ -679,57 +719,68 @@ def test_user_code_reentering_the_store_while_put_iterates():
 # --------------------------------------------------------------------------- keys
 
 
-def test_enormous_keys():
-    store = populated()
+@pytest.mark.parametrize("kind", KINDS)
+def test_enormous_keys(kind):
+    store = populated(kind=kind)
+    one, two, three = valid(kind, 1), valid(kind, 2), valid(kind, 3)
     big = "k" * (1 << 20)
     twin = big[:-1] + "j"  # differs in the last of 1 MiB characters
-    store.put(
-        [BlockObject(big, fill(1)), BlockObject(twin, fill(2))], retain_keys=[big, twin, twin]
-    )
-    assert store.get_concatenated([twin, big]) == fill(2) + fill(1)
+    store.put([BlockObject(big, one), BlockObject(twin, two)], retain_keys=[big, twin, twin])
+    assert store.get_concatenated([twin, big]) == two + one
     store.put([], release_keys=[big, twin])
     assert store.snapshot()["references"][twin] == 1
     wide = "\U0010ffff" * (1 << 18)  # 1 MiB of UTF-8 in 4-byte characters
-    store.put([BlockObject(wide, fill(3))])
-    assert store.get_concatenated([wide]) == fill(3)
+    store.put([BlockObject(wide, three)])
+    assert store.get_concatenated([wide]) == three
     with pytest.raises(BlockObjectStoreError, match="does not exist"):
         store.get_concatenated([big + "x"])
     store.check()
 
 
-def test_keys_differing_only_after_a_nul_byte_are_distinct():
-    store = populated()
+@pytest.mark.parametrize("kind", KINDS)
+def test_keys_differing_only_after_a_nul_byte_are_distinct(kind):
+    store = populated(kind=kind)
     keys = ["a", "a\x00", "a\x00\x00", "\x00a", "a\x00b\x00c", "a\x00c"]
-    store.put([BlockObject(key, fill(10 + i)) for i, key in enumerate(keys)], retain_keys=keys)
-    assert store.get_concatenated(keys) == b"".join(fill(10 + i) for i in range(len(keys)))
+    payloads = [valid(kind, 10 + i) for i in range(len(keys))]
+    store.put(
+        [BlockObject(key, p) for key, p in zip(keys, payloads, strict=True)], retain_keys=keys
+    )
+    assert store.get_concatenated(keys) == b"".join(payloads)
+    assert store.get_many(keys)[0] == b"".join(payloads)
     refs = store.snapshot()["references"]
     assert all(refs[key] == 1 for key in keys)
     assert store.get_concatenated(["a\x00b"]) == fill(5)  # BASE_KEYS[4]
     store.check()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("key", ["\ud800", "a\udfffb", "\udc80" * 3], ids=ascii)
-def test_lone_surrogate_keys_are_refused_everywhere(key):
-    store = populated()
+def test_lone_surrogate_keys_are_refused_everywhere(key, kind):
+    store = populated(kind=kind)
     before = store.snapshot()
-    for call in (
-        lambda: store.put([BlockObject(key, fill(1))]),
+    calls = [
+        lambda: store.put([BlockObject(key, valid(kind, 1))]),
         lambda: store.put([], retain_keys=[key]),
         lambda: store.put([], release_keys=[key]),
-        lambda: store.put_blocks([key], fill(1)),
         lambda: store.get_concatenated([key]),
-        lambda: store.get_into([key], bytearray(N)),
-    ):
+        lambda: store.get_many([key]),
+        lambda: store.contains([key]),
+    ]
+    if kind == "fixed":
+        calls.append(lambda: store.put_blocks([key], fill(1)))
+        calls.append(lambda: store.get_into([key], bytearray(N)))
+    for call in calls:
         with pytest.raises((TypeError, ValueError)):
             call()
     assert_unchanged(store, before)
 
 
-def test_str_subclass_keys_use_their_text():
-    store = populated()
+@pytest.mark.parametrize("kind", KINDS)
+def test_str_subclass_keys_use_their_text(kind):
+    store = populated(kind=kind)
     key = StrKey("sub")
-    store.put([BlockObject(key, fill(4))], retain_keys=[key])
-    assert store.get_concatenated(["sub"]) == fill(4)
+    store.put([BlockObject(key, valid(kind, 4))], retain_keys=[key])
+    assert store.get_concatenated(["sub"]) == valid(kind, 4)
     store.put([], release_keys=["sub"])
     store.put([], retain_keys=[StrKey("e1")], release_keys=[StrKey("e1")])
     assert store.get_concatenated([StrKey("e1")]) == fill(2)
@@ -1398,10 +1449,12 @@ def test_a_policy_calling_back_into_its_store_gets_an_error_not_a_deadlock(reent
     assert store.get_concatenated(["a"]) == fill(1)  # the store still works
 
 
-def test_a_policy_closing_its_store_leaves_it_consistent():
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_policy_closing_its_store_leaves_it_consistent(kind):
     """A refused close() must not leave the store half closed: either it is closed (closed is
-    True, puts raise "closed") or it is open and works."""
-    holder: list[BlockObjectStore] = []
+    True, puts raise "closed") or it is open and works. The variable store, whose refused put
+    changes nothing, stays open and unchanged."""
+    holder: list[Any] = []
 
     def on_reference_change(key: str, old: int, new: int) -> None:
         holder[0].close()
@@ -1411,20 +1464,24 @@ def test_a_policy_closing_its_store_leaves_it_consistent():
         select_victims=lambda c, n: None,
         on_remove=lambda keys, reason: None,
     )
-    store = BlockObjectStore(max_bytes=4 * N, object_nbytes=N, policy=policy)
+    store = new_store(kind, policy, slots=4)
     holder.append(store)
     store.put([BlockObject("a", fill(1))])
-    with pytest.raises(BlockObjectStoreError):
+    before = store.snapshot()
+    with pytest.raises(BlockObjectStoreError, match="must not call back"):
         store.put([], retain_keys=["a"])
+    if kind == "variable":
+        assert not store.closed
+        assert_unchanged(store, before)
     if store.closed:
         with pytest.raises(RuntimeError, match="closed"):
             store.get_concatenated(["a"])
     else:
         try:
-            data = store.get_concatenated(["a"])
+            read = store.get_concatenated(["a"])
         except RuntimeError as error:
             pytest.fail(f"store.closed is False, yet a read raises {error!r}")
-        assert data == fill(1)
+        assert read == fill(1)
     store.close()
     assert store.closed
 
@@ -1433,9 +1490,10 @@ def test_a_policy_closing_its_store_leaves_it_consistent():
 
 PRELUDE = """
 import sys
-from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from aostore import (BackgroundBlockObjectStore, BlockObject, BlockObjectStore,
+                     BlockObjectStoreError, VariableBlockObjectStore)
 N = 16
-store = BlockObjectStore(max_bytes=8 * N, object_nbytes=N)
+store = STORE
 store.put([BlockObject("a", b"a" * N)], retain_keys=["a"])
 before = store.snapshot()
 
@@ -1457,43 +1515,56 @@ else:
 store.check()
 print("survived")
 """
+STORES = {
+    "fixed": "BlockObjectStore(max_bytes=8 * N, object_nbytes=N)",
+    "variable": "VariableBlockObjectStore(max_bytes=8 * N)",
+}
 
 
-def run_isolated(call: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    code = textwrap.dedent(PRELUDE).replace("CALL", call)
+def run_isolated(
+    call: str, timeout: float = 60, kind: str = "fixed"
+) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(PRELUDE).replace("STORE", STORES[kind]).replace("CALL", call)
     env = {**os.environ, "RUST_BACKTRACE": "0"}
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
+# Calls both stores take, then the fixed store's own entry points.
+LYING_CALLS = {
+    "put-objects": 'store.put(LyingLen([BlockObject("b", b"b" * N)], HUGE))',
+    "put-retains": 'store.put([], retain_keys=LyingLen(["a"], HUGE))',
+    "put-releases": 'store.put([], release_keys=LyingLen(["a"], HUGE))',
+    "get-keys": 'store.get_concatenated(LyingLen(["a"], HUGE))',
+    "get-many": 'store.get_many(LyingLen(["a", "zz"], HUGE))',
+    "contains": 'store.contains(LyingLen(["a"], HUGE))',
+    "writer-put-objects": (
+        "BackgroundBlockObjectStore(store, max_pending_batches=2)"
+        '.put(LyingLen([BlockObject("b", b"b" * N)], HUGE))'
+    ),
+    "writer-put-retains": (
+        "BackgroundBlockObjectStore(store, max_pending_batches=2)"
+        '.put([], retain_keys=LyingLen(["a"], HUGE))'
+    ),
+}
+FIXED_LYING_CALLS = {
+    "get-into-keys": 'store.get_into(LyingLen(["a"], HUGE), bytearray(N))',
+    "put-blocks-keys": 'store.put_blocks(LyingLen(["b"], HUGE), b"b" * N)',
+}
 HUGE_LEN_CALLS = {
-    f"{name}-len-{length}": call.replace("HUGE", length)
+    f"{kind}-{name}-len-{length}": (kind, call.replace("HUGE", length))
+    for kind in KINDS
     for length in ("2**40", "sys.maxsize")
-    for name, call in {
-        "put-objects": 'store.put(LyingLen([BlockObject("b", b"b" * N)], HUGE))',
-        "put-retains": 'store.put([], retain_keys=LyingLen(["a"], HUGE))',
-        "put-releases": 'store.put([], release_keys=LyingLen(["a"], HUGE))',
-        "get-keys": 'store.get_concatenated(LyingLen(["a"], HUGE))',
-        "get-into-keys": 'store.get_into(LyingLen(["a"], HUGE), bytearray(N))',
-        "put-blocks-keys": 'store.put_blocks(LyingLen(["b"], HUGE), b"b" * N)',
-        "writer-put-objects": (
-            "BackgroundBlockObjectStore(store, max_pending_batches=2)"
-            '.put(LyingLen([BlockObject("b", b"b" * N)], HUGE))'
-        ),
-        "writer-put-retains": (
-            "BackgroundBlockObjectStore(store, max_pending_batches=2)"
-            '.put([], retain_keys=LyingLen(["a"], HUGE))'
-        ),
-    }.items()
+    for name, call in (LYING_CALLS | (FIXED_LYING_CALLS if kind == "fixed" else {})).items()
 }
 
 
-@pytest.mark.parametrize("call", list(HUGE_LEN_CALLS.values()), ids=list(HUGE_LEN_CALLS))
-def test_a_lying_len_never_crashes_the_process(call):
+@pytest.mark.parametrize(("kind", "call"), list(HUGE_LEN_CALLS.values()), ids=list(HUGE_LEN_CALLS))
+def test_a_lying_len_never_crashes_the_process(kind, call):
     """``__len__`` is only a size hint: an absurd one must not abort the process on a failed
     allocation or raise PanicException ("capacity overflow")."""
-    result = run_isolated(call)
+    result = run_isolated(call, kind=kind)
     assert result.returncode == 0, f"process died with {result.returncode}: {result.stderr[:1500]}"
     assert "survived" in result.stdout, result.stderr[:1500]
 
@@ -1577,3 +1648,23 @@ def test_put_blocks_whose_size_overflows_64_bits_is_refused(who):
         pytest.skip("this machine cannot map a 64 TiB arena")
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[:1500]}"
     assert result.stdout.startswith("refused"), result.stdout + result.stderr[:1500]
+
+
+# --------------------------------------------------------------------------- prefault modes
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prefault", [True, False, "background"])
+def test_prefault_modes(prefault, kind):
+    store = new_store(kind, slots=1 << 16, prefault=prefault)
+    payload = fill(3, N if kind == "fixed" else 3000)  # the variable store's spans many chunks
+    store.put([BlockObject("a", payload)])
+    assert store.get_concatenated(["a"]) == payload
+    store.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prefault", ["now", 1, None, "True"], ids=repr)
+def test_bad_prefault_is_a_value_error(prefault, kind):
+    with pytest.raises(ValueError, match="prefault"):
+        new_store(kind, slots=1 << 16, prefault=prefault)
