@@ -1,14 +1,14 @@
 """The benchmarks of SPEC section 9, reported as the targets of SPEC section 10.
 
 Every figure comes from this one run on this one machine. The reference is vLLM's own
-``BlockObjectStore`` (``vllm.distributed.aux_output_connector.store``, imported lazily when
-``vllm`` is importable; the bench environment installs ``vllm==0.33.0``), measured beside
-aostore with its own ``BlockObject`` and ``BackgroundBlockObjectStore``. The pure-Python replica
-of it (``aostore._baseline.PythonBlockObjectStore``: dict of slots + OrderedDict LRU of evictable
-keys + mmap arena) is a second reference that needs no vLLM; when vLLM is not importable its
-column says why and the targets that compare with vLLM are judged against the replica, which
-the table says. Other references: a store that rescans (the seed's "main") and the memcpy floor
-of the same bytes, measured with numpy. Only store calls are timed.
+``BlockObjectStore`` (``vllm.distributed.aux_output_connector.store``, imported lazily when ``vllm``
+is importable; the bench environment installs ``vllm==0.33.0``), measured beside aostore with its
+own ``BlockObject`` and ``BackgroundBlockObjectStore``. The pure-Python replica of it
+(``aostore.bench.baseline.PythonBlockObjectStore``: dict of slots + OrderedDict LRU of evictable
+keys + mmap arena) is a second reference that needs no vLLM; when vLLM is not importable its column
+says why and the targets that compare with vLLM are judged against the replica, which the table
+says. Other references: a store that rescans (the seed's "main") and the memcpy floor of the same
+bytes, measured with numpy. Only store calls are timed.
 
     python benches/bench.py                  # full sizes: table, bench-out/results.json, PNGs
     python benches/bench.py --quick          # tiny sizes: a smoke run (CI)
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from aostore._baseline import RescanBlockObjectStore
-from aostore.replay import (
+from aostore.bench.baseline import RescanBlockObjectStore
+from aostore.bench.replay import (
     POOL_ROWS,
     Contender,
     ReplayResult,
@@ -355,7 +355,7 @@ def w3(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
 # T6: memory per stored key, measured in a fresh process.
 _T6_CHILD = r"""
 import gc, json, mmap, sys
-from aostore.replay import aostore_contender, replica_contender, vllm_contender
+from aostore.bench.replay import aostore_contender, replica_contender, vllm_contender
 
 def rss():
     with open("/proc/self/statm") as f:

@@ -4,7 +4,7 @@
   and 64 releases, then reads of 64 live keys; ns per object for aostore's
   ``VariableBlockObjectStore``, for aostore's fixed ``BlockObjectStore`` at the same bytes
   (objects of the mean size, the same ``max_bytes``), and for the pure-Python variable store of
-  the same contract (``aostore._baseline_variable``);
+  the same contract (``aostore.bench.baseline_variable``);
 - fragmentation: payload bytes held / arena bytes at the end of the churn (and chunk bytes
   used / arena bytes, and how many pieces an object is in);
 - read-merge-write: the vLLM branch worker's shape: every decode step each running request
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from aostore import BlockObject, BlockObjectStore, BlockObjectStoreError, VariableBlockObjectStore
-from aostore._baseline_variable import PythonVariableBlockObjectStore
+from aostore.bench.baseline_variable import PythonVariableBlockObjectStore
 
 BATCH = 64
 BLOCK_TOKENS = 16

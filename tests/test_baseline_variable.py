@@ -7,7 +7,7 @@ from typing import Any
 
 import aostore
 import model_variable as mv
-from aostore._baseline_variable import PythonVariableBlockObjectStore
+from aostore.bench.baseline_variable import PythonVariableBlockObjectStore
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

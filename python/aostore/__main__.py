@@ -112,7 +112,7 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def replay(args: argparse.Namespace) -> int:
-    from aostore.replay import (
+    from aostore.bench.replay import (
         RolloutShape,
         compare,
         contenders,

@@ -15,7 +15,7 @@ same work a writer thread does).
 
 Each store compared is a :class:`Contender`: aostore, vLLM's own store (when ``vllm`` is
 importable; :func:`vllm_contender` imports it lazily) and the pure-Python replica of it
-(``aostore._baseline``), each with its own ``BlockObject`` and background writer classes.
+(``aostore.bench.baseline``), each with its own ``BlockObject`` and background writer classes.
 """
 
 from __future__ import annotations
@@ -250,10 +250,10 @@ def plugin_contender() -> Contender:
 
 
 def replica_contender() -> Contender:
-    """The pure-Python replica of vLLM's store (``aostore._baseline``), behind aostore's Python
+    """The pure-Python replica of vLLM's store (``aostore.bench.baseline``), behind aostore's Python
     writer thread (the same queue-and-thread design as vLLM's)."""
     from aostore._background import BackgroundBlockObjectStore
-    from aostore._baseline import PythonBlockObjectStore
+    from aostore.bench.baseline import PythonBlockObjectStore
 
     return Contender(
         name="replica",
