@@ -176,47 +176,74 @@ def test_a_forked_child_can_build_and_use_its_own_background_prefault_store() ->
 # --------------------------------------------------------------------- fork and exit with a writer
 
 
-def test_a_forked_child_gets_a_clear_error_never_a_hang():
-    out = run_script(
-        """
-        store = BlockObjectStore(max_bytes=64 << 16, object_nbytes=1 << 16)
-        writer = BackgroundBlockObjectStore(store, max_pending_batches=1)
-        payload = bytes(1 << 16)
-        stop = threading.Event()
+# The store (and writer) a busy thread keeps locked at fork time, and what the child tries.
+FORK_SCRIPT = """
+SETUP
+payload = bytes(NBYTES)
+stop = threading.Event()
 
-        def busy():  # keeps the store lock and the writer busy at fork time
-            i = 0
-            while not stop.is_set():
-                writer.put([BlockObject(f"k{i % 64}", payload)])
-                i += 1
+def busy():  # keeps the store lock (and the writer, if any) busy at fork time
+    i = 0
+    while not stop.is_set():
+        BUSY.put([BlockObject(f"k{i % 64}", payload)])
+        i += 1
 
-        thread = threading.Thread(target=busy)
-        thread.start()
-        time.sleep(0.2)
-        pid = os.fork()
-        if pid == 0:
-            outcomes = []
-            for call in (lambda: store.put([BlockObject("c", payload)]),
-                         lambda: store.get_concatenated(["k1"]),
-                         lambda: writer.put([BlockObject("c", payload)]),
-                         lambda: writer.get_concatenated(["k1"]),
-                         lambda: writer.close()):
-                try:
-                    call()
-                    outcomes.append("worked")
-                except RuntimeError as error:
-                    outcomes.append("fork" in str(error))
-            print("child", outcomes, flush=True)
-            os._exit(0)
-        os.waitpid(pid, 0)
-        stop.set()
-        thread.join()
-        writer.close()
-        print("parent ok", flush=True)
-        """
-    )
+thread = threading.Thread(target=busy)
+thread.start()
+time.sleep(0.2)
+pid = os.fork()
+if pid == 0:
+    outcomes = []
+    for call in (CALLS):
+        try:
+            call()
+            outcomes.append("worked")
+        except RuntimeError as error:
+            outcomes.append("fork" in str(error))
+    print("child", outcomes, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+stop.set()
+thread.join()
+TEARDOWN
+print("parent ok", flush=True)
+"""
+FORKED = {
+    "fixed-writer": {
+        "SETUP": "store = BlockObjectStore(max_bytes=64 << 16, object_nbytes=1 << 16)\n"
+        "writer = BackgroundBlockObjectStore(store, max_pending_batches=1)",
+        "NBYTES": "1 << 16",
+        "BUSY": "writer",
+        "CALLS": 'lambda: store.put([BlockObject("c", payload)]), '
+        'lambda: store.get_concatenated(["k1"]), '
+        'lambda: writer.put([BlockObject("c", payload)]), '
+        'lambda: writer.get_concatenated(["k1"]), '
+        "lambda: writer.close()",
+        "TEARDOWN": "writer.close()",
+    },
+    "variable": {
+        "SETUP": "from aostore import VariableBlockObjectStore\n"
+        'store = VariableBlockObjectStore(max_bytes=1 << 22, prefault="background")',
+        "NBYTES": "3000",
+        "BUSY": "store",
+        "CALLS": 'lambda: store.put([BlockObject("c", payload)]), '
+        'lambda: store.get_concatenated(["k1"]), '
+        'lambda: store.get_many(["k1"]), '
+        'lambda: store.contains(["k1"]), '
+        "lambda: store.stats()",
+        "TEARDOWN": "store.check()\nstore.close()",
+    },
+}
+
+
+@pytest.mark.parametrize("kind", list(FORKED))
+def test_a_forked_child_gets_a_clear_error_never_a_hang(kind):
+    script = FORK_SCRIPT
+    for name, text in FORKED[kind].items():
+        script = script.replace(name, text)
+    out = run_script(script, timeout=60)
     assert "child [True, True, True, True, True]" in out, out
-    assert "parent ok" in out
+    assert "parent ok" in out, out
 
 
 def test_a_python_writer_in_a_forked_child_raises():
@@ -259,51 +286,3 @@ def test_an_abandoned_writer_at_interpreter_exit_exits_cleanly():
             """
         )
         assert "end" in out
-
-
-# ---------------------------------------------------------------- fork with a busy variable store
-
-VARIABLE_FORK_SCRIPT = """
-import os, threading, time
-from aostore import BlockObject, VariableBlockObjectStore
-store = VariableBlockObjectStore(max_bytes=1 << 22, prefault="background")
-payload = bytes(3000)
-stop = threading.Event()
-
-def busy():  # keeps the store lock busy at fork time
-    i = 0
-    while not stop.is_set():
-        store.put([BlockObject(f"k{i % 64}", payload)])
-        i += 1
-
-thread = threading.Thread(target=busy)
-thread.start()
-time.sleep(0.2)
-pid = os.fork()
-if pid == 0:
-    outcomes = []
-    for call in (lambda: store.put([BlockObject("c", payload)]),
-                 lambda: store.get_concatenated(["k1"]),
-                 lambda: store.get_many(["k1"]),
-                 lambda: store.contains(["k1"]),
-                 lambda: store.stats()):
-        try:
-            call()
-            outcomes.append("worked")
-        except RuntimeError as error:
-            outcomes.append("fork" in str(error))
-    print("child", outcomes, flush=True)
-    os._exit(0)
-os.waitpid(pid, 0)
-stop.set()
-thread.join()
-store.check()
-store.close()
-print("parent ok", flush=True)
-"""
-
-
-def test_a_forked_child_of_a_busy_variable_store_gets_a_clear_error_never_a_hang():
-    out = run_script(VARIABLE_FORK_SCRIPT, timeout=60)
-    assert "child [True, True, True, True, True]" in out, out
-    assert "parent ok" in out, out
