@@ -317,69 +317,33 @@ impl Contents {
     }
 }
 
-/// SPEC section 2: fixed slots; a refused put keeps its reference changes and LRU moves, as
-/// vLLM does; `grow` is vLLM 0.33's profile.
-#[derive(Debug, Default)]
-struct FixedModel {
-    num_slots: usize,
-    grow: bool,
+/// A model: the contents both models share and one store's rule for what a put may hold.
+#[derive(Debug, Clone, Default)]
+struct Model<R> {
+    rule: R,
     c: Contents,
 }
 
-impl Subject for FixedModel {
+/// What differs between the two models: the put (given the contents) and the extra gauge.
+trait Rule {
+    fn put(
+        &mut self,
+        c: &mut Contents,
+        objects: &[(String, Vec<u8>)],
+        retains: &[String],
+        releases: &[String],
+    ) -> Outcome;
+    fn gauge(&self, c: &Contents) -> (&'static str, u64);
+}
+
+impl<R: Rule> Subject for Model<R> {
     fn put(
         &mut self,
         objects: &[(String, Vec<u8>)],
         retains: &[String],
         releases: &[String],
     ) -> Outcome {
-        if let Some((key, _)) = objects.iter().find(|(_, p)| p.len() != NBYTES) {
-            return Outcome::PayloadSize(key.clone());
-        }
-        if let Some(refused) = self.c.refused_release(retains, releases) {
-            return refused;
-        }
-        let unique = Contents::dedup(objects);
-        if self.grow {
-            // vLLM 0.33: before any count changes, a re-put of an unreferenced stored object replaces it.
-            for (key, _) in &unique {
-                if self.c.lru.contains(key) {
-                    self.c.lru.retain(|k| k != key);
-                    self.c.objects.remove(key);
-                }
-            }
-        }
-        let new: Vec<String> = unique
-            .iter()
-            .filter(|(k, _)| !self.c.objects.contains_key(k))
-            .map(|(k, _)| k.clone())
-            .collect();
-        let released = self.c.count(&unique, retains, releases);
-        let need = (self.c.objects.len() + new.len()).saturating_sub(self.num_slots);
-        let protected: Vec<&String> =
-            unique.iter().map(|(k, _)| k).filter(|k| !released.contains(k)).collect();
-        let eligible: Vec<String> =
-            self.c.lru.iter().filter(|k| !protected.contains(k)).cloned().collect();
-        if eligible.len() < need && !self.grow {
-            self.c.lru.retain(|k| !new.contains(k));
-            return Outcome::CannotRetain;
-        }
-        if eligible.len() < need {
-            // vLLM 0.33 sizes the arena after evicting every eligible key.
-            let left = self.c.objects.len() + new.len() - eligible.len();
-            self.num_slots = left.max(2 * self.num_slots);
-        }
-        let victims = &eligible[..need.min(eligible.len())];
-        self.c.lru.retain(|k| !victims.contains(k));
-        for victim in victims {
-            self.c.objects.remove(victim);
-        }
-        for (key, payload) in &unique {
-            if new.contains(key) && !victims.contains(key) {
-                self.c.objects.insert(key.clone(), payload.clone());
-            }
-        }
-        Outcome::Ok
+        self.rule.put(&mut self.c, objects, retains, releases)
     }
 
     fn get(&mut self, keys: &[String]) -> Outcome {
@@ -399,48 +363,117 @@ impl Subject for FixedModel {
     }
 
     fn state(&self) -> State {
-        self.c.state(("num_slots", self.num_slots as u64))
+        self.c.state(self.rule.gauge(&self.c))
+    }
+}
+
+/// SPEC section 2: fixed slots; a refused put keeps its reference changes and LRU moves, as
+/// vLLM does; `grow` is vLLM 0.33's profile.
+#[derive(Debug, Clone, Default)]
+struct Fixed {
+    num_slots: usize,
+    grow: bool,
+}
+
+impl Rule for Fixed {
+    fn put(
+        &mut self,
+        c: &mut Contents,
+        objects: &[(String, Vec<u8>)],
+        retains: &[String],
+        releases: &[String],
+    ) -> Outcome {
+        if let Some((key, _)) = objects.iter().find(|(_, p)| p.len() != NBYTES) {
+            return Outcome::PayloadSize(key.clone());
+        }
+        if let Some(refused) = c.refused_release(retains, releases) {
+            return refused;
+        }
+        let unique = Contents::dedup(objects);
+        if self.grow {
+            // vLLM 0.33: before any count changes, a re-put of an unreferenced stored object replaces it.
+            for (key, _) in &unique {
+                if c.lru.contains(key) {
+                    c.lru.retain(|k| k != key);
+                    c.objects.remove(key);
+                }
+            }
+        }
+        let new: Vec<String> = unique
+            .iter()
+            .filter(|(k, _)| !c.objects.contains_key(k))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let released = c.count(&unique, retains, releases);
+        let need = (c.objects.len() + new.len()).saturating_sub(self.num_slots);
+        let protected: Vec<&String> =
+            unique.iter().map(|(k, _)| k).filter(|k| !released.contains(k)).collect();
+        let eligible: Vec<String> =
+            c.lru.iter().filter(|k| !protected.contains(k)).cloned().collect();
+        if eligible.len() < need && !self.grow {
+            c.lru.retain(|k| !new.contains(k));
+            return Outcome::CannotRetain;
+        }
+        if eligible.len() < need {
+            // vLLM 0.33 sizes the arena after evicting every eligible key.
+            let left = c.objects.len() + new.len() - eligible.len();
+            self.num_slots = left.max(2 * self.num_slots);
+        }
+        let victims = &eligible[..need.min(eligible.len())];
+        c.lru.retain(|k| !victims.contains(k));
+        for victim in victims {
+            c.objects.remove(victim);
+        }
+        for (key, payload) in &unique {
+            if new.contains(key) && !victims.contains(key) {
+                c.objects.insert(key.clone(), payload.clone());
+            }
+        }
+        Outcome::Ok
+    }
+
+    fn gauge(&self, _: &Contents) -> (&'static str, u64) {
+        ("num_slots", self.num_slots as u64)
     }
 }
 
 /// SPEC section 13: objects of any size charged in whole chunks; a refused put changes nothing.
 #[derive(Debug, Clone, Default)]
-struct VariableModel {
+struct Variable {
     capacity_chunks: usize,
     chunk: usize,
-    c: Contents,
 }
 
-impl VariableModel {
+impl Variable {
     fn charge(&self, nbytes: usize) -> usize {
         nbytes.div_ceil(self.chunk)
     }
 }
 
-impl Subject for VariableModel {
+impl Rule for Variable {
     fn put(
         &mut self,
+        c: &mut Contents,
         objects: &[(String, Vec<u8>)],
         retains: &[String],
         releases: &[String],
     ) -> Outcome {
-        if let Some(refused) = self.c.refused_release(retains, releases) {
+        if let Some(refused) = c.refused_release(retains, releases) {
             return refused;
         }
-        let before = self.clone();
+        let before = c.clone();
         let unique = Contents::dedup(objects);
-        let released = self.c.count(&unique, retains, releases);
+        let released = c.count(&unique, retains, releases);
         // Every batch key holds its new payload; what is not in the batch keeps its own.
         let new_bytes = |key: &str| unique.iter().find(|(k, _)| k == key).map(|(_, p)| p.len());
-        let charge_of = |model: &Self, key: &str| {
-            model.charge(new_bytes(key).unwrap_or_else(|| model.c.objects[key].len()))
+        let charge_of = |c: &Contents, key: &str| {
+            self.charge(new_bytes(key).unwrap_or_else(|| c.objects[key].len()))
         };
-        let used: usize = self
-            .c
+        let used: usize = c
             .objects
             .keys()
             .filter(|k| new_bytes(k).is_none())
-            .map(|k| self.charge(self.c.objects[k].len()))
+            .map(|k| self.charge(c.objects[k].len()))
             .chain(unique.iter().map(|(_, p)| self.charge(p.len())))
             .sum();
         let need = used.saturating_sub(self.capacity_chunks);
@@ -449,49 +482,32 @@ impl Subject for VariableModel {
             let protected: Vec<&String> =
                 unique.iter().map(|(k, _)| k).filter(|k| !released.contains(k)).collect();
             let mut freed = 0;
-            for key in self.c.lru.iter().filter(|k| !protected.contains(k)) {
+            for key in c.lru.iter().filter(|k| !protected.contains(k)) {
                 if freed >= need {
                     break;
                 }
-                freed += charge_of(self, key);
+                freed += charge_of(c, key);
                 victims.push(key.clone());
             }
             if freed < need {
-                *self = before;
+                *c = before;
                 return Outcome::CannotRetain;
             }
         }
-        self.c.lru.retain(|k| !victims.contains(k));
+        c.lru.retain(|k| !victims.contains(k));
         for victim in &victims {
-            self.c.objects.remove(victim);
+            c.objects.remove(victim);
         }
         for (key, payload) in &unique {
             if !victims.contains(key) {
-                self.c.objects.insert(key.clone(), payload.clone());
+                c.objects.insert(key.clone(), payload.clone());
             }
         }
         Outcome::Ok
     }
 
-    fn get(&mut self, keys: &[String]) -> Outcome {
-        self.c.get(keys)
-    }
-
-    fn get_many(&mut self, keys: &[String]) -> Outcome {
-        self.c.get_many(keys)
-    }
-
-    fn contains(&mut self, keys: &[String]) -> Outcome {
-        self.c.contains(keys)
-    }
-
-    fn check(&self) -> Result<(), String> {
-        Ok(())
-    }
-
-    fn state(&self) -> State {
-        let stored_bytes: usize = self.c.objects.values().map(Vec::len).sum();
-        self.c.state(("stored_bytes", stored_bytes as u64))
+    fn gauge(&self, c: &Contents) -> (&'static str, u64) {
+        ("stored_bytes", c.objects.values().map(Vec::len).sum::<usize>() as u64)
     }
 }
 
@@ -600,10 +616,10 @@ fn cases() -> u32 {
     std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2_000)
 }
 
-fn fixed_pair(num_slots: usize, grow: bool) -> (BlockStore, FixedModel) {
+fn fixed_pair(num_slots: usize, grow: bool) -> (BlockStore, Model<Fixed>) {
     let profile = if grow { Profile::Grow } else { Profile::FailClosed };
     let store = BlockStore::with_profile(num_slots * NBYTES, NBYTES, profile).unwrap();
-    (store, FixedModel { num_slots, grow, ..FixedModel::default() })
+    (store, Model { rule: Fixed { num_slots, grow }, c: Contents::default() })
 }
 
 proptest! {
@@ -636,8 +652,8 @@ proptest! {
     ) {
         prop_assume!(chunk <= max_bytes);
         let mut store = VariableStore::with_options(max_bytes, Some(chunk), false).unwrap();
-        let mut model =
-            VariableModel { capacity_chunks: max_bytes / chunk, chunk, ..VariableModel::default() };
+        let rule = Variable { capacity_chunks: max_bytes / chunk, chunk };
+        let mut model = Model { rule, c: Contents::default() };
         run(&mut store, &mut model, ops)?;
     }
 }
