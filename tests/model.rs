@@ -74,10 +74,7 @@ impl Subject for BlockStore {
     }
 
     fn get(&mut self, keys: &[String]) -> Outcome {
-        match self.get_concatenated(&strs(keys)) {
-            Ok(bytes) => Outcome::Bytes(bytes),
-            Err(e) => fixed_error(e),
-        }
+        self.get_concatenated(&strs(keys)).map_or_else(fixed_error, Outcome::Bytes)
     }
 
     fn get_many(&mut self, keys: &[String]) -> Outcome {
@@ -97,10 +94,7 @@ impl Subject for BlockStore {
     }
 
     fn contains(&mut self, keys: &[String]) -> Outcome {
-        match self.contains_many(&strs(keys)) {
-            Ok(present) => Outcome::Contains(present),
-            Err(e) => fixed_error(e),
-        }
+        self.contains_many(&strs(keys)).map_or_else(fixed_error, Outcome::Contains)
     }
 
     fn check(&self) -> Result<(), String> {
@@ -141,28 +135,20 @@ impl Subject for VariableStore {
     }
 
     fn get(&mut self, keys: &[String]) -> Outcome {
-        match self.get_concatenated(&strs(keys)) {
-            Ok(bytes) => Outcome::Bytes(bytes),
-            Err(e) => variable_error(e),
-        }
+        self.get_concatenated(&strs(keys)).map_or_else(variable_error, Outcome::Bytes)
     }
 
     fn get_many(&mut self, keys: &[String]) -> Outcome {
-        match VariableStore::get_many(self, &strs(keys)) {
-            Ok((bytes, plan)) => Outcome::Many {
-                bytes,
-                offsets: plan.offsets().to_vec(),
-                missing: plan.missing().to_vec(),
-            },
-            Err(e) => variable_error(e),
-        }
+        let read = VariableStore::get_many(self, &strs(keys));
+        read.map_or_else(variable_error, |(bytes, plan)| Outcome::Many {
+            bytes,
+            offsets: plan.offsets().to_vec(),
+            missing: plan.missing().to_vec(),
+        })
     }
 
     fn contains(&mut self, keys: &[String]) -> Outcome {
-        match self.contains_many(&strs(keys)) {
-            Ok(present) => Outcome::Contains(present),
-            Err(e) => variable_error(e),
-        }
+        self.contains_many(&strs(keys)).map_or_else(variable_error, Outcome::Contains)
     }
 
     fn check(&self) -> Result<(), String> {
