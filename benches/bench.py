@@ -472,15 +472,20 @@ def t7_plan(
 
 
 def t7_costs(
-    c: Contender, shape: PutShape, puts: int, iterations: int, busy: bool
+    c: Contender,
+    shape: PutShape,
+    puts: int,
+    iterations: int,
+    busy: bool,
+    queue: int = 1_024,
 ) -> dict[str, float]:
     """Engine-thread ns of each timed ``put`` to ``c``'s background writer, one put per
-    ~200 µs of pure-Python engine work, after enough untimed puts to fill the store plus
-    WARMUP_PUTS, so every timed put evicts."""
+    ``iterations`` of pure-Python engine work (~200 µs; 0 for a burst), after enough untimed
+    puts to fill the store plus WARMUP_PUTS, so every timed put evicts. ``queue`` is
+    ``max_pending_batches``: vLLM sizes it at 2 x max_num_seqs (512 sequences as in W3)."""
     warmup = shape.slots // shape.objects + WARMUP_PUTS
     store = c.build(max_bytes=shape.slots * shape.nbytes, object_nbytes=shape.nbytes)
-    # vLLM sizes the queue at 2 x max_num_seqs; 512 sequences as in W3.
-    writer = c.background(store, max_pending_batches=1_024)
+    writer = c.background(store, max_pending_batches=queue)
     first = [key(j) for j in range(shape.objects)]
     if shape.retains:
         writer.put([], retain_keys=first * 2)
@@ -490,7 +495,8 @@ def t7_costs(
     gc.collect()
     with busy_interpreter(busy):
         for n, (objects, retains, releases, balance) in enumerate(plan):
-            engine_work(iterations)
+            if iterations:
+                engine_work(iterations)
             t0 = clock()
             writer.put(objects, retain_keys=retains, release_keys=releases)
             t1 = clock()
@@ -507,6 +513,10 @@ def t7_costs(
     }
 
 
+# T7c: back-to-back puts of shape (a) into a small queue while another thread runs Python.
+T7C_QUEUE = 16
+
+
 def t7(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
     iterations = calibrate()
     puts = 200 if quick else 2_000
@@ -516,6 +526,8 @@ def t7(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
             for c in stores:
                 mode = "busy" if busy else "quiet"
                 out[f"{shape.name}/{c.name}/{mode}"] = t7_costs(c, shape, puts, iterations, busy)
+    for c in stores:
+        out[f"c/{c.name}/burst"] = t7_costs(c, T7_SHAPES[0], puts, 0, True, queue=T7C_QUEUE)
     return out
 
 
@@ -783,6 +795,23 @@ def t7_rows(t: dict[str, Any], refs: References) -> list[Target]:
                 *refs.cells(p99),
             )
         )
+
+    def burst(name: str) -> str:
+        return f"{t[f'c/{name}/burst']['p99_us']:.1f} µs"
+
+    ours = t["c/aostore/burst"]["p99_us"]
+    rows.append(
+        Target(
+            "T7c",
+            f"a burst: back-to-back puts (a) into max_pending_batches={T7C_QUEUE} while another "
+            f"thread runs Python: p99{refs.against}",
+            ours,
+            f"{ours:.1f} µs",
+            f"<= {refs.label}'s",
+            ours <= t[f"c/{refs.name}/burst"]["p99_us"],
+            *refs.cells(burst),
+        )
+    )
     return rows
 
 

@@ -398,6 +398,23 @@ fn map_anonymous(len: usize) -> Result<NonNull<u8>, StoreError> {
 /// the arena touches each page instead.
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
+/// Commits the pages under `[start, start + len)` without changing a byte (`MADV_POPULATE_WRITE`,
+/// rounded out to whole pages), so a later first write pays no page fault. For memory the
+/// caller owns but has not written yet (a `Vec`'s reserved capacity). Returns whether the kernel
+/// did it (older kernels refuse the advice; the pages are then committed on first write).
+pub(crate) fn commit_pages(start: *const u8, len: usize) -> bool {
+    if len == 0 {
+        return true;
+    }
+    let page = 4096;
+    let first = (start as usize) & !(page - 1);
+    let end = (start as usize).saturating_add(len).next_multiple_of(page);
+    // SAFETY: the advice only faults pages in (readable and writable as the mapping allows) and
+    // never changes their contents, so it cannot disturb memory the caller or anyone else uses;
+    // a range that is not mapped makes it fail with an error, not fault.
+    unsafe { libc::madvise(first as *mut libc::c_void, end - first, MADV_POPULATE_WRITE) == 0 }
+}
+
 fn last_errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }

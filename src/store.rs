@@ -278,12 +278,19 @@ impl BlockStore {
             });
         }
         let arena = Arena::with_commit(num_slots, object_nbytes, prefault)?;
+        let mut keys = KeyTable::with_reserve(index_reserve(num_slots), slab_reserve(num_slots));
+        if prefault != Prefault::OnWrite {
+            // The entries a full store uses, committed now (a few ms at vLLM's size, also for
+            // "background"): otherwise the first puts after construction first-touch them,
+            // a page fault every 32 new keys.
+            keys.slab.commit(num_slots.saturating_add(1024));
+        }
         Ok(Self {
             arena: Some(arena),
             object_nbytes,
             num_slots,
             profile,
-            keys: KeyTable::with_reserve(index_reserve(num_slots), slab_reserve(num_slots)),
+            keys,
             free_slots: Vec::new(),
             next_slot: 0,
             stored: 0,

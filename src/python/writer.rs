@@ -216,6 +216,11 @@ fn wait_for_work<'a>(
     }
 }
 
+/// How long a `put` that finds the queue full waits for room with the GIL held before it waits
+/// with the GIL released: a job of the burst's size takes the writer microseconds, and a
+/// bounded wait keeps a writer stuck on a huge job from holding other Python threads for long.
+const FULL_QUEUE_WAIT_WITH_GIL: Duration = Duration::from_millis(1);
+
 /// The writer's polling period once the engine has been quiet for 2 ms.
 const POLL_PERIOD: Duration = Duration::from_millis(1);
 
@@ -355,11 +360,38 @@ impl NativeWriter {
             }
             if state.queue.len() < shared.capacity {
                 state.queue.push_back(job);
-                let wake = !state.polling;
+                // A polling writer finds the job on its next tick, unless the queue is filling
+                // faster than that: from half full on, wake it now, before a put finds no room.
+                let wake = !state.polling || 2 * state.queue.len() >= shared.capacity;
                 drop(state);
                 if wake {
                     shared.work.notify_one();
                 }
+                return self.raise_if_failed(py);
+            }
+            // Full: the writer is woken and, since it never takes the GIL, frees a place while
+            // this thread keeps the GIL. Waiting here briefly is cheaper than releasing the GIL:
+            // another Python thread would take it, and getting it back can cost a whole
+            // switch interval (5 ms).
+            shared.work.notify_one();
+            let deadline = Instant::now() + FULL_QUEUE_WAIT_WITH_GIL;
+            while state.queue.len() >= shared.capacity && !state.closing {
+                let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
+                state = shared
+                    .finished
+                    .wait_timeout(state, left)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+            if state.closing {
+                drop(state);
+                drop(job);
+                return Err(closed_error());
+            }
+            if state.queue.len() < shared.capacity {
+                state.queue.push_back(job);
+                drop(state);
+                shared.work.notify_one();
                 return self.raise_if_failed(py);
             }
             job
