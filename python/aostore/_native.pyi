@@ -52,7 +52,7 @@ class NativeStore:
         object_nbytes: int,
         policy: Any | None = None,
         profile: str = "fail-closed",
-        prefault: bool | Literal["background"] | None = None,
+        prefault: bool | Literal["background"] = ...,
     ) -> Self: ...
     @property
     def object_nbytes(self) -> int: ...
@@ -100,7 +100,7 @@ class NativeVariableStore:
         max_bytes: int,
         policy: Any | None = None,
         chunk_nbytes: int | None = None,
-        prefault: bool | Literal["background"] | None = None,
+        prefault: bool | Literal["background"] = ...,
     ) -> Self: ...
     @property
     def max_bytes(self) -> int: ...

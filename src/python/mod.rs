@@ -365,15 +365,15 @@ impl CandidateKeys {
 
 handle::store_methods!(NativeStore {
     #[new]
-    #[pyo3(signature = (*, max_bytes, object_nbytes, policy = None, profile = "fail-closed", prefault = None))]
+    #[pyo3(signature = (*, max_bytes, object_nbytes, policy = None, profile = "fail-closed", prefault = PrefaultArg(Prefault::OnWrite)))]
     fn new(
         max_bytes: &Bound<'_, PyAny>,
         object_nbytes: &Bound<'_, PyAny>,
         policy: Option<&Bound<'_, PyAny>>,
         profile: &str,
-        prefault: Option<&Bound<'_, PyAny>>,
+        prefault: PrefaultArg,
     ) -> PyResult<Self> {
-        let prefault = prefault.map_or(Ok(Prefault::OnWrite), prefault_arg)?;
+        let prefault = prefault.0;
         let object_nbytes = size_arg(object_nbytes, "object_nbytes")?;
         let max_bytes = size_arg(max_bytes, "max_bytes")?;
         if object_nbytes <= 0 {
@@ -574,6 +574,18 @@ handle::store_methods!(NativeStore {
     }
 
 });
+
+/// `prefault=` as both constructors take it: omitted means `False`, and anything but `True`,
+/// `False` or `"background"` (`None` included) is a `ValueError`, checked here once.
+pub(crate) struct PrefaultArg(pub(crate) Prefault);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for PrefaultArg {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        prefault_arg(&obj).map(PrefaultArg)
+    }
+}
 
 /// `prefault=`: `False` (pages committed on first write), `True` (all now), or `"background"`
 /// (all, by a thread, without making the constructor wait).

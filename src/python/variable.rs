@@ -9,8 +9,8 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use super::handle::{stats_dict, store_methods, Handle};
 use super::{
-    as_texts, bytes_ptr, collect_keys, key_text, new_uninit_bytes, prefault_arg, size_arg,
-    to_py_err, too_large,
+    as_texts, bytes_ptr, collect_keys, key_text, new_uninit_bytes, size_arg, to_py_err, too_large,
+    PrefaultArg,
 };
 use crate::arena::Prefault;
 use crate::variable::{ReadPlan, VariableStore};
@@ -84,14 +84,14 @@ impl NativeVariableStore {
 
 store_methods!(NativeVariableStore {
     #[new]
-    #[pyo3(signature = (*, max_bytes, policy = None, chunk_nbytes = None, prefault = None))]
+    #[pyo3(signature = (*, max_bytes, policy = None, chunk_nbytes = None, prefault = PrefaultArg(Prefault::OnWrite)))]
     fn new(
         max_bytes: &Bound<'_, PyAny>,
         policy: Option<&Bound<'_, PyAny>>,
         chunk_nbytes: Option<&Bound<'_, PyAny>>,
-        prefault: Option<&Bound<'_, PyAny>>,
+        prefault: PrefaultArg,
     ) -> PyResult<Self> {
-        let prefault = prefault.map_or(Ok(Prefault::OnWrite), prefault_arg)?;
+        let prefault = prefault.0;
         let max_bytes = size_arg(max_bytes, "max_bytes")?;
         if max_bytes <= 0 {
             return Err(PyValueError::new_err("auxiliary output store max_bytes must be positive"));
