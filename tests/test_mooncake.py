@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aostore
+import branch_mooncake
 import mooncake_util
 import numpy as np
 import pytest
@@ -870,3 +871,298 @@ def test_master_stopped_mid_run_fails_clearly(tmp_path: Path) -> None:
             with contextlib.suppress(BlockObjectStoreError):
                 tiered.close()
             direct.close()
+
+
+# -- interop with vLLM's Mooncake branch (SPEC section 14) ---------------------------------
+#
+# tests/branch_mooncake.py uses Mooncake as the branch's MooncakeBlockObjectStore does (its
+# docstring lists the calls, batching, keys and values). aostore's stores and it must read each
+# other's objects byte for byte. A block here is 16 rows of 368 bytes (46 layers x 8 experts).
+
+ROW_NBYTES = 368
+BLOCK_ROWS = NBYTES // ROW_NBYTES
+SHAPE_PER_TOKEN = (46, 8)
+BUFFER = 8 << 20  # the clients' local_buffer_size (Cluster.config's "8MB")
+THREE = 3 * NBYTES + 100  # a batch bound of three objects
+
+
+def block_hash(namespace: str, index: int) -> bytes:
+    return hashlib.sha256(f"{namespace}/{index}".encode()).digest()
+
+
+def branch_keys(namespace: str, count: int) -> list[str]:
+    return [branch_mooncake.block_key(namespace, block_hash(namespace, i)) for i in range(count)]
+
+
+def request_rows(count: int, seed: int) -> np.ndarray:
+    """``count`` token rows of routed-expert ids, shape ``(count, 46, 8)``, uint8."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 128, size=(count, *SHAPE_PER_TOKEN), dtype=np.uint8)
+
+
+def blocks_of(rows: np.ndarray) -> list[bytes]:
+    """The full blocks of ``rows`` as the branch stores them (C order)."""
+    return [
+        rows[i : i + BLOCK_ROWS].tobytes(order="C")
+        for i in range(0, len(rows) - BLOCK_ROWS + 1, BLOCK_ROWS)
+    ]
+
+
+def run_branch(mode: str, cluster: mooncake_util.Cluster, items: Any, *extra: int) -> Any:
+    """``branch_mooncake.py`` in another process, with its own Mooncake client."""
+    config = cluster.config(local_buffer_size=BUFFER)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS_DIR / "branch_mooncake.py"),
+            mode,
+            json.dumps(config),
+            json.dumps(items),
+            str(NBYTES),
+            *(str(value) for value in extra),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        cwd=TESTS_DIR,
+    )
+    assert done.returncode == 0, f"branch {mode} failed:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def aostore_remote(
+    cluster: mooncake_util.Cluster, client: Any, **kwargs: Any
+) -> MooncakeBlockObjectStore:
+    return MooncakeBlockObjectStore(
+        client,
+        object_nbytes=NBYTES,
+        master_address=cluster.master_address,
+        close_client=False,
+        **kwargs,
+    )
+
+
+@pytest.mark.mooncake
+def test_branch_reader_reads_the_mooncake_store(
+    cluster: mooncake_util.Cluster, client: Any
+) -> None:
+    """Blocks that aostore's MooncakeBlockObjectStore put (``put`` and ``put_blocks``, each
+    key as given: no prefix) read back byte for byte through the branch's calls, here and in
+    another process; aostore writes with put_batch in batches of max_batch_bytes, as the
+    branch does."""
+    rows = request_rows(11 * BLOCK_ROWS, seed=1)
+    blocks = blocks_of(rows)
+    keys = branch_keys("interop-store", 11)
+    writes = branch_mooncake.Recorder(client)
+    store = aostore_remote(cluster, writes, max_batch_bytes=THREE)
+    store.put([BlockObject(key, block) for key, block in zip(keys[:7], blocks[:7], strict=True)])
+    store.put_blocks(keys[7:], rows[7 * BLOCK_ROWS :].reshape(4, NBYTES))
+    assert writes.sizes("put_batch") == [3, 3, 1, 3, 1]
+    assert writes.keys("put_batch") == keys  # under the key itself
+    assert not writes.sizes("upsert_batch")
+
+    reads = branch_mooncake.Recorder(client)
+    branch = branch_mooncake.BranchStore(reads, object_nbytes=NBYTES, max_batch_bytes=THREE)
+    assert branch.get_concatenated(keys) == rows.tobytes()
+    assert reads.sizes("batch_get_buffer") == [3, 3, 3, 2]
+    assert reads.keys("batch_get_buffer") == keys
+    got = branch_mooncake.read_rows(branch, keys, dtype=np.uint8, shape_per_token=SHAPE_PER_TOKEN)
+    np.testing.assert_array_equal(got, rows)
+
+    other = run_branch("read", cluster, keys)
+    assert other["sizes"] == [NBYTES] * 11
+    assert other["sha256"] == [sha(block) for block in blocks]
+    assert other["total_sha256"] == sha(rows.tobytes())
+    assert other["get_batches"] == [11]  # min(64 MiB, local_buffer_size) holds all 11
+    store.close()
+
+
+@pytest.mark.mooncake
+def test_branch_reader_reads_what_the_tier_published(
+    cluster: mooncake_util.Cluster, client: Any
+) -> None:
+    """The tier publishes what its local tier writes; the branch reads it under
+    ``key_prefix + key`` (a prefix of ``vllm-artifact/{namespace}/`` and the block hash in hex
+    as the key give the branch's own key), after local evictions too, and a block re-put with
+    other bytes after its local eviction reads with the new bytes (the tier's rule)."""
+    namespace = "interop-tier"
+    prefix = f"vllm-artifact/{namespace}/"
+    rows = request_rows(6 * BLOCK_ROWS, seed=2)
+    blocks = blocks_of(rows)
+    hexes = [block_hash(namespace, i).hex() for i in range(6)]
+    remote = aostore_remote(cluster, client, key_prefix=prefix, max_batch_bytes=THREE)
+    local = BlockObjectStore(max_bytes=2 * NBYTES, object_nbytes=NBYTES)
+    tiered = TieredBlockObjectStore(local, remote)
+    keys = branch_keys(namespace, 6)
+    assert keys == [prefix + h for h in hexes]
+    branch = branch_mooncake.BranchStore(client, object_nbytes=NBYTES, max_batch_bytes=THREE)
+    try:
+        for start in (0, 2):  # two blocks per put: the local tier holds two
+            pairs = zip(hexes[start : start + 2], blocks[start : start + 2], strict=True)
+            tiered.put([BlockObject(h, b) for h, b in pairs])
+        tiered.put_blocks(hexes[4:], rows[4 * BLOCK_ROWS :].reshape(2, NBYTES))
+        tiered.flush()
+        assert local.stats()["evictions"] == 4  # only two stay local; Mooncake has all six
+        assert branch.get_concatenated(keys) == rows.tobytes()
+
+        recomputed = request_rows(BLOCK_ROWS, seed=3).tobytes()  # other routing, same block
+        tiered.put([BlockObject(hexes[0], recomputed)])  # evicted locally: written again
+        tiered.flush()
+        assert branch.get_concatenated(keys[:2]) == recomputed + blocks[1]
+        assert tiered.get_concatenated(hexes[:1]) == recomputed
+        other = run_branch("read", cluster, keys)
+        assert other["sha256"] == [sha(recomputed), *(sha(b) for b in blocks[1:])]
+    finally:
+        tiered.close()
+
+
+@pytest.mark.mooncake
+def test_branch_terminal_output_over_aostore_blocks(
+    cluster: mooncake_util.Cluster, client: Any
+) -> None:
+    """A finished request's terminal output, the branch's way: the ordered keys of its full
+    blocks (published here by aostore's tier, as the plugin's engine does) and of its tail
+    rows (written the branch's way: shorter objects under ``r3-tail:`` keys). The branch's
+    reader rebuilds every row. aostore's stores hold objects of exactly ``object_nbytes``: they
+    read the full blocks of that list and refuse a shorter tail object by name and size."""
+    namespace = "interop-terminal"
+    rows = request_rows(3 * BLOCK_ROWS + BLOCK_ROWS + 5, seed=4)  # 3 blocks, tail of 21 rows
+    full = 3 * BLOCK_ROWS
+    local = BlockObjectStore(max_bytes=8 * NBYTES, object_nbytes=NBYTES)
+    tiered = TieredBlockObjectStore(local, aostore_remote(cluster, client))
+    block_keys = branch_keys(namespace, 3)
+    branch = branch_mooncake.BranchStore(
+        client, object_nbytes=NBYTES, max_batch_bytes=branch_mooncake.branch_batch_bytes(BUFFER)
+    )
+    try:
+        tiered.put_blocks(block_keys, rows[:full].reshape(3, NBYTES))
+        tiered.flush()
+        tail = branch_mooncake.tail_objects(rows[full:].tobytes(), NBYTES)
+        assert [len(payload) for _, payload in tail] == [NBYTES, 5 * ROW_NBYTES]
+        branch.put(tail)
+        terminal = block_keys + [key for key, _ in tail]
+        got = branch_mooncake.read_rows(
+            branch, terminal, dtype=np.uint8, shape_per_token=SHAPE_PER_TOKEN
+        )
+        np.testing.assert_array_equal(got, rows)
+
+        reader = aostore_remote(cluster, client)
+        assert reader.get_concatenated(terminal[:4]) == rows[: full + BLOCK_ROWS].tobytes()
+        with pytest.raises(
+            MooncakeError, match=rf"holds {5 * ROW_NBYTES} bytes under '{terminal[4]}'"
+        ):
+            reader.get_concatenated(terminal)
+        reader.close()
+    finally:
+        tiered.close()
+
+
+@pytest.mark.mooncake
+def test_mooncake_store_reads_what_a_branch_writer_published(
+    cluster: mooncake_util.Cluster, client: Any
+) -> None:
+    """Another process writes blocks the branch's way (put_batch per batch of max_batch_bytes
+    // object_nbytes keys; a key given twice keeps its last payload) and exits. aostore's
+    Mooncake store reads them byte for byte, under the key itself or with the namespace as
+    key_prefix, as rows, and a tiered store with an empty local tier serves them from
+    Mooncake."""
+    namespace = "interop-writer"
+    keys = branch_keys(namespace, 10)
+    items = [[key, namespace, i, NBYTES] for i, key in enumerate(keys)]
+    items.insert(5, [keys[2], "overwritten", 2, NBYTES])
+    items.append([keys[2], "latest", 2, NBYTES])  # the last payload of a key given twice
+    written = run_branch("write", cluster, items, THREE)
+    assert written["put_batches"] == [3, 3, 3, 1]
+    expected = [mooncake_util.payload(namespace, i, NBYTES) for i in range(10)]
+    expected[2] = mooncake_util.payload("latest", 2, NBYTES)
+
+    store = aostore_remote(cluster, client)
+    assert store.get_concatenated(keys) == b"".join(expected)
+    assert store.get_concatenated([keys[3], keys[2], keys[3]]) == (
+        expected[3] + expected[2] + expected[3]
+    )
+    array = store.get_array(keys, dtype=np.uint8, shape_per_token=SHAPE_PER_TOKEN)
+    assert array.shape == (10 * BLOCK_ROWS, *SHAPE_PER_TOKEN)
+    assert array.tobytes() == b"".join(expected)
+    prefixed = aostore_remote(cluster, client, key_prefix=f"vllm-artifact/{namespace}/")
+    hexes = [block_hash(namespace, i).hex() for i in range(10)]
+    assert prefixed.get_concatenated(hexes[::-1]) == b"".join(expected[::-1])
+    store.close()
+
+    local = BlockObjectStore(max_bytes=16 * NBYTES, object_nbytes=NBYTES)
+    tiered = TieredBlockObjectStore(local, prefixed)
+    try:
+        assert tiered.get_concatenated(hexes) == b"".join(expected)
+        stats = tiered.stats()
+        assert stats["remote_hit_objects"] == 10 and stats["kept_objects"] == 10
+        assert stats["published_objects"] == 0  # a fetch publishes nothing
+    finally:
+        tiered.close()
+
+
+@pytest.mark.mooncake
+def test_which_write_wins_between_branch_and_aostore(
+    cluster: mooncake_util.Cluster, client: Any
+) -> None:
+    """One value per key in Mooncake, and who keeps it: put_batch (the branch, and aostore's
+    MooncakeBlockObjectStore) keeps the bytes a key holds; the tier's publication (upsert)
+    replaces them."""
+    keys = branch_keys("interop-wins", 3)
+    branch = branch_mooncake.BranchStore(client, object_nbytes=NBYTES, max_batch_bytes=THREE)
+    store = aostore_remote(cluster, client)
+    # aostore first, then the branch: the branch's put_batch keeps aostore's bytes.
+    store.put([BlockObject(keys[0], blob(1))])
+    branch.put([(keys[0], blob(2))])
+    assert branch.get_concatenated(keys[:1]) == blob(1)
+    # The branch first, then aostore's Mooncake store: the branch's bytes stay.
+    branch.put([(keys[1], blob(3))])
+    store.put([BlockObject(keys[1], blob(4))])
+    assert store.get_concatenated(keys[1:2]) == blob(3)
+    # The branch first, then a tier whose local tier writes the key: the tier's bytes win.
+    branch.put([(keys[2], blob(5))])
+    tiered = TieredBlockObjectStore(
+        BlockObjectStore(max_bytes=4 * NBYTES, object_nbytes=NBYTES), store
+    )
+    try:
+        tiered.put([BlockObject(keys[2], blob(6))])
+        tiered.flush()
+        assert branch.get_concatenated(keys[2:]) == blob(6)
+    finally:
+        tiered.close()
+
+
+@pytest.mark.mooncake
+def test_batch_bounds_branch_and_aostore(cluster: mooncake_util.Cluster, client: Any) -> None:
+    """The batch bounds differ. The branch's is min(64 MiB, local_buffer_size); aostore's is
+    max_batch_bytes (4 MiB by default) and at most half of local_buffer_size. Mooncake stages
+    a batch in the local buffer with some overhead per object, so a batch of a whole buffer
+    fails: put_batch returns -600 for all of it, and batch_get_buffer gives None for the keys
+    that did not fit, which the branch's reader reports as unavailable. aostore writes and
+    reads the same objects."""
+    config = MooncakeConfig.from_dict(cluster.config())
+    assert config.local_buffer_size == BUFFER
+    count = BUFFER // NBYTES  # what the branch puts in one batch
+    keys = branch_keys("interop-bounds", count)
+    values = [blob(i) for i in range(count)]
+    calls = branch_mooncake.Recorder(client)
+    branch = branch_mooncake.BranchStore(
+        calls, object_nbytes=NBYTES, max_batch_bytes=branch_mooncake.branch_batch_bytes(BUFFER)
+    )
+    with pytest.raises(branch_mooncake.BranchStoreError, match="put_batch failed: -600"):
+        branch.put(list(zip(keys, values, strict=True)))
+    assert calls.sizes("put_batch") == [count]
+
+    store = aostore_remote(cluster, calls, max_batch_bytes=config.batch_bytes)
+    store.put([BlockObject(key, value) for key, value in zip(keys, values, strict=True)])
+    half = (BUFFER // 2) // NBYTES
+    assert calls.sizes("put_batch") == [count, half, count - half]
+    assert store.get_concatenated(keys) == b"".join(values)
+    assert calls.sizes("batch_get_buffer") == [half, count - half]
+    with pytest.raises(branch_mooncake.BranchStoreError, match="unavailable"):
+        branch.get_concatenated(keys)
+    # In batches that fit, the branch's reader reads them all.
+    small = branch_mooncake.BranchStore(
+        client, object_nbytes=NBYTES, max_batch_bytes=config.batch_bytes
+    )
+    assert small.get_concatenated(keys) == b"".join(values)
+    store.close()
