@@ -7,6 +7,7 @@ evicting put never rescans the keys that running requests hold.
 
 from aostore._background import BackgroundBlockObjectStore
 from aostore._native import BlockObject, BlockObjectStoreError
+from aostore._shm import ShmBlockObjectStore
 from aostore._store import BlockObjectStore
 from aostore._variable import VariableBlockObjectStore
 
@@ -15,5 +16,6 @@ __all__ = [
     "BlockObject",
     "BlockObjectStore",
     "BlockObjectStoreError",
+    "ShmBlockObjectStore",
     "VariableBlockObjectStore",
 ]
