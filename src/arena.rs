@@ -202,6 +202,27 @@ impl Arena {
         self.base.as_ptr()
     }
 
+    /// Starts loading the first cache lines of `slot` (up to 256 bytes; the hardware
+    /// prefetcher follows a longer copy), so a batch's slots arrive together.
+    #[inline]
+    pub fn prefetch_slot(&self, slot: u32) {
+        #[cfg(target_arch = "x86_64")]
+        if (slot as usize) < self.num_slots {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let start = (slot as usize) * self.object_nbytes;
+            let lines = self.object_nbytes.min(256);
+            for offset in (0..lines).step_by(64) {
+                // SAFETY: a prefetch never faults and does not change memory; the address lies
+                // inside the slot, in the live mapping. SSE is in the x86_64 baseline.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        self.base.as_ptr().add(start + offset).cast::<i8>(),
+                    );
+                }
+            }
+        }
+    }
+
     /// The bytes of one slot.
     #[inline]
     pub fn slot(&self, slot: u32) -> &[u8] {

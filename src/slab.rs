@@ -224,6 +224,36 @@ impl<M: Copy + Default, const N: usize> Slab<M, N> {
         }
     }
 
+    /// Starts loading the LRU links of entry `idx` and of its two neighbours, which a move to
+    /// the LRU tail rewrites: three more cache misses per key on a read of cold keys.
+    #[inline]
+    pub fn prefetch_lru_neighbourhood(&self, idx: u32) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(link) = self.links.get(idx as usize) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            for neighbour in [link.prev, link.next] {
+                if let Some(other) = self.links.get(neighbour as usize) {
+                    // SAFETY: a prefetch never faults and does not change memory; the address is
+                    // an element of `links`. SSE is in the x86_64 baseline.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(other).cast::<i8>()) };
+                }
+            }
+        }
+    }
+
+    /// Starts loading the LRU links of entry `idx` (the dense `links` array, apart from the
+    /// entry itself).
+    #[inline]
+    pub fn prefetch_links(&self, idx: u32) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(link) = self.links.get(idx as usize) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: a prefetch never faults and does not change memory; the address is an
+            // element of `links`. SSE is in the x86_64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(link).cast::<i8>()) };
+        }
+    }
+
     /// Number of entries in the LRU.
     pub fn lru_len(&self) -> usize {
         self.lru_len

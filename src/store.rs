@@ -778,6 +778,7 @@ impl BlockStore {
                 hint: self.profile == Profile::FailClosed,
             });
         }
+        self.prefetch_for_read(&s.entries);
         let arena = self.arena.as_ref().expect("checked open");
         for (chunk, &idx) in out.chunks_exact_mut(self.object_nbytes).zip(&s.entries) {
             chunk.copy_from_slice(arena.slot(self.keys.slab[idx].slot));
@@ -790,6 +791,26 @@ impl BlockStore {
         self.counters.reads += keys.len() as u64;
         self.counters.bytes_read += out.len() as u64;
         Ok(())
+    }
+
+    /// Starts the cache misses a read of `entries` will take after `resolve`: each stored key's
+    /// slot, and for an evictable one the LRU links its move to the tail rewrites. Cold keys (a
+    /// finished request's) miss at each; started together, the misses overlap instead of coming
+    /// one after the other (the interleaving of a hash join).
+    fn prefetch_for_read(&self, entries: &[u32]) {
+        let (Some(arena), slab) = (self.arena.as_ref(), &self.keys.slab) else { return };
+        let stored = |idx: u32| idx != NIL && !matches!(slab[idx].slot, NO_SLOT | PENDING_SLOT);
+        for &idx in entries.iter().filter(|&&idx| stored(idx)) {
+            arena.prefetch_slot(slab[idx].slot);
+            if slab[idx].refs == 0 {
+                slab.prefetch_links(idx);
+            }
+        }
+        for &idx in entries.iter().filter(|&&idx| stored(idx)) {
+            if slab[idx].refs == 0 {
+                slab.prefetch_lru_neighbourhood(idx);
+            }
+        }
     }
 
     /// Reads that do not fail on a missing key: copies the payloads of the stored keys among
@@ -809,6 +830,7 @@ impl BlockStore {
         assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
         let mut s = std::mem::take(&mut self.scratch);
         self.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        self.prefetch_for_read(&s.entries);
         let arena = self.arena.as_ref().expect("checked open");
         let mut written = 0;
         let first_missing = missing.len();
