@@ -52,8 +52,6 @@ class ShmModel:
         self._freed: list[int] = []
         self._used_slots = 0
         self._arena: bytearray | None = bytearray(self.num_slots * object_nbytes)
-        # How many keys the eviction walks looked at (referenced ones included).
-        self.walked = 0
 
     # -- put -----------------------------------------------------------------------------------
 
@@ -109,7 +107,6 @@ class ShmModel:
             return
         victims: list[Any] = []
         for key in self._lru:
-            self.walked += 1
             if key in self._references or key in protected:
                 continue
             victims.append(key)
