@@ -1245,6 +1245,22 @@ def test_branch_layout_dry_run_says_the_same(make_tree: TreeMaker) -> None:
     assert report.decision.replace["ShmBlockObjectStore"] is vllm_plugin.EngineShmBlockObjectStore
 
 
+def test_branch_layout_without_the_mooncake_client_still_gets_the_shm_store(
+    make_tree: TreeMaker,
+) -> None:
+    # vLLM imports mooncake.py only when that backend is configured; where its client library
+    # is missing, the import fails, and the plugin must still plan the rest of the layout.
+    fake = make_tree("shm")
+    store_module = fake.modules[STORE]
+    mooncake = Path(store_module.__file__).parent / "mooncake.py"
+    mooncake.write_text("raise ImportError('no Mooncake client here')\n")
+    sys.modules.pop(f"{PACKAGE}.mooncake", None)
+    decision = vllm_plugin.plan(store_module)
+    assert "ShmBlockObjectStore" in decision.replace
+    assert "BackgroundBlockObjectStore" in decision.replace
+    assert not any("Mooncake" in name for name in [*decision.replace, *decision.keep])
+
+
 def test_branch_shm_store_that_grows_is_kept(
     make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
 ) -> None:

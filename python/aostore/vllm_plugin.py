@@ -877,7 +877,12 @@ def _layout_classes(module: Any) -> dict[str, type]:
         if directory is None or not (directory / f"{peer}.py").is_file():
             continue
         name = f"{package}.{peer}"
-        peer_module = importlib.import_module(name)
+        try:
+            peer_module = importlib.import_module(name)
+        except ImportError:
+            # vLLM imports it only when that backend is configured (its client library may be
+            # missing): its classes are not replaced, and the rest of the plan stands.
+            continue
         for class_name, cls in _module_classes(peer_module).items():
             if cls.__module__ == name:
                 classes.setdefault(class_name, cls)
