@@ -1,9 +1,8 @@
 """W1 on vLLM's Mooncake branch: its ``ShmBlockObjectStore`` (a model) against aostore's.
 
 The branch's class (vllm#57968, ``vllm/distributed/aux_output_connector/shm.py``) is not on the
-package index, so the first column is **a model of it**: ``benches/model_shm.py`` (a copy of
-``tests/model_shm.py``, which ``tests/test_shm_differential.py`` checks against aostore), plain
-Python with the branch's one ``OrderedDict`` for referenced and unreferenced keys and its
+package index, so the first column is **a model of it**: ``aostore.bench.shm_model`` (which
+``tests/test_shm_differential.py`` checks against aostore), plain Python with the branch's one ``OrderedDict`` for referenced and unreferenced keys and its
 eviction walk from the oldest key. It is not the branch's code: its constant costs are its own,
 but its walk over the referenced keys is the branch's.
 
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aostore
-import model_shm
+from aostore.bench import shm_model as model_shm
 
 NBYTES = 64
 

@@ -1,6 +1,6 @@
 """``aostore.ShmBlockObjectStore`` against a model of the Mooncake branch's class (SPEC 14).
 
-``model_shm.ShmModel`` is the branch's ``ShmBlockObjectStore`` written from its behaviour (one
+``aostore.bench.shm_model.ShmModel`` is the branch's ``ShmBlockObjectStore`` written from its behaviour (one
 ``OrderedDict`` for referenced and unreferenced keys, walked from the oldest on every evicting
 put). Random sequences of puts (duplicate keys, retains, releases, capacity errors) and reads
 (present, missing and repeated keys), on stores of 1 to 10 slots, run on both. After every
@@ -27,8 +27,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import model_shm
 import pytest
+from aostore.bench import shm_model as model_shm
 
 aostore = pytest.importorskip("aostore")
 

@@ -135,7 +135,7 @@ class ShmModel:
         slots = []
         for key in keys:
             slot = self._lru.get(key, -1)
-            if slot == -1:
+            if slot is None or slot == -1:  # unknown, or referenced before it was stored
                 raise BlockObjectStoreError(
                     "auxiliary output object does not exist; the object may have been evicted "
                     f"(used={len(self._lru)}, limit={self.num_slots} objects). Increase "
