@@ -1,12 +1,12 @@
 """``aostore.ShmBlockObjectStore`` against a model of the Mooncake branch's class (SPEC 14).
 
-``aostore.bench.shm_model.ShmModel`` is the branch's ``ShmBlockObjectStore`` written from its behaviour (one
-``OrderedDict`` for referenced and unreferenced keys, walked from the oldest on every evicting
-put). Random sequences of puts (duplicate keys, retains, releases, capacity errors) and reads
-(present, missing and repeated keys), on stores of 1 to 10 slots, run on both. After every
+``aostore.bench.shm_model.ShmModel`` is the branch's ``ShmBlockObjectStore`` written from its
+behaviour (one ``OrderedDict`` for referenced and unreferenced keys, walked from the oldest on every
+evicting put). Random sequences of puts (duplicate keys, retains, releases, capacity errors) and
+reads (present, missing and repeated keys), on stores of 1 to 10 slots, run on both. After every
 operation both must agree on the outcome (the bytes read, or the exception's class, message and
-cause), on the stored keys and their bytes, the reference counts and the LRU order of the
-evictable keys, and both must pass their invariants.
+cause), on the stored keys and their bytes, the reference counts and the LRU order of the evictable
+keys, and both must pass their invariants.
 
 As in the seed's own differential: with balanced releases everything is identical after every
 operation. A release of a key that is not referenced raises the same ``KeyError`` in both, but
