@@ -16,6 +16,7 @@ from unittest import mock
 import model
 import numpy as np
 import pytest
+from refused import put_refused
 from scripts import TIMEOUT as SCRIPT_TIMEOUT
 from scripts import run_script
 
@@ -227,7 +228,7 @@ def test_writer_error_is_raised_by_get_concatenated(aostore, background):
     cause = RuntimeError("store broke")
     store.put.side_effect = [cause, None]
     bg = background(store)
-    bg.put([obj("a")])
+    put_refused(bg, [obj("a")])
     with pytest.raises(aostore.BlockObjectStoreError, match="publication failed") as info:
         bg.get_concatenated(["a"])
     assert info.value.__cause__ is cause
@@ -261,7 +262,7 @@ def test_close_raises_the_latched_error_after_closing_the_store(aostore, backgro
     cause = OSError("no space")
     store.put.side_effect = [cause]
     bg = background(store)
-    bg.put([obj("a")])
+    put_refused(bg, [obj("a")])
     with pytest.raises(aostore.BlockObjectStoreError, match="publication failed") as info:
         bg.close()
     assert info.value.__cause__ is cause
@@ -374,7 +375,7 @@ def test_capacity_error_in_the_writer_is_latched(aostore, background, real_store
     bg = background(real_store)
     pinned = [f"p{i}" for i in range(8)]
     bg.put([obj(key) for key in pinned], retain_keys=pinned)
-    bg.put([obj("overflow")])
+    put_refused(bg, [obj("overflow")])
     try:
         bg.put([], release_keys=["p0"])  # skipped: it comes after the failure
     except aostore.BlockObjectStoreError:
@@ -425,7 +426,7 @@ def test_bad_input_through_the_writer_is_reported_with_its_cause(
 def test_release_error_in_the_writer_is_latched_as_key_error(aostore, background, real_store):
     bg = background(real_store)
     bg.put([obj("a")], retain_keys=["a"])
-    bg.put([], release_keys=["a", "a"])
+    put_refused(bg, [], release_keys=["a", "a"])
     with pytest.raises(aostore.BlockObjectStoreError, match="publication failed") as info:
         bg.get_concatenated(["a"])
     assert isinstance(info.value.__cause__, KeyError)
@@ -543,7 +544,7 @@ def test_the_variable_store_through_the_rust_writer_keeps_its_contract(aostore):
     assert writer.contains(["a", "zz"]) == [True, False]
     writer.flush()
     # A batch it cannot hold is refused whole, latched, and raised from the next call.
-    writer.put([BlockObject("big", b"z" * 100)])
+    put_refused(writer, [BlockObject("big", b"z" * 100)])
     with pytest.raises(aostore.BlockObjectStoreError, match="publication failed") as raised:
         writer.flush()
     assert "cannot retain" in str(raised.value.__cause__)

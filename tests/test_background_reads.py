@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from refused import put_refused
 
 N = 32
 
@@ -72,7 +73,7 @@ def test_flush_and_get_optional_raise_a_latched_error() -> None:
     store = BlockObjectStore(max_bytes=N, object_nbytes=N)
     writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
     keys = ["a", "b"]
-    writer.put([BlockObject(k, fill(1)) for k in keys], retain_keys=keys)  # cannot retain
+    put_refused(writer, [BlockObject(k, fill(1)) for k in keys], retain_keys=keys)  # too many
     with pytest.raises(BlockObjectStoreError, match="publication failed"):
         writer.flush()
     with pytest.raises(BlockObjectStoreError, match="publication failed"):

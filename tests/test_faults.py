@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from refused import put_refused
 
 N = 64
 EXIT_TIMEOUT = 20.0
@@ -76,7 +77,7 @@ def test_an_exception_in_the_underlying_store_is_latched_and_surfaced():
     store = PythonStore(fail_on=2)
     writer = BackgroundBlockObjectStore(store, max_pending_batches=4)
     writer.put([block("a")])
-    writer.put([block("b")])  # fails on the writer thread
+    put_refused(writer, [block("b")])  # fails on the writer thread
     with pytest.raises(BlockObjectStoreError) as raised:
         writer.get_concatenated(["a"])  # waits for the queue, then raises the latched error
     assert_publication_failed(raised.value, UserError)
@@ -123,7 +124,7 @@ def test_a_mock_store_works_and_its_errors_are_latched():
     assert writer.get_concatenated(["a"]) == b"xy"
     store.put.assert_called_once()
     store.put.side_effect = UserError("mock failed")
-    writer.put([block("b")])
+    put_refused(writer, [block("b")])
     with pytest.raises(BlockObjectStoreError) as raised:
         writer.get_concatenated(["b"])
     assert_publication_failed(raised.value, UserError)
@@ -154,7 +155,7 @@ def test_an_exception_in_a_policy_callback_is_latched_and_nothing_half_applied()
     before = store.snapshot()
     writer = BackgroundBlockObjectStore(store, max_pending_batches=2)  # Python writer thread
     policy.armed = True
-    writer.put([block("new", 3)], retain_keys=["new"])
+    put_refused(writer, [block("new", 3)], retain_keys=["new"])
     with pytest.raises(BlockObjectStoreError) as raised:
         writer.get_concatenated(["a"])
     assert_publication_failed(raised.value, UserError)
@@ -178,7 +179,7 @@ def test_a_capacity_error_in_the_writer_is_latched(kind):
         store.put = store.put  # type: ignore[method-assign]  # keeps it off the Rust writer
     before = store.snapshot()
     writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
-    writer.put([block("n1"), block("n2")], retain_keys=["n1", "n2"])  # 5 referenced > 4 slots
+    put_refused(writer, [block("n1"), block("n2")], retain_keys=["n1", "n2"])  # 5 > 4 slots
     with pytest.raises(BlockObjectStoreError) as raised:
         writer.get_concatenated(["r0"])
     assert_publication_failed(raised.value, BlockObjectStoreError)
@@ -204,7 +205,7 @@ def test_a_bad_release_in_the_writer_changes_nothing(kind):
         store.put = store.put  # type: ignore[method-assign]
     before = store.snapshot()
     writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
-    writer.put([block("b")], retain_keys=["a"], release_keys=["a", "a", "missing"])
+    put_refused(writer, [block("b")], retain_keys=["a"], release_keys=["a", "a", "missing"])
     with pytest.raises(BlockObjectStoreError) as raised:
         writer.get_concatenated(["a"])
     assert_publication_failed(raised.value, KeyError)
@@ -221,7 +222,7 @@ def test_the_store_closed_under_a_native_writer():
     writer.put([block("a")])
     assert writer.get_concatenated(["a"]) == fill(1)
     store.close()  # behind the writer's back
-    writer.put([block("b")])
+    put_refused(writer, [block("b")])
     with pytest.raises(BlockObjectStoreError) as raised:
         writer.close()
     assert_publication_failed(raised.value, RuntimeError)
