@@ -6,6 +6,7 @@
 
 pub mod arena;
 pub mod chunks;
+mod core;
 pub mod error;
 pub mod index;
 pub mod keys;
@@ -21,7 +22,6 @@ mod python;
 
 pub use error::StoreError;
 pub use store::{
-    BlockRef, BlockStore, Candidates, Counters, Profile, PutReport, RemoveReason, Stats,
-    VictimPolicy,
+    BlockRef, BlockStore, Counters, Profile, PutReport, RemoveReason, Stats, VictimPolicy,
 };
 pub use variable::{ReadPlan, VariableStats, VariableStore};

@@ -5,47 +5,11 @@
 //! the keys that running requests hold.
 
 use crate::arena::{Arena, Prefault};
+pub use crate::core::{BlockRef, Counters, RemoveReason, VictimPolicy};
+use crate::core::{Call, Charge, Core, Scratch};
 use crate::error::StoreError;
-use crate::keys::{KeyTable, NOT_IN_BATCH};
-use crate::slab::{Slab, INLINE_KEY_BYTES, NIL, NO_SLOT, PENDING_SLOT};
-
-/// One object of a batch: a key and exactly `object_nbytes` bytes.
-#[derive(Debug, Clone, Copy)]
-pub struct BlockRef<'a> {
-    /// The object's key.
-    pub key: &'a str,
-    /// The object's bytes.
-    pub payload: &'a [u8],
-}
-
-/// Monotonic counters, for `stats()`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counters {
-    /// Successful `put` calls.
-    pub puts: u64,
-    /// Objects copied into slots.
-    pub objects_written: u64,
-    /// Applied retains (+1 each).
-    pub retains: u64,
-    /// Applied releases (-1 each).
-    pub releases: u64,
-    /// Keys evicted.
-    pub evictions: u64,
-    /// Puts refused with `cannot retain`.
-    pub capacity_errors: u64,
-    /// Arena growths (profile `grow`).
-    pub growths: u64,
-    /// Objects read.
-    pub reads: u64,
-    /// Reads refused because a key was not stored.
-    pub read_misses: u64,
-    /// Payload bytes copied into the arena.
-    pub bytes_written: u64,
-    /// Payload bytes copied out of the arena.
-    pub bytes_read: u64,
-    /// LRU entries visited while choosing victims (the seed's "no rescan" property).
-    pub eviction_visits: u64,
-}
+use crate::keys::KeyTable;
+use crate::slab::{Entry, INLINE_KEY_BYTES, NIL, PENDING_SLOT};
 
 /// A point-in-time view of the store's occupancy and counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,48 +30,6 @@ pub struct Stats {
     pub counters: Counters,
 }
 
-/// Scratch vectors reused by every call, so a put allocates only for new keys' text.
-#[derive(Debug, Default)]
-struct Scratch {
-    hashes: Vec<u32>,
-    /// Entries of the keys being resolved (a batch's keys, a read's keys), in call order.
-    entries: Vec<u32>,
-    /// Unique batch keys in first-occurrence order: (entry, index of the last payload).
-    batch: Vec<(u32, usize)>,
-    retains: Vec<u32>,
-    releases: Vec<u32>,
-    /// Keys whose count reached zero in this call, in release order.
-    released: Vec<u32>,
-    /// Entries created by this call, freed again when validation fails.
-    created: Vec<u32>,
-    victims: Vec<u32>,
-    /// Profile `grow`: batch keys stored and unreferenced when the call started, whose bytes
-    /// are replaced in place once the put is sure to succeed.
-    replaced: Vec<(u32, usize)>,
-}
-
-impl Scratch {
-    fn clear(&mut self) {
-        self.hashes.clear();
-        self.entries.clear();
-        self.batch.clear();
-        self.retains.clear();
-        self.releases.clear();
-        self.released.clear();
-        self.created.clear();
-        self.victims.clear();
-        self.replaced.clear();
-    }
-}
-
-/// Where a put's keys landed in the LRU.
-struct Placement {
-    /// Keys of the batch that were not stored.
-    new_keys: usize,
-    /// Eligible keys older than the batch, at the LRU front.
-    older: usize,
-}
-
 /// What a successful put did beyond the obvious.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PutReport {
@@ -124,67 +46,6 @@ pub enum Profile {
     Grow,
 }
 
-/// Why keys left the store, for `VictimPolicy::on_remove`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RemoveReason {
-    /// Evicted to make room.
-    Eviction,
-    /// New keys of a refused put.
-    Rollback,
-}
-
-/// vLLM's `ExpertCachePolicy` contract, the one policy trait of both stores. An `Err` fails the
-/// put with that message; the store stays consistent.
-///
-/// The fixed store asks `select_victims` once for the number of keys it must evict. The
-/// variable store, whose budget is bytes, asks for the number of keys the LRU order would take
-/// to cover what is still missing, and asks again while the keys chosen free too little; a put
-/// it refuses changes nothing, and the policy then hears each reference change undone (old and
-/// new swapped), newest first.
-pub trait VictimPolicy {
-    /// After each applied retain (+1) or release (-1), in call order.
-    fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String>;
-    /// Exactly `count` distinct keys from `candidates` (eligible keys, oldest first, none
-    /// chosen yet), or `None` to refuse the put. Only on the policy's path: a call per
-    /// candidate through `dyn` costs nothing next to the policy's own code.
-    fn select_victims(
-        &mut self,
-        candidates: &mut dyn Iterator<Item = &str>,
-        count: usize,
-    ) -> Result<Option<Vec<String>>, String>;
-    /// After keys were evicted, or (`Rollback`) for the new keys of a refused put.
-    fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String>;
-}
-
-/// A lazy walk of the keys a put may evict, oldest first: the LRU's older keys, then the keys
-/// this put released. The batch's own keys are skipped without being visited.
-pub struct Candidates<'a> {
-    slab: &'a Slab,
-    cursor: u32,
-    older_left: usize,
-    released: &'a [u32],
-    visited: usize,
-}
-
-impl<'a> Iterator for Candidates<'a> {
-    type Item = &'a str;
-
-    fn next(&mut self) -> Option<&'a str> {
-        let idx = if self.older_left > 0 {
-            self.older_left -= 1;
-            let idx = self.cursor;
-            self.cursor = self.slab.lru_next(idx);
-            idx
-        } else {
-            let (&idx, rest) = self.released.split_first()?;
-            self.released = rest;
-            idx
-        };
-        self.visited += 1;
-        Some(self.slab[idx].key())
-    }
-}
-
 /// A bounded block store with reference counts and O(1) eviction of unreferenced keys.
 #[derive(Debug)]
 pub struct BlockStore {
@@ -192,22 +53,25 @@ pub struct BlockStore {
     object_nbytes: usize,
     num_slots: usize,
     profile: Profile,
-    /// Keys to entries (the one key table, shared with the variable store): the entries hold
-    /// each key's text, count, slot and LRU links.
-    keys: KeyTable<(), INLINE_KEY_BYTES>,
+    /// Keys, counts and the LRU (the core shared with the variable store); the fixed store's
+    /// entries carry no allocator data: a slot index says where the bytes are.
+    core: Core<(), INLINE_KEY_BYTES>,
     /// Slots released by eviction, reused before fresh ones so touched pages are reused.
     free_slots: Vec<u32>,
     /// Slots below this were handed out at least once; above it the arena is untouched.
     next_slot: u32,
-    stored: usize,
-    referenced: usize,
-    counters: Counters,
-    /// Ledger for `check()`: stored objects removed by eviction, and objects whose bytes a
-    /// `grow` re-put replaced in place. Every object written and not yet removed is stored, so
-    /// `stored == objects_written - evicted_stored - replaced`: a stored key lost any other way
-    /// (a rollback forgetting it) breaks the equation.
-    ledger: crate::ledger::Ledger,
-    scratch: Scratch,
+}
+
+/// Every victim frees one slot.
+struct OneSlot;
+
+impl Charge<(), INLINE_KEY_BYTES> for OneSlot {
+    const UNIT: bool = true;
+
+    #[inline]
+    fn charge(&self, _: &Scratch, _: Option<usize>, _: &Entry) -> usize {
+        1
+    }
 }
 
 /// Largest slot count: slot indices are `u32` and two values are reserved markers.
@@ -290,14 +154,9 @@ impl BlockStore {
             object_nbytes,
             num_slots,
             profile,
-            keys,
+            core: Core::new(keys),
             free_slots: Vec::new(),
             next_slot: 0,
-            stored: 0,
-            referenced: 0,
-            counters: Counters::default(),
-            ledger: crate::ledger::Ledger::default(),
-            scratch: Scratch::default(),
         })
     }
 
@@ -324,313 +183,102 @@ impl BlockStore {
     /// Frees the arena and every key; later calls fail with `Closed`. Idempotent.
     pub fn close(&mut self) {
         if self.arena.take().is_some() {
-            self.keys = KeyTable::with_capacity(0);
+            self.core.clear();
             self.free_slots = Vec::new();
-            self.scratch = Scratch::default();
-            self.stored = 0;
-            self.referenced = 0;
         }
     }
 
-    /// Stores a batch and applies reference changes, evicting as needed (SPEC section 2).
-    ///
-    /// Validation comes first: a wrong-sized payload or a release below zero returns an error
-    /// and changes nothing.
-    pub fn put(
-        &mut self,
-        objects: &[BlockRef<'_>],
-        retain_keys: &[&str],
-        release_keys: &[&str],
-    ) -> Result<PutReport, StoreError> {
-        self.put_with_policy(objects, retain_keys, release_keys, None)
-    }
+    crate::core::put_entry_points!(
+        PutReport,
+        "Stores a batch and applies reference changes, evicting as needed (SPEC section 2). \
+         Validation comes first: a wrong-sized payload or a release below zero returns an \
+         error and changes nothing."
+    );
 
-    /// `put`, with a victim policy consulted for reference changes, victims and removals.
-    pub fn put_with_policy(
-        &mut self,
-        objects: &[BlockRef<'_>],
-        retain_keys: &[&str],
-        release_keys: &[&str],
-        policy: Option<&mut dyn VictimPolicy>,
-    ) -> Result<PutReport, StoreError> {
+    /// `put`'s checks of the whole call before anything changes.
+    fn admit(&self, objects: &[BlockRef<'_>]) -> Result<(), StoreError> {
         if self.arena.is_none() {
             return Err(StoreError::Closed);
         }
-        if let Some(bad) = objects.iter().find(|o| o.payload.len() != self.object_nbytes) {
-            return Err(StoreError::PayloadSize {
+        match objects.iter().find(|o| o.payload.len() != self.object_nbytes) {
+            Some(bad) => Err(StoreError::PayloadSize {
                 key: bad.key.to_owned(),
                 expected: self.object_nbytes,
                 actual: bad.payload.len(),
-            });
+            }),
+            None => Ok(()),
         }
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let result = self.put_inner(&mut scratch, objects, retain_keys, release_keys, policy);
-        scratch.clear();
-        self.scratch = scratch;
-        if result.is_ok() {
-            self.counters.puts += 1;
-        }
-        result
     }
 
     fn put_inner(
         &mut self,
         s: &mut Scratch,
-        objects: &[BlockRef<'_>],
-        retain_keys: &[&str],
-        release_keys: &[&str],
+        (objects, retain_keys, release_keys): Call<'_>,
         mut policy: Option<&mut dyn VictimPolicy>,
     ) -> Result<PutReport, StoreError> {
-        // Resolve every key to an entry once. Entries created here are unreferenced and have no
-        // slot, so they are invisible until something below gives them a count or a slot.
-        self.keys.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
-        self.keys.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
-        if let Err(error) = self.keys.validate_references(&s.retains, &s.releases) {
-            self.keys.forget_orphans(&s.created);
-            return Err(error);
-        }
-        let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
-        self.keys.resolve(&keys, &mut s.hashes, &mut s.entries, Some(&mut s.created));
-        s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
-        self.keys.dedupe_batch(&mut s.batch, &s.releases);
+        let core = &mut self.core;
+        core.resolve_call(s, objects, retain_keys, release_keys)?;
         if self.profile == Profile::Grow {
             // vLLM 0.33 replaces a re-put object that nothing references. The old bytes stay in
             // their slot until the put cannot fail any more (`write_batch`), so a refused put
             // leaves them readable. Counting the key as stored rather than dropped and re-added
             // gives the same `need`, LRU order and growth size as vLLM.
             for &(idx, position) in &s.batch {
-                if self.keys.slab[idx].is_evictable() {
+                if core.keys.slab[idx].is_evictable() {
                     s.replaced.push((idx, position));
                 }
             }
         }
-        for &idx in &s.retains {
-            self.retain(idx);
-        }
-        for &idx in &s.releases {
-            if self.release(idx) {
-                s.released.push(idx);
-            }
-        }
+        // As in vLLM, the count changes stay applied even when the put is refused below.
+        core.apply_references::<false>(s);
+        core.counters.retains += s.retains.len() as u64;
+        core.counters.releases += s.releases.len() as u64;
         if let Some(policy) = policy.as_deref_mut() {
-            if let Err(error) = self.notify_reference_changes(s, policy) {
-                self.keys.forget_orphans(&s.created);
-                self.keys.forget_orphans(&s.released);
+            if let Err(error) = core.notify_reference_changes(s, policy, false) {
+                core.keys.forget_orphans(&s.created);
+                core.keys.forget_orphans(&s.released);
                 return Err(error);
             }
         }
-        let placed = self.order_batch_and_released(s);
-        let need = (self.stored + placed.new_keys).saturating_sub(self.num_slots);
+        let placed = core.order_batch_and_released::<false>(s);
+        core.keys.forget_orphans(&s.orphans);
+        let need = (core.stored + placed.new_keys).saturating_sub(self.num_slots);
         let mut report = PutReport::default();
         if need > 0 {
             let eligible = placed.older + s.released.len();
             if eligible >= need {
-                match policy.as_deref_mut() {
-                    None => self.take_victims(s, placed.older, need),
-                    Some(policy) => {
-                        if let Err(error) = self.ask_victims(s, placed.older, need, policy) {
-                            return Err(self.refuse_batch(s, error, Some(policy)));
-                        }
+                if let Some(policy) = policy.as_deref_mut() {
+                    let refused = StoreError::CannotRetain { limit: self.num_slots };
+                    let chosen =
+                        core.ask_victims(s, placed.older, need, policy, &OneSlot, &refused);
+                    if let Err(error) = chosen {
+                        return Err(core.refuse::<false>(s, 0, error, Some(policy)));
                     }
+                } else {
+                    core.take_victims(s, placed.older, need, &OneSlot);
                 }
             } else if self.profile == Profile::Grow {
                 // As vLLM 0.33: every eligible key goes, and the arena holds what is left,
                 // at least doubled.
-                let num_slots = (self.stored + placed.new_keys - eligible).max(self.num_slots * 2);
+                let num_slots = (core.stored + placed.new_keys - eligible).max(self.num_slots * 2);
                 if let Err(error) = self.grow_arena(num_slots) {
-                    return Err(self.refuse_batch(s, error, policy));
+                    return Err(self.core.refuse::<false>(s, 0, error, policy));
                 }
                 report.grown_to = Some(num_slots);
-                self.take_victims(s, placed.older, eligible);
+                self.core.take_victims(s, placed.older, eligible, &OneSlot);
             } else {
                 let error = StoreError::CannotRetain { limit: self.num_slots };
-                return Err(self.refuse_batch(s, error, policy));
+                return Err(self.core.refuse::<false>(s, 0, error, policy));
             }
         }
-        let removed = self.evict_victims(s, policy.is_some());
+        let free_slots = &mut self.free_slots;
+        let removed =
+            self.core.evict_victims(s, policy.is_some(), |slot, ()| free_slots.push(slot));
         self.write_batch(s, objects);
-        if let Some(policy) = policy {
-            if !removed.is_empty() {
-                let keys: Vec<&str> = removed.iter().map(String::as_str).collect();
-                if let Err(error) = policy.on_remove(&keys, RemoveReason::Eviction) {
-                    // The put is applied (its victims are gone, its objects written): it counts
-                    // as one, and the policy's exception is raised after it.
-                    self.counters.puts += 1;
-                    return Err(StoreError::Policy(error));
-                }
-            }
+        match policy {
+            Some(policy) => self.core.report_evicted(policy, &removed).map(|()| report),
+            None => Ok(report),
         }
-        Ok(report)
-    }
-
-    /// Whether `idx` is a batch key that this call did not release: such keys are never victims.
-    #[inline]
-    fn is_protected(&self, s: &Scratch, idx: u32) -> bool {
-        let mark = self.keys.slab[idx].mark as usize;
-        // Marks of entries outside this call are stale, so confirm the position.
-        mark < s.batch.len() && s.batch[mark].0 == idx
-    }
-
-    /// Moves unreferenced batch keys to the LRU tail in batch order (new ones enter as pending),
-    /// then released keys in release order, so a finishing request's tail block (released first)
-    /// goes first. Released keys that are neither stored nor in the batch are forgotten, and
-    /// `s.released` keeps only the ones in the LRU.
-    fn order_batch_and_released(&mut self, s: &mut Scratch) -> Placement {
-        let mut new_keys = 0usize;
-        let mut unreferenced_in_batch = 0usize;
-        for &(idx, _) in &s.batch {
-            let entry = &mut self.keys.slab[idx];
-            let was_stored = entry.has_slot();
-            if !was_stored {
-                entry.slot = PENDING_SLOT;
-                new_keys += 1;
-            }
-            if entry.refs == 0 {
-                unreferenced_in_batch += 1;
-                if was_stored {
-                    self.keys.slab.move_to_back(idx);
-                } else {
-                    self.keys.slab.push_back(idx);
-                }
-            }
-        }
-        let mut released_in_batch = 0usize;
-        let mut kept = 0usize;
-        for i in 0..s.released.len() {
-            let idx = s.released[i];
-            if self.keys.slab[idx].has_slot() {
-                self.keys.slab.move_to_back(idx);
-                s.released[kept] = idx;
-                kept += 1;
-                if self.is_protected(s, idx) {
-                    released_in_batch += 1;
-                    self.keys.slab[idx].mark = NOT_IN_BATCH;
-                }
-            } else {
-                self.keys.forget(idx);
-            }
-        }
-        s.released.truncate(kept);
-        // The LRU now reads: older keys, the batch's protected keys, the released keys.
-        let protected = unreferenced_in_batch - released_in_batch;
-        Placement { new_keys, older: self.keys.slab.lru_len() - protected - kept }
-    }
-
-    /// Victims without a policy: the oldest keys, then released ones. The walk touches victims
-    /// only, however many keys are referenced.
-    fn take_victims(&mut self, s: &mut Scratch, older: usize, count: usize) {
-        let mut cursor = self.keys.slab.lru_head();
-        for _ in 0..count.min(older) {
-            s.victims.push(cursor);
-            cursor = self.keys.slab.lru_next(cursor);
-        }
-        let from_released = count - s.victims.len();
-        s.victims.extend_from_slice(&s.released[..from_released]);
-        self.counters.eviction_visits += count as u64;
-        // The walk read only the dense links; fetch the victims' entries and index buckets all
-        // at once.
-        for &victim in &s.victims {
-            self.keys.slab.prefetch(victim);
-            self.keys.index.prefetch(self.keys.slab.hash(victim));
-        }
-    }
-
-    /// Victims chosen by a policy from a lazy walk of the eligible keys, checked to be exactly
-    /// `count` distinct eligible keys.
-    fn ask_victims(
-        &mut self,
-        s: &mut Scratch,
-        older: usize,
-        count: usize,
-        policy: &mut dyn VictimPolicy,
-    ) -> Result<(), StoreError> {
-        let mut candidates = Candidates {
-            slab: &self.keys.slab,
-            cursor: self.keys.slab.lru_head(),
-            older_left: older,
-            released: &s.released,
-            visited: 0,
-        };
-        let chosen = policy.select_victims(&mut candidates, count);
-        self.counters.eviction_visits += candidates.visited as u64;
-        let refused = StoreError::CannotRetain { limit: self.num_slots };
-        let chosen = chosen.map_err(StoreError::Policy)?.ok_or(refused.clone())?;
-        if chosen.len() != count {
-            return Err(refused);
-        }
-        for key in &chosen {
-            let idx = self.keys.find(key, self.keys.hash_key(key)).ok_or(refused.clone())?;
-            if !self.keys.slab[idx].is_evictable() || self.is_protected(s, idx) {
-                return Err(refused);
-            }
-            s.victims.push(idx);
-        }
-        let mut sorted = s.victims.clone();
-        sorted.sort_unstable();
-        if sorted.windows(2).any(|w| w[0] == w[1]) {
-            s.victims.clear();
-            return Err(refused);
-        }
-        Ok(())
-    }
-
-    /// Evicts `s.victims`; returns their keys when a policy wants to hear of them.
-    fn evict_victims(&mut self, s: &Scratch, keep_keys: bool) -> Vec<String> {
-        let mut removed = Vec::new();
-        for &victim in &s.victims {
-            if keep_keys {
-                removed.push(self.keys.slab[victim].key().to_owned());
-            }
-            self.evict(victim);
-        }
-        removed
-    }
-
-    /// A refused put stores none of its new keys; its count changes and LRU moves stay. The
-    /// policy hears of the rolled-back keys when the store refused (not when the policy failed).
-    fn refuse_batch(
-        &mut self,
-        s: &mut Scratch,
-        error: StoreError,
-        policy: Option<&mut dyn VictimPolicy>,
-    ) -> StoreError {
-        if matches!(error, StoreError::CannotRetain { .. }) {
-            self.counters.capacity_errors += 1;
-        }
-        s.victims.clear();
-        let rolled_back: Vec<String> = s
-            .batch
-            .iter()
-            .filter(|&&(idx, _)| self.keys.slab[idx].slot == PENDING_SLOT)
-            .map(|&(idx, _)| self.keys.slab[idx].key().to_owned())
-            .collect();
-        self.roll_back_new_keys(s);
-        if let (Some(policy), StoreError::CannotRetain { .. }) = (policy, &error) {
-            if !rolled_back.is_empty() {
-                let keys: Vec<&str> = rolled_back.iter().map(String::as_str).collect();
-                if let Err(message) = policy.on_remove(&keys, RemoveReason::Rollback) {
-                    return StoreError::Policy(message);
-                }
-            }
-        }
-        error
-    }
-
-    fn notify_reference_changes(
-        &self,
-        s: &Scratch,
-        policy: &mut dyn VictimPolicy,
-    ) -> Result<(), StoreError> {
-        let slab = &self.keys.slab;
-        crate::references::replay(
-            &s.retains,
-            &s.releases,
-            false,
-            |idx| slab[idx].refs,
-            |idx, old, new| {
-                policy.on_reference_change(slab[idx].key(), old, new).map_err(StoreError::Policy)
-            },
-        )
     }
 
     fn grow_arena(&mut self, num_slots: usize) -> Result<(), StoreError> {
@@ -642,79 +290,17 @@ impl BlockStore {
         }
         self.arena.as_mut().expect("checked open").grow(num_slots)?;
         self.num_slots = num_slots;
-        self.counters.growths += 1;
+        self.core.counters.growths += 1;
         Ok(())
-    }
-
-    #[inline]
-    fn retain(&mut self, idx: u32) {
-        let entry = &mut self.keys.slab[idx];
-        entry.refs += 1;
-        if entry.refs == 1 {
-            self.referenced += 1;
-            if entry.has_slot() {
-                self.keys.slab.unlink(idx);
-            }
-        }
-        self.counters.retains += 1;
-    }
-
-    /// Returns whether the count reached zero.
-    #[inline]
-    fn release(&mut self, idx: u32) -> bool {
-        let entry = &mut self.keys.slab[idx];
-        debug_assert!(entry.refs > 0, "validated release below zero");
-        entry.refs -= 1;
-        self.counters.releases += 1;
-        if entry.refs > 0 {
-            return false;
-        }
-        self.referenced -= 1;
-        if entry.has_slot() {
-            self.keys.slab.push_back(idx);
-        }
-        true
-    }
-
-    /// Removes an evictable key (stored, or pending in this put).
-    fn evict(&mut self, idx: u32) {
-        let slot = self.keys.slab[idx].slot;
-        debug_assert!(self.keys.slab[idx].is_evictable());
-        self.keys.slab.unlink(idx);
-        if slot != PENDING_SLOT {
-            self.free_slots.push(slot);
-            self.stored -= 1;
-            self.ledger.evicted_stored += 1;
-        }
-        self.keys.slab[idx].slot = NO_SLOT;
-        self.counters.evictions += 1;
-        self.keys.forget(idx);
-    }
-
-    /// A refused put stores none of its new keys.
-    fn roll_back_new_keys(&mut self, s: &Scratch) {
-        for &(idx, _) in &s.batch {
-            let entry = &self.keys.slab[idx];
-            if entry.slot != PENDING_SLOT {
-                continue;
-            }
-            let unreferenced = entry.refs == 0;
-            if unreferenced {
-                self.keys.slab.unlink(idx);
-            }
-            self.keys.slab[idx].slot = NO_SLOT;
-            if unreferenced {
-                self.keys.forget(idx);
-            }
-        }
     }
 
     /// Writes the batch's new keys into free slots and, profile `grow`, the replaced keys'
     /// new bytes into their own slots (those that were not evicted by this call).
     fn write_batch(&mut self, s: &Scratch, objects: &[BlockRef<'_>]) {
         let arena = self.arena.as_mut().expect("checked open");
+        let core = &mut self.core;
         for &(idx, position) in &s.batch {
-            let entry = &mut self.keys.slab[idx];
+            let entry = &mut core.keys.slab[idx];
             if entry.slot != PENDING_SLOT {
                 continue;
             }
@@ -728,17 +314,17 @@ impl BlockStore {
             };
             entry.slot = slot;
             arena.write_slot(slot, objects[position].payload);
-            self.stored += 1;
-            self.counters.objects_written += 1;
-            self.counters.bytes_written += self.object_nbytes as u64;
+            core.stored += 1;
+            core.counters.objects_written += 1;
+            core.counters.bytes_written += self.object_nbytes as u64;
         }
         for &(idx, position) in &s.replaced {
             // A replaced key this call released may have been evicted; its entry is gone then.
-            if self.keys.slab.is_live(idx) && self.keys.slab[idx].has_slot() {
-                arena.write_slot(self.keys.slab[idx].slot, objects[position].payload);
-                self.ledger.replaced += 1;
-                self.counters.objects_written += 1;
-                self.counters.bytes_written += self.object_nbytes as u64;
+            if core.keys.slab.is_live(idx) && core.keys.slab[idx].has_slot() {
+                arena.write_slot(core.keys.slab[idx].slot, objects[position].payload);
+                core.ledger.replaced += 1;
+                core.counters.objects_written += 1;
+                core.counters.bytes_written += self.object_nbytes as u64;
             }
         }
         arena.flush_writes();
@@ -752,10 +338,10 @@ impl BlockStore {
             return Err(StoreError::Closed);
         }
         assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
-        let mut s = std::mem::take(&mut self.scratch);
+        let mut s = std::mem::take(&mut self.core.scratch);
         let result = self.read_into(&mut s, keys, out);
         s.clear();
-        self.scratch = s;
+        self.core.scratch = s;
         result
     }
 
@@ -765,15 +351,13 @@ impl BlockStore {
         keys: &[&str],
         out: &mut [u8],
     ) -> Result<(), StoreError> {
-        self.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
-        let missing = s.entries.iter().position(|&idx| {
-            idx == NIL || matches!(self.keys.slab[idx].slot, NO_SLOT | PENDING_SLOT)
-        });
+        self.core.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        let missing = s.entries.iter().position(|&idx| !self.core.is_stored(idx));
         if let Some(at) = missing {
-            self.counters.read_misses += 1;
+            self.core.counters.read_misses += 1;
             return Err(StoreError::Missing {
                 key: keys[at].to_owned(),
-                used: self.stored,
+                used: self.core.stored,
                 limit: self.num_slots,
                 hint: self.profile == Profile::FailClosed,
             });
@@ -781,15 +365,11 @@ impl BlockStore {
         self.prefetch_for_read(&s.entries);
         let arena = self.arena.as_ref().expect("checked open");
         for (chunk, &idx) in out.chunks_exact_mut(self.object_nbytes).zip(&s.entries) {
-            chunk.copy_from_slice(arena.slot(self.keys.slab[idx].slot));
+            chunk.copy_from_slice(arena.slot(self.core.keys.slab[idx].slot));
         }
-        for &idx in &s.entries {
-            if self.keys.slab[idx].refs == 0 {
-                self.keys.slab.move_to_back(idx);
-            }
-        }
-        self.counters.reads += keys.len() as u64;
-        self.counters.bytes_read += out.len() as u64;
+        self.core.touch_read(&s.entries);
+        self.core.counters.reads += keys.len() as u64;
+        self.core.counters.bytes_read += out.len() as u64;
         Ok(())
     }
 
@@ -798,8 +378,8 @@ impl BlockStore {
     /// finished request's) miss at each; started together, the misses overlap instead of coming
     /// one after the other (the interleaving of a hash join).
     fn prefetch_for_read(&self, entries: &[u32]) {
-        let (Some(arena), slab) = (self.arena.as_ref(), &self.keys.slab) else { return };
-        let stored = |idx: u32| idx != NIL && !matches!(slab[idx].slot, NO_SLOT | PENDING_SLOT);
+        let (Some(arena), slab) = (self.arena.as_ref(), &self.core.keys.slab) else { return };
+        let stored = |idx: u32| self.core.is_stored(idx);
         for &idx in entries.iter().filter(|&&idx| stored(idx)) {
             arena.prefetch_slot(slab[idx].slot);
             if slab[idx].refs == 0 {
@@ -828,32 +408,28 @@ impl BlockStore {
             return Err(StoreError::Closed);
         }
         assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
-        let mut s = std::mem::take(&mut self.scratch);
-        self.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        let mut s = std::mem::take(&mut self.core.scratch);
+        self.core.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
         self.prefetch_for_read(&s.entries);
         let arena = self.arena.as_ref().expect("checked open");
         let mut written = 0;
         let first_missing = missing.len();
         for (i, &idx) in s.entries.iter().enumerate() {
-            if idx == NIL || matches!(self.keys.slab[idx].slot, NO_SLOT | PENDING_SLOT) {
+            if !self.core.is_stored(idx) {
                 missing.push(i);
                 continue;
             }
             out[written..written + self.object_nbytes]
-                .copy_from_slice(arena.slot(self.keys.slab[idx].slot));
+                .copy_from_slice(arena.slot(self.core.keys.slab[idx].slot));
             written += self.object_nbytes;
         }
-        for &idx in &s.entries {
-            if idx != NIL && self.keys.slab[idx].slot != NO_SLOT && self.keys.slab[idx].refs == 0 {
-                self.keys.slab.move_to_back(idx);
-            }
-        }
+        self.core.touch_read(&s.entries);
         let misses = missing.len() - first_missing;
-        self.counters.reads += (keys.len() - misses) as u64;
-        self.counters.read_misses += misses as u64;
-        self.counters.bytes_read += written as u64;
+        self.core.counters.reads += (keys.len() - misses) as u64;
+        self.core.counters.read_misses += misses as u64;
+        self.core.counters.bytes_read += written as u64;
         s.clear();
-        self.scratch = s;
+        self.core.scratch = s;
         Ok(written)
     }
 
@@ -881,23 +457,23 @@ impl BlockStore {
     pub fn stats(&self) -> Stats {
         Stats {
             capacity: self.num_slots,
-            stored: self.stored,
-            referenced: self.referenced,
-            evictable: self.keys.slab.lru_len(),
-            free_slots: self.num_slots - self.stored,
+            stored: self.core.stored,
+            referenced: self.core.referenced,
+            evictable: self.core.keys.slab.lru_len(),
+            free_slots: self.num_slots - self.core.stored,
             object_nbytes: self.object_nbytes,
-            counters: self.counters,
+            counters: self.core.counters,
         }
     }
 
     /// Evictable keys, oldest first. For tests and debugging: O(n).
     pub fn lru_keys(&self) -> Vec<&str> {
-        self.keys.lru_keys()
+        self.core.keys.lru_keys()
     }
 
     /// Every key with a reference count above zero, with its count, in no particular order.
     pub fn references(&self) -> Vec<(&str, u32)> {
-        self.keys.references()
+        self.core.keys.references()
     }
 
     /// Every stored key with its bytes, in no particular order. Touches no LRU position.
@@ -905,10 +481,9 @@ impl BlockStore {
         let Some(arena) = self.arena.as_ref() else {
             return Vec::new();
         };
-        self.keys
-            .slab
-            .live_indices()
-            .map(|idx| &self.keys.slab[idx])
+        let slab = &self.core.keys.slab;
+        slab.live_indices()
+            .map(|idx| &slab[idx])
             .filter(|e| e.has_slot())
             .map(|e| (e.key(), arena.slot(e.slot)))
             .collect()
@@ -916,14 +491,12 @@ impl BlockStore {
 
     /// The reference count of `key` (0 when unknown).
     pub fn reference_count(&self, key: &str) -> u32 {
-        self.keys.reference_count(key)
+        self.core.keys.reference_count(key)
     }
 
     /// Whether `key` is stored.
     pub fn contains(&self, key: &str) -> bool {
-        self.keys
-            .find(key, self.keys.hash_key(key))
-            .is_some_and(|idx| self.keys.slab[idx].has_slot())
+        self.core.contains(key)
     }
 
     /// Checks every invariant of SPEC section 11; the error names the broken one.
@@ -931,59 +504,25 @@ impl BlockStore {
         if self.arena.is_none() {
             return Ok(());
         }
-        self.keys.slab.validate()?;
         let used = self.next_slot as usize;
         if used > self.num_slots {
             return Err(format!("slots are in range: {used} handed out, {} exist", self.num_slots));
         }
         let mut owner = vec![NIL; used];
-        let mut stored = 0usize;
-        let mut referenced = 0usize;
-        let mut indexed = 0usize;
-        for idx in self.keys.slab.live_indices() {
-            let entry = &self.keys.slab[idx];
-            if self.keys.find(entry.key(), self.keys.slab.hash(idx)) != Some(idx) {
+        let (stored, referenced) = self.core.check_entries(|idx, entry| {
+            let slot = entry.slot as usize;
+            if slot >= used {
                 return Err(format!(
-                    "every key has one entry: {:?} is not found by its key",
+                    "slots are in range: {:?} has slot {slot} of {used} handed out",
                     entry.key()
                 ));
             }
-            if self.keys.slab.hash(idx) != self.keys.hash_key(entry.key()) {
-                return Err(format!("every key has one entry: {:?} has a stale hash", entry.key()));
+            if owner[slot] != NIL {
+                return Err(format!("slots are unique: slot {slot} is held twice"));
             }
-            indexed += 1;
-            if entry.slot == PENDING_SLOT {
-                return Err(format!("no put is in progress: {:?} is pending", entry.key()));
-            }
-            if entry.refs > 0 {
-                referenced += 1;
-            }
-            if entry.has_slot() {
-                let slot = entry.slot as usize;
-                if slot >= used {
-                    return Err(format!(
-                        "slots are in range: {:?} has slot {slot} of {used} handed out",
-                        entry.key()
-                    ));
-                }
-                if owner[slot] != NIL {
-                    return Err(format!("slots are unique: slot {slot} is held twice"));
-                }
-                owner[slot] = idx;
-                stored += 1;
-            } else if entry.refs == 0 {
-                return Err(format!(
-                    "counts are >= 1 where present: {:?} is neither stored nor referenced",
-                    entry.key()
-                ));
-            }
-        }
-        if indexed != self.keys.index.len() {
-            return Err(format!(
-                "every key has one entry: {} indexed, {indexed} live",
-                self.keys.index.len()
-            ));
-        }
+            owner[slot] = idx;
+            Ok(())
+        })?;
         for &slot in &self.free_slots {
             let slot = slot as usize;
             if slot >= used {
@@ -1003,20 +542,14 @@ impl BlockStore {
                  neither"
             ));
         }
-        self.ledger.check(self.counters.objects_written, stored)?;
-        if stored != self.stored || referenced != self.referenced {
-            return Err(format!(
-                "counters match contents: stored {stored} vs {}, referenced {referenced} vs {}",
-                self.stored, self.referenced
-            ));
-        }
-        Ok(())
+        self.core.check_counts(stored, referenced)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::slab::NO_SLOT;
 
     fn block<'a>(key: &'a str, payload: &'a [u8]) -> BlockRef<'a> {
         BlockRef { key, payload }
@@ -1027,8 +560,8 @@ mod tests {
     fn store_with_count(key: &str, count: u32) -> BlockStore {
         let mut store = BlockStore::new(4, 1).unwrap();
         store.put(&[block(key, b"a")], &[key], &[]).unwrap();
-        let idx = store.keys.lookup(key).unwrap();
-        store.keys.slab[idx].refs = count;
+        let idx = store.core.keys.lookup(key).unwrap();
+        store.core.keys.slab[idx].refs = count;
         store.check().unwrap();
         store
     }
@@ -1067,13 +600,13 @@ mod tests {
         store.check().unwrap();
         // What the old `grow` rollback did: drop a stored key's slot and forget the entry, with
         // every structural count kept consistent.
-        let idx = store.keys.lookup("a").unwrap();
-        let slot = store.keys.slab[idx].slot;
-        store.keys.slab.unlink(idx);
-        store.keys.slab[idx].slot = NO_SLOT;
+        let idx = store.core.keys.lookup("a").unwrap();
+        let slot = store.core.keys.slab[idx].slot;
+        store.core.keys.slab.unlink(idx);
+        store.core.keys.slab[idx].slot = NO_SLOT;
         store.free_slots.push(slot);
-        store.stored -= 1;
-        store.keys.forget(idx);
+        store.core.stored -= 1;
+        store.core.keys.forget(idx);
         let message = store.check().unwrap_err();
         assert!(message.contains("not evicted or replaced is stored"), "{message}");
     }

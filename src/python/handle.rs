@@ -17,7 +17,7 @@ use super::{
     as_texts, collect_keys, fork_generation, forked_error, log_growth, to_py_err, PyPolicy,
 };
 use crate::error::StoreError;
-use crate::store::{BlockRef, BlockStore, Counters, VictimPolicy};
+use crate::store::{BlockRef, BlockStore, Counters, PutReport, VictimPolicy};
 use crate::variable::VariableStore;
 
 /// Every key a store knows, copied out under the lock: the LRU (oldest first), the reference
@@ -42,67 +42,60 @@ pub(crate) trait Core: Send + 'static {
     fn contents(&self) -> Contents;
 }
 
-impl Core for BlockStore {
-    fn put(
-        &mut self,
-        blocks: &[BlockRef<'_>],
-        retains: &[&str],
-        releases: &[&str],
-        policy: Option<&mut dyn VictimPolicy>,
-    ) -> Result<Option<usize>, StoreError> {
-        self.put_with_policy(blocks, retains, releases, policy).map(|report| report.grown_to)
-    }
-    fn close(&mut self) {
-        BlockStore::close(self);
-    }
-    fn check(&self) -> Result<(), String> {
-        BlockStore::check(self)
-    }
-    fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
-        BlockStore::contains_many(self, keys)
-    }
-    fn reference_count(&self, key: &str) -> u32 {
-        BlockStore::reference_count(self, key)
-    }
-    fn contents(&self) -> Contents {
-        (
-            self.lru_keys().into_iter().map(str::to_owned).collect(),
-            self.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
-            self.objects().into_iter().map(|(k, p)| (k.to_owned(), p.to_vec())).collect(),
-        )
+/// What a successful put reports, as the handle sees it: `Some(slots)` when the arena grew.
+trait Grown {
+    fn grown_to(self) -> Option<usize>;
+}
+
+impl Grown for PutReport {
+    fn grown_to(self) -> Option<usize> {
+        self.grown_to
     }
 }
 
-impl Core for VariableStore {
-    fn put(
-        &mut self,
-        blocks: &[BlockRef<'_>],
-        retains: &[&str],
-        releases: &[&str],
-        policy: Option<&mut dyn VictimPolicy>,
-    ) -> Result<Option<usize>, StoreError> {
-        self.put_with_policy(blocks, retains, releases, policy).map(|()| None)
-    }
-    fn close(&mut self) {
-        VariableStore::close(self);
-    }
-    fn check(&self) -> Result<(), String> {
-        VariableStore::check(self)
-    }
-    fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
-        VariableStore::contains_many(self, keys)
-    }
-    fn reference_count(&self, key: &str) -> u32 {
-        VariableStore::reference_count(self, key)
-    }
-    fn contents(&self) -> Contents {
-        (
-            self.lru_keys().into_iter().map(str::to_owned).collect(),
-            self.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
-            self.objects().into_iter().map(|(k, p)| (k.to_owned(), p)).collect(),
-        )
+impl Grown for () {
+    fn grown_to(self) -> Option<usize> {
+        None
     }
 }
+
+/// `Core` for a store, by delegating to its methods of the same names.
+macro_rules! delegate_core {
+    ($($store:ty),*) => {$(
+        impl Core for $store {
+            fn put(
+                &mut self,
+                blocks: &[BlockRef<'_>],
+                retains: &[&str],
+                releases: &[&str],
+                policy: Option<&mut dyn VictimPolicy>,
+            ) -> Result<Option<usize>, StoreError> {
+                self.put_with_policy(blocks, retains, releases, policy).map(Grown::grown_to)
+            }
+            fn close(&mut self) {
+                <$store>::close(self);
+            }
+            fn check(&self) -> Result<(), String> {
+                <$store>::check(self)
+            }
+            fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
+                <$store>::contains_many(self, keys)
+            }
+            fn reference_count(&self, key: &str) -> u32 {
+                <$store>::reference_count(self, key)
+            }
+            fn contents(&self) -> Contents {
+                (
+                    self.lru_keys().into_iter().map(str::to_owned).collect(),
+                    self.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
+                    self.objects().into_iter().map(|(k, p)| (k.to_owned(), p.into())).collect(),
+                )
+            }
+        }
+    )*};
+}
+
+delegate_core!(BlockStore, VariableStore);
 
 /// A core behind its mutex, shared by threads, with the state every native store keeps.
 ///
@@ -349,6 +342,18 @@ macro_rules! store_methods {
                 batch.objects(objects)?;
                 batch.references(retain_keys, release_keys)?;
                 self.handle.put_gathered(py, &batch)
+            }
+
+            /// The payloads of `keys`, concatenated in order, as `bytes`; a key that is not
+            /// stored raises `BlockObjectStoreError` and changes nothing.
+            fn get_concatenated<'py>(
+                &self,
+                py: Python<'py>,
+                keys: &Bound<'py, PyAny>,
+            ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+                self.handle.ensure_open()?;
+                let keys = $crate::python::collect_keys(keys)?;
+                self.concatenated(py, &$crate::python::as_texts(&keys))
             }
 
             /// Whether each key is stored, without reading it or touching LRU order.

@@ -160,7 +160,7 @@ pub(crate) fn collect_keys<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<
     Ok(out)
 }
 
-fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> Vec<&'a str> {
+pub(crate) fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> Vec<&'a str> {
     // key_text already succeeded for every key in `collect_keys`.
     keys.iter().map(|k| key_text(k).expect("validated key")).collect()
 }
@@ -496,33 +496,6 @@ handle::store_methods!(NativeStore {
         })
     }
 
-    /// The payloads of `keys`, concatenated in order, as `bytes`; a key that is not stored
-    /// raises `BlockObjectStoreError` and changes nothing.
-    fn get_concatenated<'py>(
-        &self,
-        py: Python<'py>,
-        keys: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        self.handle.ensure_open()?;
-        let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
-        let object_nbytes = self.object_nbytes;
-        let len = texts
-            .len()
-            .checked_mul(object_nbytes)
-            .ok_or_else(|| PyOverflowError::new_err("read too large"))?;
-        let bytes = new_uninit_bytes(py, len)?;
-        let ptr = bytes_ptr(&bytes) as usize;
-        self.handle.with_store(py, |s| {
-            // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else can
-            // see yet, held for the duration of the call; for `len == 0` it may be the shared
-            // empty bytes object, and nothing is written.
-            let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-            s.get_into(&texts, out)
-        })?
-        .map_err(to_py_err)?;
-        Ok(bytes)
-    }
 
     /// Reads what is stored and reports what is not, in one call: `(data, missing)`, where
     /// `data` holds the payloads of the stored keys in order (`object_nbytes` each) and
@@ -574,6 +547,29 @@ handle::store_methods!(NativeStore {
     }
 
 });
+
+impl NativeStore {
+    /// `get_concatenated` after its checks: one copy per key, straight into the new `bytes`.
+    fn concatenated<'py>(&self, py: Python<'py>, texts: &[&str]) -> PyResult<Bound<'py, PyBytes>> {
+        let object_nbytes = self.object_nbytes;
+        let len = texts
+            .len()
+            .checked_mul(object_nbytes)
+            .ok_or_else(|| PyOverflowError::new_err("read too large"))?;
+        let bytes = new_uninit_bytes(py, len)?;
+        let ptr = bytes_ptr(&bytes) as usize;
+        self.handle
+            .with_store(py, |s| {
+                // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else can
+                // see yet, held for the duration of the call; for `len == 0` it may be the shared
+                // empty bytes object, and nothing is written.
+                let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+                s.get_into(texts, out)
+            })?
+            .map_err(to_py_err)?;
+        Ok(bytes)
+    }
+}
 
 /// `prefault=` as both constructors take it: omitted means `False`, and anything but `True`,
 /// `False` or `"background"` (`None` included) is a `ValueError`, checked here once.

@@ -28,6 +28,11 @@ pub struct NativeVariableStore {
 }
 
 impl NativeVariableStore {
+    /// `get_concatenated` after its checks; a missing key raises "does not exist".
+    fn concatenated<'py>(&self, py: Python<'py>, texts: &[&str]) -> PyResult<Bound<'py, PyBytes>> {
+        Ok(self.read(py, texts, true)?.0)
+    }
+
     /// Reads `keys` into one new `bytes` object: plan under the lock (sizes and places), make the
     /// object with the GIL, copy into it under the lock if no put ran in between. With
     /// `require_all`, a missing key raises.
@@ -134,18 +139,6 @@ store_methods!(NativeVariableStore {
         self.max_bytes / self.chunk_nbytes * self.chunk_nbytes
     }
 
-    /// The payloads of `keys`, concatenated in order, as `bytes`; a key that is not stored
-    /// raises `BlockObjectStoreError` ("does not exist") and changes nothing.
-    fn get_concatenated<'py>(
-        &self,
-        py: Python<'py>,
-        keys: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        self.handle.ensure_open()?;
-        let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
-        Ok(self.read(py, &texts, true)?.0)
-    }
 
     /// Reads what is stored and reports what is not, in one call:
     /// `(data, missing, offsets)`. `data` holds the payloads of the stored keys in order;

@@ -1,0 +1,771 @@
+//! The one put engine under both stores: keys, reference counts, the LRU of evictable keys, the
+//! victim policy, batch validation, dedup and ordering, victim choice, rollback, and the entry
+//! half of `check()`.
+//!
+//! A store is this core plus an allocator (fixed slots in `store.rs`, chunk chains in
+//! `variable.rs`) and the few rules where the contracts differ, each a parameter here rather
+//! than a copy: what a victim frees (`charge`), and what a refused put undoes (`UNDO`). The fixed
+//! store keeps a refused put's count changes and LRU moves, as vLLM does, and passes
+//! `UNDO = false`, so its hot path records nothing; the variable store undoes everything and
+//! passes `UNDO = true`, logging each LRU move to replay it backwards. Both are monomorphized:
+//! no `dyn` call and no allocation per object.
+
+use crate::error::StoreError;
+use crate::keys::KeyTable;
+use crate::ledger::Ledger;
+use crate::slab::{Entry, Slab, NIL, NO_SLOT, PENDING_SLOT};
+
+/// One object of a batch: a key and its bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockRef<'a> {
+    /// The object's key.
+    pub key: &'a str,
+    /// The object's bytes.
+    pub payload: &'a [u8],
+}
+
+/// The public put entry points, the same for both stores: `put` and `put_with_policy`, which
+/// runs the store's `admit` (its argument checks, before anything changes), then its
+/// `put_inner` with the core's scratch taken out.
+macro_rules! put_entry_points {
+    ($report:ty, $doc:literal) => {
+        #[doc = $doc]
+        pub fn put(
+            &mut self,
+            objects: &[BlockRef<'_>],
+            retain_keys: &[&str],
+            release_keys: &[&str],
+        ) -> Result<$report, StoreError> {
+            self.put_with_policy(objects, retain_keys, release_keys, None)
+        }
+
+        /// `put`, with a victim policy consulted for reference changes, victims and removals.
+        pub fn put_with_policy(
+            &mut self,
+            objects: &[BlockRef<'_>],
+            retain_keys: &[&str],
+            release_keys: &[&str],
+            policy: Option<&mut dyn VictimPolicy>,
+        ) -> Result<$report, StoreError> {
+            self.admit(objects)?;
+            let mut scratch = std::mem::take(&mut self.core.scratch);
+            let result = self.put_inner(&mut scratch, (objects, retain_keys, release_keys), policy);
+            self.core.end_put(scratch, result)
+        }
+    };
+}
+pub(crate) use put_entry_points;
+
+/// One call's arguments: its objects, the keys it retains and the keys it releases.
+pub(crate) type Call<'a> = (&'a [BlockRef<'a>], &'a [&'a str], &'a [&'a str]);
+
+/// Monotonic counters, for `stats()`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Successful `put` calls.
+    pub puts: u64,
+    /// Objects copied into slots.
+    pub objects_written: u64,
+    /// Applied retains (+1 each).
+    pub retains: u64,
+    /// Applied releases (-1 each).
+    pub releases: u64,
+    /// Keys evicted.
+    pub evictions: u64,
+    /// Puts refused with `cannot retain`.
+    pub capacity_errors: u64,
+    /// Arena growths (profile `grow`).
+    pub growths: u64,
+    /// Objects read.
+    pub reads: u64,
+    /// Reads refused because a key was not stored.
+    pub read_misses: u64,
+    /// Payload bytes copied into the arena.
+    pub bytes_written: u64,
+    /// Payload bytes copied out of the arena.
+    pub bytes_read: u64,
+    /// LRU entries visited while choosing victims (the seed's "no rescan" property).
+    pub eviction_visits: u64,
+}
+
+/// Why keys left the store, for `VictimPolicy::on_remove`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoveReason {
+    /// Evicted to make room.
+    Eviction,
+    /// New keys of a refused put.
+    Rollback,
+}
+
+/// vLLM's `ExpertCachePolicy` contract, the one policy trait of both stores. An `Err` fails the
+/// put with that message; the store stays consistent.
+///
+/// The fixed store asks `select_victims` once for the number of keys it must evict. The
+/// variable store, whose budget is bytes, asks for the number of keys the LRU order would take
+/// to cover what is still missing, and asks again while the keys chosen free too little; a put
+/// it refuses changes nothing, and the policy then hears each reference change undone (old and
+/// new swapped), newest first.
+pub trait VictimPolicy {
+    /// After each applied retain (+1) or release (-1), in call order.
+    fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String>;
+    /// Exactly `count` distinct keys from `candidates` (eligible keys, oldest first, none
+    /// chosen yet), or `None` to refuse the put. Only on the policy's path: a call per
+    /// candidate through `dyn` costs nothing next to the policy's own code.
+    fn select_victims(
+        &mut self,
+        candidates: &mut dyn Iterator<Item = &str>,
+        count: usize,
+    ) -> Result<Option<Vec<String>>, String>;
+    /// After keys were evicted, or (`Rollback`) for the new keys of a refused put.
+    fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String>;
+}
+
+// `Entry::mark` during a put: a batch key's position in `Scratch::batch` (with `RELEASED` when
+// this call released it, which makes it a possible victim), or `CHOSEN | i` for the victim at
+// `Scratch::victims[i]`. `KeyTable::dedupe_batch` gives every other key of the call
+// `NOT_IN_BATCH`, all bits set. Marks of keys outside the call are stale, so every reading
+// confirms the position it names.
+const RELEASED: u32 = 1 << 31;
+const CHOSEN: u32 = 1 << 30;
+const POSITION: u32 = CHOSEN - 1;
+
+/// One LRU change of the put in progress, so a refused put can undo it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Undo {
+    /// `idx` left the LRU from between `prev` and `next`.
+    Unlinked { idx: u32, prev: u32, next: u32 },
+    /// `idx` was appended at the tail.
+    Pushed { idx: u32 },
+}
+
+/// Scratch vectors reused by every call, so a put allocates only for new keys' text.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    pub hashes: Vec<u32>,
+    /// Entries of the keys being resolved (a batch's keys, a read's keys), in call order.
+    pub entries: Vec<u32>,
+    /// Unique batch keys in first-occurrence order: (entry, index of the last payload).
+    pub batch: Vec<(u32, usize)>,
+    /// What each unique batch key's new payload takes (variable store: chunks).
+    pub charges: Vec<usize>,
+    pub retains: Vec<u32>,
+    pub releases: Vec<u32>,
+    /// Keys whose count reached zero in this call and that are in the LRU, in release order.
+    pub released: Vec<u32>,
+    /// Released keys that are neither stored nor in the batch: forgotten by the store.
+    pub orphans: Vec<u32>,
+    /// Entries created by this call.
+    pub created: Vec<u32>,
+    /// (entry, what its eviction frees).
+    pub victims: Vec<(u32, usize)>,
+    /// Profile `grow`: batch keys stored and unreferenced when the call started, whose bytes
+    /// are replaced in place once the put is sure to succeed.
+    pub replaced: Vec<(u32, usize)>,
+    undo: Vec<Undo>,
+}
+
+impl Scratch {
+    pub fn clear(&mut self) {
+        self.hashes.clear();
+        self.entries.clear();
+        self.batch.clear();
+        self.charges.clear();
+        self.retains.clear();
+        self.releases.clear();
+        self.released.clear();
+        self.orphans.clear();
+        self.created.clear();
+        self.victims.clear();
+        self.replaced.clear();
+        self.undo.clear();
+    }
+}
+
+/// What evicting a key frees, in the units the store's capacity is counted in.
+pub(crate) trait Charge<M, const K: usize> {
+    /// Every key frees one unit (one slot), so the count of victims is the need itself.
+    const UNIT: bool;
+    /// What evicting `entry` frees: its new payload's charge if it is the batch key at
+    /// `position` (pending, or about to be replaced), else its stored object's.
+    fn charge(&self, s: &Scratch, position: Option<usize>, entry: &Entry<M, K>) -> usize;
+}
+
+/// Where a put's keys landed in the LRU.
+pub(crate) struct Placement {
+    /// Keys of the batch that were not stored.
+    pub new_keys: usize,
+    /// Eligible keys older than the batch, at the LRU front.
+    pub older: usize,
+}
+
+/// The batch position of `idx`, if it is in the batch and not chosen as a victim.
+#[inline]
+fn batch_position<M: Copy + Default, const K: usize>(
+    slab: &Slab<M, K>,
+    batch: &[(u32, usize)],
+    idx: u32,
+) -> Option<usize> {
+    let mark = slab[idx].mark;
+    let position = (mark & POSITION) as usize;
+    (mark & CHOSEN == 0 && batch.get(position).is_some_and(|&(i, _)| i == idx)).then_some(position)
+}
+
+#[inline]
+fn is_chosen<M: Copy + Default, const K: usize>(
+    slab: &Slab<M, K>,
+    victims: &[(u32, usize)],
+    idx: u32,
+) -> bool {
+    let mark = slab[idx].mark;
+    mark & CHOSEN != 0
+        && mark & RELEASED == 0
+        && victims.get((mark & POSITION) as usize).is_some_and(|&(i, _)| i == idx)
+}
+
+/// A lazy walk of the keys a put may evict, oldest first: the LRU's older keys, then the keys
+/// this put released; the batch's own keys are skipped without being visited, and so are keys
+/// already chosen.
+struct Walk<'a, M: Copy + Default, const K: usize> {
+    slab: &'a Slab<M, K>,
+    cursor: u32,
+    older_left: usize,
+    released: &'a [u32],
+    victims: &'a [(u32, usize)],
+    visited: usize,
+}
+
+impl<'a, M: Copy + Default, const K: usize> Walk<'a, M, K> {
+    fn new(slab: &'a Slab<M, K>, older: usize, s: &'a Scratch) -> Self {
+        Self {
+            slab,
+            cursor: slab.lru_head(),
+            older_left: older,
+            released: &s.released,
+            victims: &s.victims,
+            visited: 0,
+        }
+    }
+}
+
+impl<M: Copy + Default, const K: usize> Iterator for Walk<'_, M, K> {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        loop {
+            let idx = if self.older_left > 0 {
+                self.older_left -= 1;
+                let idx = self.cursor;
+                self.cursor = self.slab.lru_next(idx);
+                idx
+            } else {
+                let (&idx, rest) = self.released.split_first()?;
+                self.released = rest;
+                idx
+            };
+            if !is_chosen(self.slab, self.victims, idx) {
+                self.visited += 1;
+                return Some(idx);
+            }
+        }
+    }
+}
+
+/// Keys, counts, the LRU and the figures every store keeps about them.
+#[derive(Debug)]
+pub(crate) struct Core<M, const K: usize> {
+    /// Keys to entries: each key's text, count, slot, allocator data (`M`) and LRU links.
+    pub keys: KeyTable<M, K>,
+    pub stored: usize,
+    pub referenced: usize,
+    pub counters: Counters,
+    /// For `check()`: see `Ledger`.
+    pub ledger: Ledger,
+    pub scratch: Scratch,
+}
+
+impl<M: Copy + Default, const K: usize> Core<M, K> {
+    pub fn new(keys: KeyTable<M, K>) -> Self {
+        Self {
+            keys,
+            stored: 0,
+            referenced: 0,
+            counters: Counters::default(),
+            ledger: Ledger::default(),
+            scratch: Scratch::default(),
+        }
+    }
+
+    /// Ends a put that ran with the scratch taken out of the core (so that the put could borrow
+    /// its store whole): puts the cleared scratch back, and counts the put if it succeeded.
+    pub fn end_put<T>(
+        &mut self,
+        mut scratch: Scratch,
+        result: Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        scratch.clear();
+        self.scratch = scratch;
+        if result.is_ok() {
+            self.counters.puts += 1;
+        }
+        result
+    }
+
+    /// Frees every key (the store was closed).
+    pub fn clear(&mut self) {
+        self.keys = KeyTable::with_capacity(0);
+        self.scratch = Scratch::default();
+        self.stored = 0;
+        self.referenced = 0;
+    }
+
+    /// Whether entry `idx` holds an object (not a key that is only referenced or pending).
+    #[inline]
+    pub fn is_stored(&self, idx: u32) -> bool {
+        idx != NIL && !matches!(self.keys.slab[idx].slot, NO_SLOT | PENDING_SLOT)
+    }
+
+    /// Whether `key` is stored.
+    pub fn contains(&self, key: &str) -> bool {
+        self.keys.lookup(key).is_some_and(|idx| self.is_stored(idx))
+    }
+
+    /// Resolves a call's keys to entries once, checks its reference changes, and dedupes its
+    /// batch (the last payload of a key wins, its first occurrence fixes its position). Entries
+    /// created here are unreferenced and have no slot, so they are invisible until something
+    /// gives them a count or a slot; on an error they are forgotten and nothing changed.
+    pub fn resolve_call(
+        &mut self,
+        s: &mut Scratch,
+        objects: &[BlockRef<'_>],
+        retain_keys: &[&str],
+        release_keys: &[&str],
+    ) -> Result<(), StoreError> {
+        self.keys.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
+        self.keys.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
+        if let Err(error) = self.keys.validate_references(&s.retains, &s.releases) {
+            self.keys.forget_orphans(&s.created);
+            return Err(error);
+        }
+        let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
+        self.keys.resolve(&keys, &mut s.hashes, &mut s.entries, Some(&mut s.created));
+        s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
+        assert!(s.batch.len() < POSITION as usize, "batch too large");
+        self.keys.dedupe_batch(&mut s.batch, &s.releases);
+        Ok(())
+    }
+
+    #[inline]
+    fn lru_unlink<const UNDO: bool>(&mut self, undo: &mut Vec<Undo>, idx: u32) {
+        if UNDO {
+            let (prev, next) = self.keys.slab.lru_neighbours(idx);
+            undo.push(Undo::Unlinked { idx, prev, next });
+        }
+        self.keys.slab.unlink(idx);
+    }
+
+    #[inline]
+    fn lru_push_back<const UNDO: bool>(&mut self, undo: &mut Vec<Undo>, idx: u32) {
+        self.keys.slab.push_back(idx);
+        if UNDO {
+            undo.push(Undo::Pushed { idx });
+        }
+    }
+
+    #[inline]
+    fn lru_move_to_back<const UNDO: bool>(&mut self, undo: &mut Vec<Undo>, idx: u32) {
+        if self.keys.slab.lru_tail() != idx {
+            self.lru_unlink::<UNDO>(undo, idx);
+            self.lru_push_back::<UNDO>(undo, idx);
+        }
+    }
+
+    /// Applies the call's retains, then its releases; keys whose count reached zero go to
+    /// `s.released`, in release order. A key leaves the LRU at its first reference and joins
+    /// it when its last goes, if it is stored.
+    pub fn apply_references<const UNDO: bool>(&mut self, s: &mut Scratch) {
+        for &idx in &s.retains {
+            let entry = &mut self.keys.slab[idx];
+            entry.refs += 1;
+            if entry.refs == 1 {
+                self.referenced += 1;
+                if entry.has_slot() {
+                    self.lru_unlink::<UNDO>(&mut s.undo, idx);
+                }
+            }
+        }
+        for &idx in &s.releases {
+            let entry = &mut self.keys.slab[idx];
+            debug_assert!(entry.refs > 0, "validated release below zero");
+            entry.refs -= 1;
+            if entry.refs > 0 {
+                continue;
+            }
+            self.referenced -= 1;
+            if entry.has_slot() {
+                self.lru_push_back::<UNDO>(&mut s.undo, idx);
+            }
+            s.released.push(idx);
+        }
+    }
+
+    /// Moves unreferenced batch keys to the LRU tail in batch order (new ones enter as pending),
+    /// then released keys in release order, so a finishing request's tail block (released
+    /// first) goes first. Released keys that are neither stored nor in the batch go to
+    /// `s.orphans`; `s.released` keeps the ones in the LRU.
+    pub fn order_batch_and_released<const UNDO: bool>(&mut self, s: &mut Scratch) -> Placement {
+        let mut new_keys = 0usize;
+        let mut unreferenced_in_batch = 0usize;
+        for i in 0..s.batch.len() {
+            let idx = s.batch[i].0;
+            let entry = &mut self.keys.slab[idx];
+            let was_stored = entry.has_slot();
+            if !was_stored {
+                entry.slot = PENDING_SLOT;
+                new_keys += 1;
+            }
+            if entry.refs == 0 {
+                unreferenced_in_batch += 1;
+                if was_stored {
+                    self.lru_move_to_back::<UNDO>(&mut s.undo, idx);
+                } else {
+                    self.lru_push_back::<UNDO>(&mut s.undo, idx);
+                }
+            }
+        }
+        let mut released_in_batch = 0usize;
+        let mut kept = 0usize;
+        for i in 0..s.released.len() {
+            let idx = s.released[i];
+            if self.keys.slab[idx].has_slot() {
+                self.lru_move_to_back::<UNDO>(&mut s.undo, idx);
+                s.released[kept] = idx;
+                kept += 1;
+                if batch_position(&self.keys.slab, &s.batch, idx).is_some() {
+                    released_in_batch += 1;
+                    self.keys.slab[idx].mark |= RELEASED;
+                }
+            } else {
+                s.orphans.push(idx);
+            }
+        }
+        s.released.truncate(kept);
+        // The LRU now reads: older keys, the batch's protected keys, the released keys.
+        let protected = unreferenced_in_batch - released_in_batch;
+        Placement { new_keys, older: self.keys.slab.lru_len() - protected - kept }
+    }
+
+    #[inline]
+    fn victim_charge(&self, s: &Scratch, idx: u32, charge: &impl Charge<M, K>) -> usize {
+        charge.charge(s, batch_position(&self.keys.slab, &s.batch, idx), &self.keys.slab[idx])
+    }
+
+    /// Victims without a policy: the shortest prefix of the eligible keys, oldest first, whose
+    /// charges cover `need`. The walk visits those keys and no other, however many keys are
+    /// referenced. Returns whether they cover it.
+    pub fn take_victims(
+        &mut self,
+        s: &mut Scratch,
+        older: usize,
+        need: usize,
+        charge: &impl Charge<M, K>,
+    ) -> bool {
+        let mut freed = 0usize;
+        let mut cursor = self.keys.slab.lru_head();
+        for _ in 0..older {
+            if freed >= need {
+                break;
+            }
+            let cost = self.victim_charge(s, cursor, charge);
+            s.victims.push((cursor, cost));
+            freed += cost;
+            cursor = self.keys.slab.lru_next(cursor);
+        }
+        for i in 0..s.released.len() {
+            if freed >= need {
+                break;
+            }
+            let idx = s.released[i];
+            let cost = self.victim_charge(s, idx, charge);
+            s.victims.push((idx, cost));
+            freed += cost;
+        }
+        self.counters.eviction_visits += s.victims.len() as u64;
+        // The walk read only the dense links; fetch the victims' entries and index buckets all
+        // at once.
+        for &(victim, _) in &s.victims {
+            self.keys.slab.prefetch(victim);
+            self.keys.index.prefetch(self.keys.slab.hash(victim));
+        }
+        freed >= need
+    }
+
+    /// Victims chosen by a policy, each round from a lazy walk of the eligible keys not chosen
+    /// yet, for as many keys as the LRU order would still take (with unit charges, simply what
+    /// is missing: no counting walk); checked to be that many distinct eligible keys.
+    pub fn ask_victims<C: Charge<M, K>>(
+        &mut self,
+        s: &mut Scratch,
+        older: usize,
+        need: usize,
+        policy: &mut dyn VictimPolicy,
+        charge: &C,
+        refused: &StoreError,
+    ) -> Result<(), StoreError> {
+        let mut freed = 0usize;
+        while freed < need {
+            let count = if C::UNIT {
+                need - freed
+            } else {
+                let (mut count, mut covered) = (0usize, freed);
+                let mut walk = Walk::new(&self.keys.slab, older, s);
+                for idx in walk.by_ref() {
+                    if covered >= need {
+                        break;
+                    }
+                    covered += self.victim_charge(s, idx, charge);
+                    count += 1;
+                }
+                self.counters.eviction_visits += walk.visited as u64;
+                if covered < need {
+                    return Err(refused.clone());
+                }
+                count
+            };
+            let slab = &self.keys.slab;
+            let mut walk = Walk::new(slab, older, s);
+            let chosen = {
+                let mut keys = walk.by_ref().map(|idx| slab[idx].key());
+                policy.select_victims(&mut keys, count)
+            };
+            self.counters.eviction_visits += walk.visited as u64;
+            let chosen = chosen.map_err(StoreError::Policy)?.ok_or_else(|| refused.clone())?;
+            if chosen.len() != count {
+                return Err(refused.clone());
+            }
+            for key in &chosen {
+                let idx = self.keys.lookup(key).ok_or_else(|| refused.clone())?;
+                let slab = &self.keys.slab;
+                let eligible = slab[idx].is_evictable()
+                    && !is_chosen(slab, &s.victims, idx)
+                    && batch_position(slab, &s.batch, idx)
+                        .is_none_or(|_| slab[idx].mark & RELEASED != 0);
+                if !eligible {
+                    return Err(refused.clone());
+                }
+                let cost = self.victim_charge(s, idx, charge);
+                self.keys.slab[idx].mark = CHOSEN | s.victims.len() as u32;
+                s.victims.push((idx, cost));
+                freed += cost;
+            }
+        }
+        Ok(())
+    }
+
+    /// Replays the call's count changes to a policy, each with its old and new value: forward
+    /// (the counts are final now) or, with `undone`, backward, newest first (the counts are the
+    /// original ones again).
+    pub fn notify_reference_changes(
+        &self,
+        s: &Scratch,
+        policy: &mut dyn VictimPolicy,
+        undone: bool,
+    ) -> Result<(), StoreError> {
+        let slab = &self.keys.slab;
+        crate::references::replay(
+            &s.retains,
+            &s.releases,
+            undone,
+            |idx| slab[idx].refs,
+            |idx, old, new| {
+                policy.on_reference_change(slab[idx].key(), old, new).map_err(StoreError::Policy)
+            },
+        )
+    }
+
+    /// The keys of the batch's new (pending) entries, for a policy's `Rollback`.
+    pub fn pending_keys(&self, s: &Scratch) -> Vec<String> {
+        let slab = &self.keys.slab;
+        s.batch
+            .iter()
+            .filter(|&&(idx, _)| slab[idx].slot == PENDING_SLOT)
+            .map(|&(idx, _)| slab[idx].key().to_owned())
+            .collect()
+    }
+
+    /// Undoes what a refused put did to the LRU and the batch's slots: with `UNDO`, every LRU
+    /// move newest first and every count change; without, only the new keys (their counts
+    /// stay, as vLLM keeps them). The entries the call created are left for the caller to
+    /// forget (a policy may still need their keys).
+    pub fn roll_back<const UNDO: bool>(&mut self, s: &mut Scratch, referenced_before: usize) {
+        s.victims.clear();
+        if !UNDO {
+            for &(idx, _) in &s.batch {
+                let entry = &mut self.keys.slab[idx];
+                if entry.slot != PENDING_SLOT {
+                    continue;
+                }
+                entry.slot = NO_SLOT;
+                if entry.refs == 0 {
+                    self.keys.slab.unlink(idx);
+                    self.keys.forget(idx);
+                }
+            }
+            return;
+        }
+        let slab = &mut self.keys.slab;
+        while let Some(change) = s.undo.pop() {
+            match change {
+                Undo::Pushed { idx } => slab.unlink(idx),
+                Undo::Unlinked { idx, prev, next } => slab.relink(idx, prev, next),
+            }
+        }
+        for &(idx, _) in &s.batch {
+            if slab[idx].slot == PENDING_SLOT {
+                slab[idx].slot = NO_SLOT;
+            }
+        }
+        for &idx in &s.releases {
+            slab[idx].refs += 1;
+        }
+        for &idx in &s.retains {
+            slab[idx].refs -= 1;
+        }
+        self.referenced = referenced_before;
+    }
+
+    /// A refused put: `roll_back::<UNDO>`, then the entries the call created forgotten. When
+    /// the store refused (not when the policy failed), the refusal is counted and a policy
+    /// hears of the new keys (`Rollback`) and, with `UNDO`, of each count change undone.
+    pub fn refuse<const UNDO: bool>(
+        &mut self,
+        s: &mut Scratch,
+        referenced_before: usize,
+        error: StoreError,
+        policy: Option<&mut dyn VictimPolicy>,
+    ) -> StoreError {
+        let refused =
+            matches!(error, StoreError::CannotRetain { .. } | StoreError::CannotRetainBytes { .. });
+        let policy = policy.filter(|_| refused);
+        let new_keys = if policy.is_some() { self.pending_keys(s) } else { Vec::new() };
+        self.roll_back::<UNDO>(s, referenced_before);
+        let mut error = error;
+        if refused {
+            self.counters.capacity_errors += 1;
+        }
+        if let Some(policy) = policy {
+            let keys: Vec<&str> = new_keys.iter().map(String::as_str).collect();
+            let heard = match keys.is_empty() {
+                true => Ok(()),
+                false => {
+                    policy.on_remove(&keys, RemoveReason::Rollback).map_err(StoreError::Policy)
+                }
+            };
+            let heard = match UNDO {
+                true => heard.and_then(|()| self.notify_reference_changes(s, policy, true)),
+                false => heard,
+            };
+            if let Err(failed) = heard {
+                error = failed;
+            }
+        }
+        self.keys.forget_orphans(&s.created);
+        error
+    }
+
+    /// Evicts `s.victims` (each stored, or pending in this put), handing each stored one's slot
+    /// and allocator data to `free`; returns their keys when a policy wants to hear of them.
+    pub fn evict_victims(
+        &mut self,
+        s: &Scratch,
+        keep_keys: bool,
+        mut free: impl FnMut(u32, M),
+    ) -> Vec<String> {
+        let mut removed = Vec::new();
+        for &(idx, _) in &s.victims {
+            let entry = &self.keys.slab[idx];
+            debug_assert!(entry.is_evictable());
+            if keep_keys {
+                removed.push(entry.key().to_owned());
+            }
+            let (slot, meta) = (entry.slot, entry.meta);
+            self.keys.slab.unlink(idx);
+            self.keys.slab[idx].slot = NO_SLOT;
+            self.counters.evictions += 1;
+            self.keys.forget(idx);
+            if slot != PENDING_SLOT {
+                self.stored -= 1;
+                self.ledger.evicted_stored += 1;
+                free(slot, meta);
+            }
+        }
+        removed
+    }
+
+    /// Tells a policy of the keys a successful put evicted. The put is applied (its victims are
+    /// gone, its objects written): it counts as one, and the policy's error is raised after it.
+    pub fn report_evicted(
+        &mut self,
+        policy: &mut dyn VictimPolicy,
+        removed: &[String],
+    ) -> Result<(), StoreError> {
+        if removed.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<&str> = removed.iter().map(String::as_str).collect();
+        policy.on_remove(&keys, RemoveReason::Eviction).map_err(|error| {
+            self.counters.puts += 1;
+            StoreError::Policy(error)
+        })
+    }
+
+    /// After a read: moves each evictable key read (`NIL`: missing) to the LRU tail, in order.
+    pub fn touch_read(&mut self, entries: &[u32]) {
+        for &idx in entries {
+            if self.is_stored(idx) && self.keys.slab[idx].refs == 0 {
+                self.keys.slab.move_to_back(idx);
+            }
+        }
+    }
+
+    /// The entry half of `check()`: the key table, then per live entry that no put is in
+    /// progress and that it is stored or referenced; `stored_entry` checks each stored one.
+    /// Returns (stored, referenced) as counted.
+    pub fn check_entries(
+        &self,
+        mut stored_entry: impl FnMut(u32, &Entry<M, K>) -> Result<(), String>,
+    ) -> Result<(usize, usize), String> {
+        self.keys.validate()?;
+        let (mut stored, mut referenced) = (0usize, 0usize);
+        for idx in self.keys.slab.live_indices() {
+            let entry = &self.keys.slab[idx];
+            if entry.slot == PENDING_SLOT {
+                return Err(format!("no put is in progress: {:?} is pending", entry.key()));
+            }
+            if entry.refs > 0 {
+                referenced += 1;
+            }
+            if entry.has_slot() {
+                stored_entry(idx, entry)?;
+                stored += 1;
+            } else if entry.refs == 0 {
+                return Err(format!(
+                    "counts are >= 1 where present: {:?} is neither stored nor referenced",
+                    entry.key()
+                ));
+            }
+        }
+        Ok((stored, referenced))
+    }
+
+    /// `check()`'s closing equations: the ledger, and the counters against the contents.
+    pub fn check_counts(&self, stored: usize, referenced: usize) -> Result<(), String> {
+        self.ledger.check(self.counters.objects_written, stored)?;
+        if stored != self.stored || referenced != self.referenced {
+            return Err(format!(
+                "counters match contents: stored {stored} vs {}, referenced {referenced} vs {}",
+                self.stored, self.referenced
+            ));
+        }
+        Ok(())
+    }
+}
