@@ -60,6 +60,19 @@ one start-up line. What it does:
    decides;
 4. sends aostore's growth warnings to the store module's ``logger`` too (looked up at each
    growth), where vLLM's users and tests look for them.
+5. with ``AOSTORE_VLLM_MOONCAKE=/path/to/mooncake.json`` (the client config that
+   ``aostore.mooncake.MooncakeConfig.from_file`` reads), installs
+   :class:`TieredGrowBlockObjectStore` / :class:`TieredEngineBlockObjectStore` instead: each
+   store vLLM builds is then an ``aostore.mooncake.TieredBlockObjectStore`` whose local tier
+   is the store of step 3 (same profile, same ``AOSTORE_VLLM_PREFAULT``) and whose publisher
+   thread puts what the local tier writes into Mooncake. The file is read and validated here,
+   in every process (nothing connects yet); like a bad ``AOSTORE_VLLM_PROFILE``, a file that
+   cannot be read or validated, or a missing ``mooncake`` package, is ignored with a WARNING
+   and the stores stay local. An unreachable master is found when vLLM builds its store: the
+   constructor raises ``aostore.mooncake.MooncakeError`` naming the setting and the file
+   (vLLM then fails to start, saying so). On a layout where the plugin installs no
+   ``BlockObjectStore`` (vLLM's Mooncake branch, a kept store) the setting is ignored with a
+   WARNING. The start-up line says the tier is on and where the master is.
 
 Calling :func:`register` again does nothing (the store module is marked; not after a failure,
 so a later call tries again), and
@@ -78,6 +91,7 @@ import ast
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -87,25 +101,31 @@ import threading
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, Self, cast
+from typing import Any, ClassVar, Literal, Self, cast
 
 import aostore
 from aostore import _log
 from aostore._shm import ShmBlockObjectStore
 from aostore._store import BlockObjectStore
+from aostore.mooncake import MooncakeConfig
 
 __all__ = [
     "ENV_DISABLE",
+    "ENV_MOONCAKE",
     "ENV_PREFAULT",
     "ENV_PROFILE",
     "KNOWN_RELEASES",
     "LOGGER",
     "STORE_MODULE",
+    "TIER_PENDING_BATCHES",
     "DryRun",
     "EngineBlockObjectStore",
     "EngineShmBlockObjectStore",
     "GrowBlockObjectStore",
+    "MooncakeTier",
     "Plan",
+    "TieredEngineBlockObjectStore",
+    "TieredGrowBlockObjectStore",
     "Usage",
     "aostore_classes",
     "compare",
@@ -113,6 +133,7 @@ __all__ = [
     "fingerprint",
     "forced_profile",
     "hidden_references",
+    "mooncake_setting",
     "plan",
     "recognize",
     "register",
@@ -133,6 +154,16 @@ probing vLLM's store; any other value is ignored with a warning."""
 ENV_PREFAULT = "AOSTORE_VLLM_PREFAULT"
 """How stores built by vLLM commit their arena: ``background`` (the default), ``1`` (at
 construction) or ``0`` (on first write)."""
+ENV_MOONCAKE = "AOSTORE_VLLM_MOONCAKE"
+"""The path of a Mooncake client config (``mooncake.json``, read by
+``aostore.mooncake.MooncakeConfig.from_file``): stores that vLLM builds through the plugin are
+then ``TieredBlockObjectStore`` s, the plugin's own store as the local tier in front of
+Mooncake. Unset or empty: no tier. A file that cannot be read or validated, or Mooncake not
+installed: ignored with a WARNING (no tier), as a bad ``AOSTORE_VLLM_PROFILE`` is."""
+TIER_PENDING_BATCHES = 64
+"""``max_pending_batches`` of the tier the plugin builds: puts queued for the publisher before a
+put waits (vLLM puts a few blocks at a time; the publisher joins what is queued, up to one
+batch of ``max_batch_bytes``, into one Mooncake call)."""
 LOGGER = "vllm.plugins.aostore"
 """The plugin's logger: under ``vllm``, so vLLM's default logging configuration shows it."""
 
@@ -228,6 +259,141 @@ class GrowBlockObjectStore(EngineBlockObjectStore):
 
     __slots__ = ()
     _default_profile = "grow"
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeTier:
+    """A valid ``AOSTORE_VLLM_MOONCAKE``: the config file's absolute path and what it holds."""
+
+    path: str
+    config: MooncakeConfig
+
+    def describe(self) -> str:
+        """The start-up line's words for it: the tier is on, and where the master is."""
+        config = self.config
+        prefix = f", key prefix {config.key_prefix!r}" if config.key_prefix else ""
+        return (
+            f"Mooncake tier on ({ENV_MOONCAKE}={self.path}): master "
+            f"{config.master_server_address}, metadata {config.metadata_server}{prefix}"
+        )
+
+
+# The tier that register() validated for this process; None: no tier (or register not run).
+_tier_setting: MooncakeTier | None = None
+
+
+def mooncake_setting() -> tuple[MooncakeTier | None, str]:
+    """``AOSTORE_VLLM_MOONCAKE`` read and validated: (the tier or ``None``, what to say).
+
+    Unset or blank: ``(None, "")``. Otherwise the file is read with
+    ``MooncakeConfig.from_file`` (JSON, known keys only, valid values) and the ``mooncake``
+    package must be installed (found, not imported); any failure gives ``None`` and the reason,
+    naming the setting and the path. Nothing connects to Mooncake here: an unreachable master
+    is found when the first store is built (``MooncakeError`` naming the setting).
+    """
+    raw = os.environ.get(ENV_MOONCAKE, "")
+    value = raw.strip()
+    if not value:
+        return None, ""
+    path = os.path.abspath(os.path.expanduser(value))
+
+    def ignored(why: str) -> tuple[None, str]:
+        return None, f"ignored {ENV_MOONCAKE}={raw!r} ({why}); Mooncake tier off"
+
+    try:
+        installed = importlib.util.find_spec("mooncake") is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        from aostore.mooncake import MOONCAKE_PIP_PACKAGE
+
+        return ignored(f"Mooncake is not installed: pip install '{MOONCAKE_PIP_PACKAGE}'")
+    try:
+        config = MooncakeConfig.from_file(path)
+    except Exception as error:
+        detail = str(error) if path in str(error) else f"{path}: {error}"
+        return ignored(f"{type(error).__name__}: {detail}")
+    return MooncakeTier(path, config), ""
+
+
+def _tiered(local_class: type[EngineBlockObjectStore], **options: Any) -> Any:
+    """``local_class(**options)`` as the local tier of a ``TieredBlockObjectStore`` in front
+    of the Mooncake cluster that ``AOSTORE_VLLM_MOONCAKE`` names."""
+    from aostore.mooncake import MooncakeBlockObjectStore, MooncakeError, TieredBlockObjectStore
+
+    setting = _tier_setting
+    if setting is None:
+        setting, said = mooncake_setting()
+        if setting is None:
+            raise ValueError(f"no Mooncake tier configured: {said or ENV_MOONCAKE + ' is unset'}")
+    local = local_class(**options)
+    try:
+        remote = MooncakeBlockObjectStore.from_config(
+            setting.config, object_nbytes=local.object_nbytes
+        )
+    except Exception as error:
+        local.close()
+        raise MooncakeError(
+            f"aostore vLLM plugin: cannot build the Mooncake tier that {ENV_MOONCAKE}="
+            f"{setting.path} asks for: {error}"
+        ) from error
+    except BaseException:
+        local.close()
+        raise
+    try:
+        return TieredBlockObjectStore(local, remote, max_pending_batches=TIER_PENDING_BATCHES)
+    except BaseException:
+        remote.close()
+        local.close()
+        raise
+
+
+class TieredEngineBlockObjectStore(EngineBlockObjectStore):
+    """What the plugin installs for vLLM's ``BlockObjectStore`` when ``AOSTORE_VLLM_MOONCAKE``
+    names a valid config (profile ``fail-closed``).
+
+    Constructing it returns an ``aostore.mooncake.TieredBlockObjectStore`` (not an instance of
+    this class): its local tier is exactly the store the plugin builds without the setting
+    (:class:`EngineBlockObjectStore` with the same arguments, so the same profile and
+    ``AOSTORE_VLLM_PREFAULT``), its remote tier a ``MooncakeBlockObjectStore`` connected with
+    the file's config, ``max_pending_batches`` :data:`TIER_PENDING_BATCHES`. Closing it
+    publishes what is queued and closes both tiers. When Mooncake cannot be reached (or the
+    objects do not fit its batches) the constructor closes the local store and raises
+    ``aostore.mooncake.MooncakeError`` naming the setting and the file.
+    """
+
+    __slots__ = ()
+    _local_class: ClassVar[type[EngineBlockObjectStore]] = EngineBlockObjectStore
+
+    def __new__(
+        cls,
+        *,
+        max_bytes: int,
+        object_nbytes: int,
+        policy: Any | None = None,
+        profile: str | None = None,
+        pin_memory: bool = False,
+        prefault: bool | Literal["background"] | None = None,
+    ) -> Self:
+        tier = _tiered(
+            cls._local_class,
+            max_bytes=max_bytes,
+            object_nbytes=object_nbytes,
+            policy=policy,
+            profile=profile,
+            pin_memory=pin_memory,
+            prefault=prefault,
+        )
+        return cast(Self, tier)
+
+
+class TieredGrowBlockObjectStore(TieredEngineBlockObjectStore):
+    """:class:`TieredEngineBlockObjectStore` whose local tier is a :class:`GrowBlockObjectStore`
+    (vLLM 0.33)."""
+
+    __slots__ = ()
+    _default_profile = "grow"
+    _local_class = GrowBlockObjectStore
 
 
 class EngineShmBlockObjectStore(ShmBlockObjectStore):
@@ -855,6 +1021,12 @@ class Plan:
     release: str | None = None
     """The release of :data:`KNOWN_RELEASES` the store module's package is; ``None``: checked
     class by class."""
+    mooncake: MooncakeTier | None = None
+    """The Mooncake tier that stores built through the plugin get (``AOSTORE_VLLM_MOONCAKE``);
+    set by :func:`register`'s and :func:`dry_run`'s decision, not by :func:`plan`."""
+    mooncake_said: str = ""
+    """What the start-up line says about the tier: on (and where the master is), ignored and
+    why, or ``""`` when the setting is unset."""
 
 
 def _module_classes(module: Any) -> dict[str, type]:
@@ -1161,17 +1333,30 @@ def register() -> None:
 
 def _decide(store_module: Any) -> tuple[Plan, str, str, bool]:
     """What :func:`register` swaps in (and :func:`dry_run` reports): the plan, with the fixed
-    store's class chosen, and the profile, why, and whether that deserves a warning."""
+    store's class chosen, and the profile, why, and whether that deserves a warning. The
+    Mooncake tier's verdict is in ``plan.mooncake`` and ``plan.mooncake_said``."""
     decision = plan(store_module)
     profile = reason = ""
     warn = False
+    tier, said = mooncake_setting()
     if FIXED_STORE in decision.replace:
         profile, reason, warn = _choose_profile(dict(decision.vllm))
-        decision.replace[FIXED_STORE] = (
-            GrowBlockObjectStore if profile == "grow" else EngineBlockObjectStore
+        if tier is not None:
+            classes: tuple[type, type] = (TieredGrowBlockObjectStore, TieredEngineBlockObjectStore)
+            said = tier.describe()
+        else:
+            classes = (GrowBlockObjectStore, EngineBlockObjectStore)
+        decision.replace[FIXED_STORE] = classes[0] if profile == "grow" else classes[1]
+    elif tier is not None:
+        where = "keeps vLLM's" if FIXED_STORE in decision.vllm else "has no"
+        said = (
+            f"ignored {ENV_MOONCAKE}={tier.path} (the tier wraps the {FIXED_STORE} that the "
+            f"plugin installs, and {STORE_MODULE} {where} {FIXED_STORE}); Mooncake tier off"
         )
+        tier = None
     if SHM_STORE in decision.replace:
         decision.replace[SHM_STORE] = EngineShmBlockObjectStore
+    decision.mooncake, decision.mooncake_said = tier, said
     return decision, profile, reason, warn
 
 
@@ -1256,6 +1441,8 @@ def _register() -> None:
         if FIXED_STORE in decision.replace and _store_module_logger not in _log._growth_targets:
             _log.add_growth_target(_store_module_logger)
             targeted = True
+        global _tier_setting
+        _tier_setting = decision.mooncake
     except BaseException:
         _undo(undo)
         if targeted:
@@ -1279,9 +1466,14 @@ def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bo
         parts.append(f"{PACKAGE} is {decision.release}'s, which CI proves")
     else:
         parts.append(f"{PACKAGE} is not a release CI proves: checked class by class")
+    if decision.mooncake_said:
+        parts.append(decision.mooncake_said)
     if decision.note:
         parts.append(decision.note)
     parts += [f"kept vLLM's {name}: {why}" for name, why in decision.keep.items()]
+    # A Mooncake setting that was asked for and is not used deserves a warning.
+    tier_ignored = bool(decision.mooncake_said) and decision.mooncake is None
+    warn = warn or tier_ignored
     level = logging.WARNING if decision.keep or not decision.replace or warn else logging.INFO
     if not (_logger.isEnabledFor(level) and _logger.hasHandlers()):
         # Nothing would show it (vLLM's front end loads plugins before it configures logging):
