@@ -537,9 +537,9 @@ def test_an_on_remove_eviction_that_raises_leaves_the_put_applied_and_counted(
 
 
 def per_key_seconds(kind: str, keys: int, phase: str) -> float:
-    """The best of three puts of ``keys`` retains (or releases) with a policy, per key."""
+    """The best of five puts of ``keys`` retains (or releases) with a policy, per key."""
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         store = make_either(kind, Recorder(oldest), 4)
         names = [f"key-{i}" for i in range(keys)]
         try:
@@ -561,10 +561,12 @@ def per_key_seconds(kind: str, keys: int, phase: str) -> float:
 def test_reference_changes_with_a_policy_cost_linear_time(kind: str, phase: str) -> None:
     # Each change is replayed to the policy with its old and new count; finding a key's count
     # by a scan of the call's changes made that quadratic (per key 3 us at 2,000 keys, 18 us at
-    # 16,000). Per-key cost at two sizes, in one run: 8x the keys may not cost 3x per key.
+    # 16,000: 6x). Per-key cost at two sizes, in one run: 8x the keys may not cost 4x per key.
+    # Linear code measures 1.1-2.7x on the 2-core VM (the larger key table misses cache more),
+    # and up to 3.1x while other work shares the cores, hence the margin.
     small, large = 2_000, 16_000
     ratio = per_key_seconds(kind, large, phase) / per_key_seconds(kind, small, phase)
-    assert ratio < 3.0, f"per-key cost grew {ratio:.1f}x from {small} to {large} keys"
+    assert ratio < 4.0, f"per-key cost grew {ratio:.1f}x from {small} to {large} keys"
 
 
 # -------------------------------------------------------------------- a policy waiting on a thread

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import subprocess
 import sys
 import textwrap
@@ -514,6 +515,37 @@ def test_bad_put_blocks_raises_and_changes_nothing(busy_store, keys, make_blocks
     blocks = make_blocks()
     with changes_nothing(busy_store), pytest.raises(error, match=fragment):
         busy_store.put_blocks(keys, blocks, retain_keys=["e1"], release_keys=["r1"])
+
+
+# The cases of a bad buffer that is not a tensor (tensors are checked, and raise, in the façade;
+# keys are checked as in `put`).
+NUMPY_BAD_PUT_BLOCKS = [
+    c
+    for c in BAD_PUT_BLOCKS
+    if not any(word in c[0] for word in ("torch", "bf16", "-key", "keys-not"))
+]
+
+
+@pytest.mark.parametrize(
+    ("keys", "make_blocks", "error", "fragment"),
+    [c[1:] for c in NUMPY_BAD_PUT_BLOCKS],
+    ids=[c[0] for c in NUMPY_BAD_PUT_BLOCKS],
+)
+def test_bad_put_blocks_through_the_writer_is_refused_alike(
+    busy_store, keys, make_blocks, error, fragment
+):
+    # The buffer is checked once, in Rust, for both paths: through the Rust writer the same
+    # input is refused with the same error (latched), where the writer once took any buffer of
+    # the right total size, whatever its shape.
+    writer = BackgroundBlockObjectStore(busy_store, max_pending_batches=2)
+    with changes_nothing(busy_store):
+        with pytest.raises(BlockObjectStoreError, match="publication failed") as raised:
+            writer.put_blocks(keys, make_blocks(), retain_keys=["e1"], release_keys=["r1"])
+            writer.flush()
+    assert isinstance(raised.value.__cause__, error), repr(raised.value.__cause__)
+    assert re.search(fragment, str(raised.value.__cause__)), raised.value.__cause__
+    with pytest.raises(BlockObjectStoreError):
+        writer.close()
 
 
 @pytest.mark.parametrize(

@@ -271,12 +271,12 @@ class BackgroundBlockObjectStore:
         if self._writer.closed:
             raise RuntimeError("auxiliary output store is closed")
         object_nbytes = getattr(self._store, "object_nbytes", None)
-        if isinstance(self._writer, NativeWriter) and object_nbytes and _tensors.is_tensor(blocks):
+        if isinstance(self._writer, NativeWriter) and object_nbytes:
             # The Rust writer reads plain buffers: a tensor becomes its host bytes here (a CUDA
             # tensor is copied to the host once, on the caller's thread). The numpy view's base
             # is a tensor of its own over the same storage, so ``set_()`` on the caller's
             # tensor leaves the memory the writer reads alive.
-            blocks = _tensors.block_bytes(blocks, len(key_list), object_nbytes)
+            blocks = _tensors.host_rows(blocks, len(key_list), object_nbytes)
         self._writer.put_blocks(key_list, blocks, retain_keys=retains, release_keys=releases)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:

@@ -130,7 +130,7 @@ class BlockObjectStore(NativeStore):
         """
         self._ensure_open()
         keys = list(keys)
-        data = _tensors.block_bytes(blocks, len(keys), self.object_nbytes)
+        data = _tensors.host_rows(blocks, len(keys), self.object_nbytes)
         super().put_blocks(keys, data, retain_keys=retain_keys, release_keys=release_keys)
 
     def get_into(self, keys: Iterable[str], out: Any) -> Any:

@@ -50,8 +50,16 @@ def _tensor_rows(blocks: Any, count: int, object_nbytes: int) -> Any:
     return blocks.reshape(count, -1).view(torch.uint8).numpy()
 
 
+def host_rows(blocks: Any, count: int, object_nbytes: int) -> Any:
+    """``blocks`` for a native store: a tensor becomes its host bytes (checked as a tensor);
+    anything else is passed on unchanged, for the native store to check once."""
+    return _tensor_rows(blocks, count, object_nbytes) if is_tensor(blocks) else blocks
+
+
 def block_bytes(blocks: Any, count: int, object_nbytes: int) -> Any:
-    """A C-contiguous host buffer holding ``count`` rows of ``object_nbytes`` bytes.
+    """A C-contiguous host buffer holding ``count`` rows of ``object_nbytes`` bytes, for stores
+    that are not native (the Mooncake tier); the native stores check in Rust, with the same
+    errors.
 
     ``blocks`` is a numpy array or torch tensor of shape ``(count, ...)``, or a flat bytes-like
     buffer of ``count * object_nbytes`` bytes. Raises ``ValueError``/``TypeError`` otherwise.

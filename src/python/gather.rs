@@ -147,7 +147,7 @@ impl<'py> Gathered<'py> {
         object_nbytes: usize,
     ) -> PyResult<()> {
         let keys = self.keys(keys)?;
-        let data = self.buffer(blocks, || "blocks".to_owned())?;
+        let data = self.blocks(blocks, keys.len(), object_nbytes)?;
         self.keep(blocks.clone());
         if keys.len().checked_mul(object_nbytes) != Some(data.len) {
             return Err(PyValueError::new_err(format!(
@@ -158,6 +158,62 @@ impl<'py> Gathered<'py> {
         }
         self.rows(&keys, data, object_nbytes);
         Ok(())
+    }
+
+    /// `put_blocks`' one buffer, checked here only (the façade converts tensors and checks
+    /// nothing else): C-contiguous plain data, either flat bytes or shaped `(count, ...)` with
+    /// rows of `object_nbytes` bytes. Each error says which of these it is not.
+    fn blocks(
+        &mut self,
+        blocks: &Bound<'py, PyAny>,
+        count: usize,
+        object_nbytes: usize,
+    ) -> PyResult<RawBytes> {
+        if let Ok(bytes) = blocks.cast::<PyBytes>() {
+            return Ok(RawBytes::of(bytes.as_bytes()));
+        }
+        let wrong_shape = |shape: &[usize]| {
+            let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+            let comma = if dims.len() == 1 { "," } else { "" };
+            PyValueError::new_err(format!(
+                "blocks must have shape ({count}, ...), got ({}{comma})",
+                dims.join(", ")
+            ))
+        };
+        let Ok(buffer) = PyUntypedBuffer::get(blocks) else {
+            // A 0-d array exports no shape; any other failure means no buffer at all.
+            return Err(match flat_view(blocks) {
+                Ok(_) => wrong_shape(&[]),
+                Err(_) => PyTypeError::new_err(format!(
+                    "blocks must be a numpy array, a torch tensor or a buffer, not {}",
+                    type_name(blocks)
+                )),
+            });
+        };
+        if holds_objects(&buffer) {
+            return Err(PyTypeError::new_err(
+                "blocks must hold plain data, not Python object references",
+            ));
+        }
+        if !buffer.is_c_contiguous() {
+            return Err(PyValueError::new_err(
+                "blocks must be C-contiguous (use numpy.ascontiguousarray)",
+            ));
+        }
+        let shape = buffer.shape();
+        let flat_bytes = shape.len() == 1 && buffer.item_size() == 1;
+        if !flat_bytes {
+            if shape.first() != Some(&count) {
+                return Err(wrong_shape(shape));
+            }
+            if count > 0 && buffer.len_bytes() / count != object_nbytes {
+                return Err(PyValueError::new_err(format!(
+                    "each block holds {} bytes, expected object_nbytes={object_nbytes}",
+                    buffer.len_bytes() / count
+                )));
+            }
+        }
+        Ok(self.hold(buffer))
     }
 
     /// Records a sequence of keys (each must be `str`).
@@ -217,13 +273,19 @@ impl<'py> Gathered<'py> {
         if !buffer.is_c_contiguous() || holds_objects(&buffer) {
             return Err(not_a_buffer());
         }
-        // SAFETY: C-contiguous, exported until `buffer` is dropped with this batch.
+        Ok(self.hold(buffer))
+    }
+
+    /// The bytes of a checked C-contiguous export, which the batch holds until it is dropped.
+    fn hold(&mut self, buffer: PyUntypedBuffer) -> RawBytes {
+        // SAFETY: C-contiguous (checked by the caller), exported until `buffer` is dropped with
+        // this batch.
         let bytes = unsafe {
             std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes())
         };
         let raw = RawBytes::of(bytes);
         self.buffers.push(buffer);
-        Ok(raw)
+        raw
     }
 
     /// Keeps `value` alive with the batch (for bytes recorded through `buffer`).
