@@ -72,6 +72,12 @@ engine-venv:
 		$(ENGINE_PY) -m pip install -q --no-deps -r $(ENGINE_PINS) && \
 		cp $(ENGINE_PINS) $(ENGINE_VENV)/.pins; \
 	fi
+# Mooncake for tests/vllm_engine/test_engine_mooncake.py (which skips without it), tolerant of
+# failure as in the main venv; --no-deps: mooncake.store imports without its extras, and nothing
+# in the pinned environment moves.
+	@$(ENGINE_PY) -c "import mooncake.store" 2>/dev/null || \
+		$(ENGINE_PY) -m pip install -q --no-deps "mooncake-transfer-engine-non-cuda==0.3.13.post1" || \
+		echo "$(ENGINE_VENV): Mooncake not installed: tests/vllm_engine/test_engine_mooncake.py will skip"
 
 engine-install: build engine-venv
 	$(ENGINE_PY) -m pip install -q --force-reinstall --no-deps $(WHEEL_DIR)/aostore-*-cp311-abi3-*.whl

@@ -107,6 +107,25 @@ class StoreProbe:
             contents["stats"] = {}
         return contents
 
+    def aostore_probe_tier(self) -> dict[str, Any]:
+        """With ``AOSTORE_VLLM_MOONCAKE``: the tiered store's parts, what its local tier holds
+        (keys and bytes), and its counters, once everything queued is in Mooncake."""
+        background = self._aostore_probe_connector()._store
+        background.get_concatenated([])  # the writer has applied every queued put
+        tier = background._store
+        tier.flush()  # and the tier's publisher has put every one of them into Mooncake
+        local = tier.local
+        return {
+            "tier": _qualname(tier),
+            "local": _qualname(local),
+            "profile": getattr(local, "profile", None),
+            "remote": _qualname(tier.remote),
+            "master": tier.remote.master_address,
+            "key_prefix": tier.remote.key_prefix,
+            "objects": dict(local.snapshot()["objects"]),
+            "stats": dict(tier.stats()),
+        }
+
     def aostore_probe_record_calls(self) -> None:
         """Record every call the worker makes on its store from now on, in call order.
 

@@ -19,7 +19,8 @@ folder goes on ``PYTHONPATH`` so Triton finds a "cpu" backend (see
 
 Writes a pickle: the requests (prompt, generated token ids, routed-experts array, cached
 token count), per-step times, the worker's store classes and, with ``--probe``, the store's
-final contents; with ``--record``, every call the worker made on its store.
+final contents; with ``--record``, every call the worker made on its store; with ``--tier``
+(and ``AOSTORE_VLLM_MOONCAKE`` set), the Mooncake tier's local contents and counters.
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--store-slots", type=int, default=0, help="0: vLLM's default size")
     parser.add_argument("--probe", action="store_true", help="dump the final store contents")
     parser.add_argument("--record", action="store_true", help="record every store call")
+    parser.add_argument(
+        "--tier", action="store_true", help="dump the Mooncake tier (AOSTORE_VLLM_MOONCAKE)"
+    )
     parser.add_argument("--compile", action="store_true", help="no enforce_eager")
     parser.add_argument(
         "--async-scheduling",
@@ -230,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     worker_timings = llm.collective_rpc("aostore_probe_timings")[0]
     calls = llm.collective_rpc("aostore_probe_calls")[0] if args.record else None
     contents = llm.collective_rpc("aostore_probe_contents")[0] if args.probe else None
+    tier = llm.collective_rpc("aostore_probe_tier")[0] if args.tier else None
     result = {
         "device": device,
         "vllm_version": vllm.__version__,
@@ -256,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         "classes": classes,
         "requests": requests,
         "contents": contents,
+        "tier": tier,
         "calls": calls,
     }
     args.out.write_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
