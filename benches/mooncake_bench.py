@@ -27,7 +27,9 @@ worker drives it (``benches/bench.py``'s W4 loop and T7 puts, same calibration):
   ``max_pending_batches=8``, the tier's 64): the loop offers about 1.9 GB/s, far more than
   Mooncake on loopback takes, so the engine waits for the publisher (backpressure); ``tier
   on, deep queues`` makes both queues hold the whole run, so only what the writer and the
-  publisher take from the engine thread remains (the GIL and the two cores).
+  publisher take from the engine thread remains (the GIL and the two cores); ``publish a
+  no-op`` is the same with the publisher's Mooncake calls replaced by nothing (the Python of
+  the wrapper's writer, the tier and its publisher alone, without Mooncake's CPU).
 - ``T7``: engine-thread µs per ``put`` (shape (a): 4 objects of 128 B, 8 retains, 4 releases;
   (b): 64 objects of 5,888 B), one put per ~200 µs of engine work, quiet and with another
   Python thread busy; deep queues for the tier (what a put costs the engine, not how long it
@@ -68,6 +70,7 @@ from aostore.mooncake import (
 BENCHES_DIR = Path(__file__).resolve().parent
 TESTS_DIR = BENCHES_DIR.parent / "tests"
 DEEP = 1 << 20  # a queue that never fills in these runs
+NO_MOONCAKE = "tier on, deep queues, publish a no-op"
 KEY_SETS = 16  # batches of keys published for the remote reads
 
 
@@ -319,6 +322,7 @@ def engine_run(args: argparse.Namespace, config: MooncakeConfig) -> dict[str, An
         "tier off": (vllm_plugin.GrowBlockObjectStore, False, 8),
         "tier on": (vllm_plugin.TieredGrowBlockObjectStore, False, 8),
         "tier on, deep queues": (vllm_plugin.TieredGrowBlockObjectStore, True, DEEP),
+        NO_MOONCAKE: (vllm_plugin.TieredGrowBlockObjectStore, True, DEEP),
     }
     speeds: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.w4_repeats):
@@ -326,6 +330,8 @@ def engine_run(args: argparse.Namespace, config: MooncakeConfig) -> dict[str, An
         for name, (cls, deep, queue) in variants.items():
             tier_on(deep)
             store = cls(max_bytes=slots * nbytes, object_nbytes=nbytes, prefault=True)
+            if name == NO_MOONCAKE:  # the tier's Python alone: its publisher calls nothing
+                store.remote.publish = lambda keys, values: None
             writer = BackgroundBlockObjectStore(store, max_pending_batches=queue)
             elapsed = bench.w4_loop(writer, BlockObject, iterations, rounds)
             speeds[name].append(noop / elapsed)
