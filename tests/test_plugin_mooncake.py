@@ -212,6 +212,32 @@ def test_dry_run_shows_the_tiered_class_without_connecting(
     assert vllm_plugin._tier_setting is None  # a dry run sets nothing
 
 
+def test_vllm_check_names_the_tier_or_why_it_is_ignored(
+    make_tree: TreeMaker,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from aostore import _vllm_check
+
+    require_mooncake()
+    make_tree("grow", known=True)
+    path = write_config(tmp_path / "mooncake.json", {"master_server_address": "127.0.0.1:1"})
+    monkeypatch.setenv(ENV, str(path))
+    assert _vllm_check.run() == 0
+    out = capsys.readouterr().out
+    assert "mooncake:    Mooncake tier on" in out and "master 127.0.0.1:1" in out, out
+    assert _vllm_check.check()["mooncake"].startswith("Mooncake tier on")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv(ENV, str(bad))
+    assert _vllm_check.run() == 0  # the local store is still aostore's
+    out = capsys.readouterr().out
+    assert f"ignored {ENV}='{bad}'" in out and "Mooncake tier off" in out, out
+    monkeypatch.delenv(ENV)
+    assert _vllm_check.check()["mooncake"] == ""
+
+
 # -- against a real master -------------------------------------------------------------------
 
 

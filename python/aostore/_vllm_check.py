@@ -118,6 +118,7 @@ def check() -> dict[str, Any]:
         "profile": "",
         "profile_reason": "",
         "prefault": "",
+        "mooncake": "",
         "problem": "",
     }
     problems = []
@@ -136,6 +137,7 @@ def check() -> dict[str, Any]:
         report["replace"] = {name: _qualified(cls) for name, cls in decision.replace.items()}
         report["keep"] = dict(decision.keep)
         report["note"] = decision.note
+        report["mooncake"] = decision.mooncake_said
     if result.profile:
         report["profile"] = result.profile
         report["profile_reason"] = result.reason
@@ -180,6 +182,8 @@ def render(report: dict[str, Any]) -> str:
     if report["profile"]:
         lines.append(f"  profile:     {report['profile']} ({report['profile_reason']})")
         lines.append(f"  prefault:    {report['prefault']}")
+    if report["mooncake"]:
+        lines.append(f"  mooncake:    {report['mooncake']}")
     if report["use"]:
         lines.append("result: aostore would be used (exit status 0)")
     else:
