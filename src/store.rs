@@ -1,8 +1,10 @@
-//! The store: keys, reference counts, the LRU of evictable keys, and the arena.
+//! The fixed store: the put engine of `core.rs` over one arena of fixed-size slots.
 //!
 //! Semantics are SPEC section 2 (`fail-closed`). The one idea that matters for speed: only
 //! evictable keys (stored, unreferenced) are in the LRU, so an evicting put walks victims, never
-//! the keys that running requests hold.
+//! the keys that running requests hold. What is its own: the slots (a free list, then fresh
+//! ones), profile `grow` with its in-place replacement, and a read under one lock that
+//! prefetches every key's slot before copying.
 
 use crate::arena::{Arena, Prefault};
 pub use crate::core::{BlockRef, Counters, RemoveReason, VictimPolicy};

@@ -1,8 +1,8 @@
 //! The variable-size store (SPEC section 13): objects of any size, zero included, under one byte
 //! budget, with reference counts and an LRU of evictable keys.
 //!
-//! It shares the fixed store's pieces (the key index, the slab and its intrusive LRU, the
-//! arena) and differs where the contract does:
+//! It is the put engine of `core.rs` over chunk chains (`chunks.rs`), and differs from the fixed
+//! store where the contract does:
 //! - capacity is in bytes, counted in chunks of `chunk_nbytes` (see `chunks.rs`): an object of
 //!   `n` bytes takes `ceil(n / chunk_nbytes)` of the `max_bytes / chunk_nbytes` chunks;
 //! - a batch key that is stored is replaced by its new payload (the size may change), whether or
