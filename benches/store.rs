@@ -85,7 +85,9 @@ fn lru_alone(c: &mut Criterion) {
     let mut slab = Slab::with_capacity(n as usize);
     let idx: Vec<u32> = (0..n)
         .map(|i| {
-            let e = slab.insert(&key(i as usize), i);
+            let key = key(i as usize);
+            let probe = slab.codec.probe_for_insert(&key);
+            let e = slab.insert(&key, &probe);
             slab[e].slot = i;
             slab.push_back(e);
             e

@@ -10,6 +10,9 @@
 //! passes `UNDO = true`, logging each LRU move to replay it backwards. Both are monomorphized:
 //! no `dyn` call and no allocation per object.
 
+use std::borrow::Cow;
+
+use crate::digest::Probe;
 use crate::error::StoreError;
 use crate::keys::KeyTable;
 use crate::ledger::Ledger;
@@ -113,7 +116,7 @@ pub trait VictimPolicy {
     /// candidate through `dyn` costs nothing next to the policy's own code.
     fn select_victims(
         &mut self,
-        candidates: &mut dyn Iterator<Item = &str>,
+        candidates: &mut dyn Iterator<Item = Cow<'_, str>>,
         count: usize,
     ) -> Result<Option<Vec<String>>, String>;
     /// After keys were evicted, or (`Rollback`) for the new keys of a refused put.
@@ -141,7 +144,8 @@ pub(crate) enum Undo {
 /// Scratch vectors reused by every call, so a put allocates only for new keys' text.
 #[derive(Debug, Default)]
 pub(crate) struct Scratch {
-    pub hashes: Vec<u32>,
+    /// The keys being resolved, prepared for the key table.
+    pub probes: Vec<Probe>,
     /// Entries of the keys being resolved (a batch's keys, a read's keys), in call order.
     pub entries: Vec<u32>,
     /// Unique batch keys in first-occurrence order: (entry, index of the last payload).
@@ -166,7 +170,7 @@ pub(crate) struct Scratch {
 
 impl Scratch {
     pub fn clear(&mut self) {
-        self.hashes.clear();
+        self.probes.clear();
         self.entries.clear();
         self.batch.clear();
         self.charges.clear();
@@ -182,12 +186,12 @@ impl Scratch {
 }
 
 /// What evicting a key frees, in the units the store's capacity is counted in.
-pub(crate) trait Charge<M, const K: usize> {
+pub(crate) trait Charge<M> {
     /// Every key frees one unit (one slot), so the count of victims is the need itself.
     const UNIT: bool;
     /// What evicting `entry` frees: its new payload's charge if it is the batch key at
     /// `position` (pending, or about to be replaced), else its stored object's.
-    fn charge(&self, s: &Scratch, position: Option<usize>, entry: &Entry<M, K>) -> usize;
+    fn charge(&self, s: &Scratch, position: Option<usize>, entry: &Entry<M>) -> usize;
 }
 
 /// Where a put's keys landed in the LRU.
@@ -200,8 +204,8 @@ pub(crate) struct Placement {
 
 /// The batch position of `idx`, if it is in the batch and not chosen as a victim.
 #[inline]
-fn batch_position<M: Copy + Default, const K: usize>(
-    slab: &Slab<M, K>,
+fn batch_position<M: Copy + Default>(
+    slab: &Slab<M>,
     batch: &[(u32, usize)],
     idx: u32,
 ) -> Option<usize> {
@@ -211,11 +215,7 @@ fn batch_position<M: Copy + Default, const K: usize>(
 }
 
 #[inline]
-fn is_chosen<M: Copy + Default, const K: usize>(
-    slab: &Slab<M, K>,
-    victims: &[(u32, usize)],
-    idx: u32,
-) -> bool {
+fn is_chosen<M: Copy + Default>(slab: &Slab<M>, victims: &[(u32, usize)], idx: u32) -> bool {
     let mark = slab[idx].mark;
     mark & CHOSEN != 0
         && mark & RELEASED == 0
@@ -225,8 +225,8 @@ fn is_chosen<M: Copy + Default, const K: usize>(
 /// A lazy walk of the keys a put may evict, oldest first: the LRU's older keys, then the keys
 /// this put released; the batch's own keys are skipped without being visited, and so are keys
 /// already chosen.
-struct Walk<'a, M: Copy + Default, const K: usize> {
-    slab: &'a Slab<M, K>,
+struct Walk<'a, M: Copy + Default> {
+    slab: &'a Slab<M>,
     cursor: u32,
     older_left: usize,
     released: &'a [u32],
@@ -234,8 +234,8 @@ struct Walk<'a, M: Copy + Default, const K: usize> {
     visited: usize,
 }
 
-impl<'a, M: Copy + Default, const K: usize> Walk<'a, M, K> {
-    fn new(slab: &'a Slab<M, K>, older: usize, s: &'a Scratch) -> Self {
+impl<'a, M: Copy + Default> Walk<'a, M> {
+    fn new(slab: &'a Slab<M>, older: usize, s: &'a Scratch) -> Self {
         Self {
             slab,
             cursor: slab.lru_head(),
@@ -247,7 +247,7 @@ impl<'a, M: Copy + Default, const K: usize> Walk<'a, M, K> {
     }
 }
 
-impl<M: Copy + Default, const K: usize> Iterator for Walk<'_, M, K> {
+impl<M: Copy + Default> Iterator for Walk<'_, M> {
     type Item = u32;
 
     fn next(&mut self) -> Option<u32> {
@@ -272,9 +272,9 @@ impl<M: Copy + Default, const K: usize> Iterator for Walk<'_, M, K> {
 
 /// Keys, counts, the LRU and the figures every store keeps about them.
 #[derive(Debug)]
-pub(crate) struct Core<M, const K: usize> {
+pub(crate) struct Core<M> {
     /// Keys to entries: each key's text, count, slot, allocator data (`M`) and LRU links.
-    pub keys: KeyTable<M, K>,
+    pub keys: KeyTable<M>,
     pub stored: usize,
     pub referenced: usize,
     pub counters: Counters,
@@ -283,8 +283,8 @@ pub(crate) struct Core<M, const K: usize> {
     pub scratch: Scratch,
 }
 
-impl<M: Copy + Default, const K: usize> Core<M, K> {
-    pub fn new(keys: KeyTable<M, K>) -> Self {
+impl<M: Copy + Default> Core<M> {
+    pub fn new(keys: KeyTable<M>) -> Self {
         Self {
             keys,
             stored: 0,
@@ -340,14 +340,14 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
         retain_keys: &[&str],
         release_keys: &[&str],
     ) -> Result<(), StoreError> {
-        self.keys.resolve(retain_keys, &mut s.hashes, &mut s.retains, Some(&mut s.created));
-        self.keys.resolve(release_keys, &mut s.hashes, &mut s.releases, Some(&mut s.created));
+        self.keys.resolve(retain_keys, &mut s.probes, &mut s.retains, Some(&mut s.created));
+        self.keys.resolve(release_keys, &mut s.probes, &mut s.releases, Some(&mut s.created));
         if let Err(error) = self.keys.validate_references(&s.retains, &s.releases) {
             self.keys.forget_orphans(&s.created);
             return Err(error);
         }
         let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
-        self.keys.resolve(&keys, &mut s.hashes, &mut s.entries, Some(&mut s.created));
+        self.keys.resolve(&keys, &mut s.probes, &mut s.entries, Some(&mut s.created));
         s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
         assert!(s.batch.len() < POSITION as usize, "batch too large");
         self.keys.dedupe_batch(&mut s.batch, &s.releases);
@@ -455,7 +455,7 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
     }
 
     #[inline]
-    fn victim_charge(&self, s: &Scratch, idx: u32, charge: &impl Charge<M, K>) -> usize {
+    fn victim_charge(&self, s: &Scratch, idx: u32, charge: &impl Charge<M>) -> usize {
         charge.charge(s, batch_position(&self.keys.slab, &s.batch, idx), &self.keys.slab[idx])
     }
 
@@ -467,7 +467,7 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
         s: &mut Scratch,
         older: usize,
         need: usize,
-        charge: &impl Charge<M, K>,
+        charge: &impl Charge<M>,
     ) -> bool {
         let mut freed = 0usize;
         let mut cursor = self.keys.slab.lru_head();
@@ -502,7 +502,7 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
     /// Victims chosen by a policy, each round from a lazy walk of the eligible keys not chosen
     /// yet, for as many keys as the LRU order would still take (with unit charges, simply what
     /// is missing: no counting walk); checked to be that many distinct eligible keys.
-    pub fn ask_victims<C: Charge<M, K>>(
+    pub fn ask_victims<C: Charge<M>>(
         &mut self,
         s: &mut Scratch,
         older: usize,
@@ -534,7 +534,7 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
             let slab = &self.keys.slab;
             let mut walk = Walk::new(slab, older, s);
             let chosen = {
-                let mut keys = walk.by_ref().map(|idx| slab[idx].key());
+                let mut keys = walk.by_ref().map(|idx| slab.key(idx));
                 policy.select_victims(&mut keys, count)
             };
             self.counters.eviction_visits += walk.visited as u64;
@@ -577,7 +577,7 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
             undone,
             |idx| slab[idx].refs,
             |idx, old, new| {
-                policy.on_reference_change(slab[idx].key(), old, new).map_err(StoreError::Policy)
+                policy.on_reference_change(&slab.key(idx), old, new).map_err(StoreError::Policy)
             },
         )
     }
@@ -588,7 +588,7 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
         s.batch
             .iter()
             .filter(|&&(idx, _)| slab[idx].slot == PENDING_SLOT)
-            .map(|&(idx, _)| slab[idx].key().to_owned())
+            .map(|&(idx, _)| slab.key(idx).into_owned())
             .collect()
     }
 
@@ -685,7 +685,7 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
             let entry = &self.keys.slab[idx];
             debug_assert!(entry.is_evictable());
             if keep_keys {
-                removed.push(entry.key().to_owned());
+                removed.push(self.keys.slab.key(idx).into_owned());
             }
             let (slot, meta) = (entry.slot, entry.meta);
             self.keys.slab.unlink(idx);
@@ -732,14 +732,15 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
     /// Returns (stored, referenced) as counted.
     pub fn check_entries(
         &self,
-        mut stored_entry: impl FnMut(u32, &Entry<M, K>) -> Result<(), String>,
+        mut stored_entry: impl FnMut(u32, &Entry<M>) -> Result<(), String>,
     ) -> Result<(usize, usize), String> {
         self.keys.validate()?;
         let (mut stored, mut referenced) = (0usize, 0usize);
         for idx in self.keys.slab.live_indices() {
             let entry = &self.keys.slab[idx];
             if entry.slot == PENDING_SLOT {
-                return Err(format!("no put is in progress: {:?} is pending", entry.key()));
+                let key = self.keys.slab.key(idx);
+                return Err(format!("no put is in progress: {key:?} is pending"));
             }
             if entry.refs > 0 {
                 referenced += 1;
@@ -750,7 +751,7 @@ impl<M: Copy + Default, const K: usize> Core<M, K> {
             } else if entry.refs == 0 {
                 return Err(format!(
                     "counts are >= 1 where present: {:?} is neither stored nor referenced",
-                    entry.key()
+                    self.keys.slab.key(idx)
                 ));
             }
         }

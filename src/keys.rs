@@ -1,13 +1,11 @@
 //! A key table: the open-addressing index, the slab of entries and the hasher together, with
 //! the batched lookup that overlaps a call's cache misses.
 //!
-//! Both stores keep their keys here, parameterised by the per-key data `M` and the inline key
-//! capacity `N` (the fixed store's entries are 128 bytes; the variable store's hold longer keys).
+//! Both stores keep their keys here, parameterised by the per-key data `M`.
 
-use std::hash::BuildHasher;
+use std::borrow::Cow;
 
-use foldhash::fast::FixedState;
-
+use crate::digest::Probe;
 use crate::error::StoreError;
 use crate::index::KeyIndex;
 use crate::slab::{Slab, NIL};
@@ -17,22 +15,17 @@ pub const NOT_IN_BATCH: u32 = u32::MAX;
 
 /// Keys to entries: an index by 32-bit hash, and the entries (key text, count, slot, `M`).
 #[derive(Debug)]
-pub struct KeyTable<M, const N: usize> {
+pub struct KeyTable<M> {
     /// The index from hash to entry.
     pub index: KeyIndex,
     /// The entries and the LRU over them.
-    pub slab: Slab<M, N>,
-    hasher: FixedState,
+    pub slab: Slab<M>,
 }
 
-impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
+impl<M: Copy + Default> KeyTable<M> {
     /// A table that holds `capacity` keys without growing.
     pub fn with_capacity(capacity: usize) -> Self {
-        Self {
-            index: KeyIndex::with_capacity(capacity),
-            slab: Slab::with_room(capacity),
-            hasher: FixedState::default(),
-        }
+        Self { index: KeyIndex::with_capacity(capacity), slab: Slab::with_room(capacity) }
     }
 
     /// A table whose index holds `index_capacity` keys before it rehashes and whose slab
@@ -41,61 +34,58 @@ impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
         Self {
             index: KeyIndex::with_capacity(index_capacity),
             slab: Slab::with_reserve(slab_reserve),
-            hasher: FixedState::default(),
         }
     }
 
-    /// The 32-bit hash the index files `key` under.
+    /// The entry of `key`, prepared as `probe`, if the table knows it.
     #[inline]
-    pub fn hash_key(&self, key: &str) -> u32 {
-        let full = self.hasher.hash_one(key);
-        (full ^ (full >> 32)) as u32
+    pub fn find(&self, key: &str, probe: &Probe) -> Option<u32> {
+        let slab = &self.slab;
+        self.index.find(probe.hash, |idx| slab[idx].is_key(key, probe))
     }
 
     /// The entry of `key`, if the table knows it.
-    #[inline]
-    pub fn find(&self, key: &str, hash: u32) -> Option<u32> {
-        let slab = &self.slab;
-        self.index.find(hash, |idx| slab[idx].key_bytes() == key.as_bytes())
-    }
-
-    /// The entry of `key` (computing its hash), if the table knows it.
     pub fn lookup(&self, key: &str) -> Option<u32> {
-        self.find(key, self.hash_key(key))
+        self.find(key, &self.slab.codec.probe(key))
     }
 
     /// The entry of `key`, created (unreferenced, without a slot) and recorded in `created`
     /// when missing.
-    pub fn find_or_insert(&mut self, key: &str, hash: u32, created: &mut Vec<u32>) -> u32 {
-        if let Some(idx) = self.find(key, hash) {
+    pub fn find_or_insert(&mut self, key: &str, probe: &Probe, created: &mut Vec<u32>) -> u32 {
+        if let Some(idx) = self.find(key, probe) {
             return idx;
         }
-        let idx = self.slab.insert(key, hash);
-        self.index.insert(hash, idx);
+        let idx = self.slab.insert(key, probe);
+        self.index.insert(probe.hash, idx);
         created.push(idx);
         idx
     }
 
     /// Resolves `keys` to entries, appending to `out`, in passes so that their cache misses
-    /// overlap: hash every key and prefetch its home bucket; take each key's candidate from the
-    /// buckets' hashes alone and prefetch the candidate's entry; then confirm each key's bytes.
-    /// Missing keys get new entries (recorded in `created`) when `created` is given, and
-    /// resolve to `NIL` otherwise.
+    /// overlap: prepare every key (its hash, its digest) and prefetch its home bucket; take each
+    /// key's candidate from the buckets' hashes alone and prefetch the candidate's entry; then
+    /// confirm each key. Missing keys get new entries (recorded in `created`) when `created` is
+    /// given, and resolve to `NIL` otherwise.
     pub fn resolve(
         &mut self,
         keys: &[&str],
-        hashes: &mut Vec<u32>,
+        probes: &mut Vec<Probe>,
         out: &mut Vec<u32>,
         mut created: Option<&mut Vec<u32>>,
     ) {
         let first = out.len();
-        hashes.clear();
-        hashes.extend(keys.iter().map(|key| self.hash_key(key)));
-        for &hash in hashes.iter() {
-            self.index.prefetch(hash);
+        probes.clear();
+        let codec = &mut self.slab.codec;
+        if created.is_some() {
+            probes.extend(keys.iter().map(|key| codec.probe_for_insert(key)));
+        } else {
+            probes.extend(keys.iter().map(|key| codec.probe(key)));
         }
-        for &hash in hashes.iter() {
-            let candidate = self.index.find(hash, |_| true).unwrap_or(NIL);
+        for probe in probes.iter() {
+            self.index.prefetch(probe.hash);
+        }
+        for probe in probes.iter() {
+            let candidate = self.index.find(probe.hash, |_| true).unwrap_or(NIL);
             if candidate != NIL {
                 self.slab.prefetch(candidate);
             }
@@ -103,13 +93,13 @@ impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
         }
         for (i, key) in keys.iter().enumerate() {
             let candidate = out[first + i];
-            if candidate != NIL && self.slab[candidate].key_bytes() == key.as_bytes() {
+            if candidate != NIL && self.slab[candidate].is_key(key, &probes[i]) {
                 continue;
             }
             // No candidate, a 32-bit hash collision, or a key this loop just created.
             out[first + i] = match created.as_deref_mut() {
-                Some(created) => self.find_or_insert(key, hashes[i], created),
-                None => self.find(key, hashes[i]).unwrap_or(NIL),
+                Some(created) => self.find_or_insert(key, &probes[i], created),
+                None => self.find(key, &probes[i]).unwrap_or(NIL),
             };
         }
     }
@@ -134,13 +124,13 @@ impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
             let entry = &mut slab[idx];
             match entry.mark.checked_add(1) {
                 Some(count) => entry.mark = count,
-                None => return Err(StoreError::ReferenceOverflow { key: entry.key().to_owned() }),
+                None => return Err(StoreError::ReferenceOverflow { key: slab.key(idx).into() }),
             }
         }
         for &idx in releases {
             let entry = &mut slab[idx];
             if entry.mark == 0 {
-                return Err(StoreError::NotReferenced { key: entry.key().to_owned() });
+                return Err(StoreError::NotReferenced { key: slab.key(idx).into() });
             }
             entry.mark -= 1;
         }
@@ -185,17 +175,16 @@ impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
     }
 
     /// Evictable keys, oldest first. For tests and debugging: O(n).
-    pub fn lru_keys(&self) -> Vec<&str> {
-        self.slab.lru_iter().map(|idx| self.slab[idx].key()).collect()
+    pub fn lru_keys(&self) -> Vec<Cow<'_, str>> {
+        self.slab.lru_iter().map(|idx| self.slab.key(idx)).collect()
     }
 
     /// Every key with a reference count above zero, with its count, in no particular order.
-    pub fn references(&self) -> Vec<(&str, u32)> {
+    pub fn references(&self) -> Vec<(Cow<'_, str>, u32)> {
         let slab = &self.slab;
         slab.live_indices()
-            .map(|idx| &slab[idx])
-            .filter(|e| e.refs > 0)
-            .map(|e| (e.key(), e.refs))
+            .filter(|&idx| slab[idx].refs > 0)
+            .map(|idx| (slab.key(idx), slab[idx].refs))
             .collect()
     }
 
@@ -216,11 +205,12 @@ impl<M: Copy + Default, const N: usize> KeyTable<M, N> {
         self.slab.validate()?;
         let mut live = 0usize;
         for idx in self.slab.live_indices() {
-            let key = self.slab[idx].key();
-            if self.slab.hash(idx) != self.hash_key(key) {
+            let key = self.slab.key(idx);
+            let probe = self.slab.codec.probe(&key);
+            if self.slab.hash(idx) != probe.hash {
                 return Err(format!("every key has one entry: {key:?} has a stale hash"));
             }
-            if self.find(key, self.slab.hash(idx)) != Some(idx) {
+            if self.find(&key, &probe) != Some(idx) {
                 return Err(format!("every key has one entry: {key:?} is not found by its key"));
             }
             live += 1;
@@ -241,16 +231,20 @@ mod tests {
 
     #[test]
     fn resolve_finds_creates_and_misses() {
-        let mut table: KeyTable<u32, 159> = KeyTable::with_capacity(4);
+        let mut table: KeyTable<u32> = KeyTable::with_capacity(4);
         let long = "k".repeat(150);
-        let (mut hashes, mut out, mut created) = (Vec::new(), Vec::new(), Vec::new());
-        table.resolve(&["a", &long, "a"], &mut hashes, &mut out, Some(&mut created));
-        assert_eq!(created.len(), 2);
+        let digest = format!("vllm-artifact/0/{}", "0a".repeat(32));
+        let other = format!("vllm-artifact/1/{}", "0a".repeat(32));
+        let (mut probes, mut out, mut created) = (Vec::new(), Vec::new(), Vec::new());
+        let keys = ["a", &long, "a", &digest];
+        table.resolve(&keys, &mut probes, &mut out, Some(&mut created));
+        assert_eq!(created.len(), 3);
         assert_eq!(out[0], out[2]);
-        assert_eq!(table.slab[out[1]].key(), long);
+        assert_eq!(table.slab.key(out[1]), long);
+        assert_eq!(table.slab.key(out[3]), digest);
         let mut again = Vec::new();
-        table.resolve(&[&long, "b"], &mut hashes, &mut again, None);
-        assert_eq!(again, [out[1], NIL]);
+        table.resolve(&[&long, "b", &digest, &other], &mut probes, &mut again, None);
+        assert_eq!(again, [out[1], NIL, out[3], NIL]);
         for &idx in &created {
             table.slab[idx].refs = 1;
         }

@@ -7,6 +7,7 @@
 pub mod arena;
 pub mod chunks;
 mod core;
+pub mod digest;
 pub mod error;
 pub mod index;
 pub mod keys;

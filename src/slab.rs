@@ -6,6 +6,10 @@
 //! small enough to stay in cache), so a lookup can pick its candidate, and the eviction walk can
 //! follow the LRU, without reading any entry; the entries they do need are prefetched together.
 
+use std::borrow::Cow;
+
+use crate::digest::{KeyCodec, Probe, StoredKey};
+
 /// "No entry" in a link field.
 pub const NIL: u32 = u32::MAX;
 /// `Entry::slot` of a key that has no slot in the arena.
@@ -16,21 +20,15 @@ pub const PENDING_SLOT: u32 = u32::MAX - 1;
 /// `Link::prev` of a vacant entry, so `validate` can tell vacant entries from live ones.
 const VACANT: u32 = u32::MAX - 1;
 
-/// Key bytes kept inside the entry; longer keys go to the heap. vLLM's routed-experts keys
-/// (`vllm-artifact/<namespace>/<64 hex digits>`) are 80 bytes, so they stay inline.
-pub const INLINE_KEY_BYTES: usize = 99;
-
-/// What the store knows about one key: two cache lines, key text included, so reading an entry
-/// costs one adjacent pair of lines and a new key allocates nothing.
+/// What the store knows about one key: one cache line, key included (vLLM's keys are held as
+/// a digest, see `digest`), so reading an entry costs one line and a new key allocates nothing.
 ///
 /// `M` is per-key data a store keeps beside the count (nothing for the fixed store, a payload
-/// length for the variable one) and `N` the inline key capacity; the defaults are the fixed
-/// store's layout.
+/// length for the variable one).
 #[derive(Debug)]
 #[repr(C, align(64))]
-pub struct Entry<M = (), const N: usize = INLINE_KEY_BYTES> {
-    /// A key longer than `INLINE_KEY_BYTES`, or `None`.
-    heap_key: Option<Box<str>>,
+pub struct Entry<M = ()> {
+    key: StoredKey,
     /// Reference count; an entry with `refs == 0` is stored (or pending).
     pub refs: u32,
     /// Arena slot, `NO_SLOT`, or `PENDING_SLOT`.
@@ -40,52 +38,16 @@ pub struct Entry<M = (), const N: usize = INLINE_KEY_BYTES> {
     pub mark: u32,
     /// The store's own per-key data; reset to `M::default()` when the entry is created.
     pub meta: M,
-    inline_len: u8,
-    inline_key: [u8; N],
 }
 
-const _: () = assert!(std::mem::size_of::<Entry>() == 128);
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
+const _: () = assert!(std::mem::size_of::<Entry<u32>>() == 64);
 
-impl<M: Copy + Default, const N: usize> Entry<M, N> {
-    fn new(key: &str) -> Self {
-        const { assert!(N <= u8::MAX as usize, "inline_len is a byte") };
-        let mut entry = Self {
-            heap_key: None,
-            refs: 0,
-            slot: NO_SLOT,
-            mark: 0,
-            meta: M::default(),
-            inline_len: 0,
-            inline_key: [0; N],
-        };
-        entry.set_key(key);
-        entry
-    }
-
-    fn set_key(&mut self, key: &str) {
-        if key.len() <= N {
-            self.inline_key[..key.len()].copy_from_slice(key.as_bytes());
-            self.inline_len = key.len() as u8;
-            self.heap_key = None;
-        } else {
-            self.inline_len = 0;
-            self.heap_key = Some(key.into());
-        }
-    }
-
-    /// The key's bytes.
+impl<M: Copy + Default> Entry<M> {
+    /// Whether this is the entry of `key`, prepared as `probe`.
     #[inline]
-    pub fn key_bytes(&self) -> &[u8] {
-        match &self.heap_key {
-            Some(key) => key.as_bytes(),
-            None => &self.inline_key[..usize::from(self.inline_len)],
-        }
-    }
-
-    /// The key's text.
-    pub fn key(&self) -> &str {
-        // Inline bytes were copied from a `&str` whole, so they are valid UTF-8.
-        std::str::from_utf8(self.key_bytes()).expect("keys are UTF-8")
+    pub fn is_key(&self, key: &str, probe: &Probe) -> bool {
+        self.key.matches(key, probe)
     }
 
     /// Stored, or being stored by the put in progress.
@@ -111,8 +73,10 @@ struct Link {
 
 /// Entries in a `Vec`, addressed by `u32` index, with dense hash and link arrays beside them.
 #[derive(Debug)]
-pub struct Slab<M = (), const N: usize = INLINE_KEY_BYTES> {
-    entries: Vec<Entry<M, N>>,
+pub struct Slab<M = ()> {
+    /// The interned key prefixes and the hasher (every entry's key reads through it).
+    pub codec: KeyCodec,
+    entries: Vec<Entry<M>>,
     hashes: Vec<u32>,
     links: Vec<Link>,
     free_head: u32,
@@ -136,10 +100,11 @@ impl Slab {
     }
 }
 
-impl<M: Copy + Default, const N: usize> Slab<M, N> {
+impl<M: Copy + Default> Slab<M> {
     /// An empty slab of any layout with room for `capacity` entries before it reallocates.
     pub fn with_room(capacity: usize) -> Self {
         Self {
+            codec: KeyCodec::default(),
             entries: Vec::with_capacity(capacity),
             hashes: Vec::with_capacity(capacity),
             links: Vec::with_capacity(capacity),
@@ -217,7 +182,7 @@ impl<M: Copy + Default, const N: usize> Slab<M, N> {
             // SAFETY: a prefetch never faults and does not change memory; every address lies in
             // the entry (a multiple of 64 bytes, 64-byte aligned). SSE is in the x86_64 baseline.
             unsafe {
-                for offset in (0..std::mem::size_of::<Entry<M, N>>()).step_by(64) {
+                for offset in (0..std::mem::size_of::<Entry<M>>()).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(line.add(offset));
                 }
             }
@@ -275,14 +240,27 @@ impl<M: Copy + Default, const N: usize> Slab<M, N> {
         self.links[idx as usize].next
     }
 
-    /// Creates an entry (unreferenced, no slot, not in the LRU) and returns its index.
-    pub fn insert(&mut self, key: &str, hash: u32) -> u32 {
+    /// The text of entry `idx`'s key (made afresh for a key held as a digest).
+    pub fn key(&self, idx: u32) -> Cow<'_, str> {
+        self.key_of(&self[idx])
+    }
+
+    /// The text of `entry`'s key, an entry of this slab.
+    pub fn key_of<'a>(&'a self, entry: &'a Entry<M>) -> Cow<'a, str> {
+        self.codec.text(&entry.key)
+    }
+
+    /// Creates an entry for `key`, prepared as `probe` (unreferenced, no slot, not in the LRU),
+    /// and returns its index.
+    pub fn insert(&mut self, key: &str, probe: &Probe) -> u32 {
+        let (stored, hash) = (KeyCodec::store(key, probe), probe.hash);
         self.live += 1;
         let unlinked = Link { prev: NIL, next: NIL };
         if self.free_head == NIL {
             let idx = u32::try_from(self.entries.len()).expect("more than 2^32 keys");
             assert!(idx < VACANT, "more than 2^32 keys");
-            self.entries.push(Entry::new(key));
+            let meta = M::default();
+            self.entries.push(Entry { key: stored, refs: 0, slot: NO_SLOT, mark: 0, meta });
             self.hashes.push(hash);
             self.links.push(unlinked);
             return idx;
@@ -298,7 +276,7 @@ impl<M: Copy + Default, const N: usize> Slab<M, N> {
         entry.slot = NO_SLOT;
         entry.mark = 0;
         entry.meta = M::default();
-        entry.set_key(key);
+        entry.key = stored;
         idx
     }
 
@@ -308,8 +286,7 @@ impl<M: Copy + Default, const N: usize> Slab<M, N> {
         debug_assert_ne!(self.links[i].prev, VACANT, "double free of entry {idx}");
         let entry = &mut self.entries[i];
         debug_assert!(!entry.is_evictable(), "removing entry {idx} while in the LRU");
-        entry.heap_key = None;
-        entry.inline_len = 0;
+        entry.key = StoredKey::EMPTY;
         entry.slot = NO_SLOT;
         entry.refs = 0;
         self.links[i] = Link { prev: VACANT, next: self.free_head };
@@ -460,7 +437,7 @@ impl<M: Copy + Default, const N: usize> Slab<M, N> {
                 return Err(format!(
                     "LRU holds exactly the stored unreferenced keys: {:?} is in it with {} \
                      references",
-                    entry.key(),
+                    self.key_of(entry),
                     entry.refs
                 ));
             }
@@ -489,18 +466,18 @@ impl<M: Copy + Default, const N: usize> Slab<M, N> {
     }
 }
 
-impl<M, const N: usize> std::ops::Index<u32> for Slab<M, N> {
-    type Output = Entry<M, N>;
+impl<M> std::ops::Index<u32> for Slab<M> {
+    type Output = Entry<M>;
 
     #[inline]
-    fn index(&self, idx: u32) -> &Entry<M, N> {
+    fn index(&self, idx: u32) -> &Entry<M> {
         &self.entries[idx as usize]
     }
 }
 
-impl<M, const N: usize> std::ops::IndexMut<u32> for Slab<M, N> {
+impl<M> std::ops::IndexMut<u32> for Slab<M> {
     #[inline]
-    fn index_mut(&mut self, idx: u32) -> &mut Entry<M, N> {
+    fn index_mut(&mut self, idx: u32) -> &mut Entry<M> {
         &mut self.entries[idx as usize]
     }
 }
@@ -508,19 +485,25 @@ impl<M, const N: usize> std::ops::IndexMut<u32> for Slab<M, N> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::digest::INLINE_KEY_BYTES;
+
+    fn insert(slab: &mut Slab, key: &str) -> u32 {
+        let probe = slab.codec.probe_for_insert(key);
+        slab.insert(key, &probe)
+    }
 
     #[test]
     fn committed_entries_are_used_as_before() {
         let mut slab: Slab = Slab::with_reserve(100_000);
         let capacity = slab.entries.capacity();
-        let first = slab.insert("before", 1);
+        let first = insert(&mut slab, "before");
         slab.commit(100_000);
         // Nothing moved or changed: the same allocation, the same entry.
         assert_eq!(slab.entries.capacity(), capacity);
-        assert_eq!(slab[first].key(), "before");
-        let later: Vec<u32> = (0..1_000).map(|i| slab.insert(&format!("k{i}"), i)).collect();
-        assert_eq!(slab[later[999]].key(), "k999");
-        assert_eq!(slab.hash(later[7]), 7);
+        assert_eq!(slab.key(first), "before");
+        let later: Vec<u32> = (0..1_000).map(|i| insert(&mut slab, &format!("k{i}"))).collect();
+        assert_eq!(slab.key(later[999]), "k999");
+        assert_eq!(slab.hash(later[7]), slab.codec.probe("k7").hash);
         slab.validate().unwrap();
     }
 
@@ -529,7 +512,7 @@ mod tests {
         let idx = keys
             .iter()
             .map(|k| {
-                let i = slab.insert(k, 0);
+                let i = insert(&mut slab, k);
                 slab[i].slot = 0;
                 i
             })
@@ -538,7 +521,7 @@ mod tests {
     }
 
     fn order(slab: &Slab) -> Vec<String> {
-        slab.lru_iter().map(|i| slab[i].key().to_owned()).collect()
+        slab.lru_iter().map(|i| slab.key(i).into_owned()).collect()
     }
 
     #[test]
@@ -566,10 +549,10 @@ mod tests {
     fn free_list_reuses_entries() {
         let (mut slab, idx) = slab_with(&["a", "b"]);
         slab[idx[0]].slot = NO_SLOT;
-        assert_eq!(slab[idx[0]].key(), "a");
+        assert_eq!(slab.key(idx[0]), "a");
         slab.remove(idx[0]);
         assert_eq!(slab.len(), 1);
-        let again = slab.insert("c", 0);
+        let again = insert(&mut slab, "c");
         assert_eq!(again, idx[0]);
         assert_eq!(slab.len(), 2);
         slab[again].refs = 1;
@@ -587,13 +570,15 @@ mod tests {
     }
 
     #[test]
-    fn long_keys_live_on_the_heap() {
+    fn keys_of_every_form_read_back() {
         let long = "k".repeat(INLINE_KEY_BYTES + 1);
         let exact = "e".repeat(INLINE_KEY_BYTES);
-        let (slab, idx) = slab_with(&[&long, &exact, ""]);
-        assert_eq!(slab[idx[0]].key(), long);
-        assert_eq!(slab[idx[1]].key(), exact);
-        assert_eq!(slab[idx[2]].key(), "");
+        let digest = format!("vllm-artifact/0/{}", "9f".repeat(32));
+        let (slab, idx) = slab_with(&[&long, &exact, "", &digest]);
+        assert_eq!(slab.key(idx[0]), long);
+        assert_eq!(slab.key(idx[1]), exact);
+        assert_eq!(slab.key(idx[2]), "");
+        assert_eq!(slab.key(idx[3]), digest);
     }
 
     #[test]

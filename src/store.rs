@@ -11,7 +11,8 @@ pub use crate::core::{BlockRef, Counters, RemoveReason, VictimPolicy};
 use crate::core::{Call, Charge, Core, Scratch};
 use crate::error::StoreError;
 use crate::keys::KeyTable;
-use crate::slab::{Entry, INLINE_KEY_BYTES, NIL, PENDING_SLOT};
+use crate::slab::{Entry, NIL, PENDING_SLOT};
+use std::borrow::Cow;
 
 /// A point-in-time view of the store's occupancy and counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +58,7 @@ pub struct BlockStore {
     profile: Profile,
     /// Keys, counts and the LRU (the core shared with the variable store); the fixed store's
     /// entries carry no allocator data: a slot index says where the bytes are.
-    core: Core<(), INLINE_KEY_BYTES>,
+    core: Core<()>,
     /// Slots released by eviction, reused before fresh ones so touched pages are reused.
     free_slots: Vec<u32>,
     /// Slots below this were handed out at least once; above it the arena is untouched.
@@ -67,7 +68,7 @@ pub struct BlockStore {
 /// Every victim frees one slot.
 struct OneSlot;
 
-impl Charge<(), INLINE_KEY_BYTES> for OneSlot {
+impl Charge<()> for OneSlot {
     const UNIT: bool = true;
 
     #[inline]
@@ -89,11 +90,13 @@ fn slab_reserve(num_slots: usize) -> usize {
     num_slots.saturating_mul(2).saturating_add(1024).min(MAX_SLOTS)
 }
 
-/// Keys the index holds before it rehashes: 1.25 times the slots (its buckets are written at
-/// construction, so this is real memory: 8 bytes a bucket, 10-21 bytes a slot after rounding
-/// to a power of two), capped at 8M keys (128 MiB of buckets). A store past that rehashes once.
+/// Keys the index holds before it rehashes: 1.125 times the slots, room for a put's new keys and
+/// the keys referenced before they are stored (its buckets are written at construction, so this
+/// is real memory: 8 bytes a bucket, 12-24 bytes a slot after rounding to a power of two; at
+/// vLLM's 167,341 slots, 12.5), capped at 8M keys (128 MiB of buckets). A store past that
+/// rehashes once.
 fn index_reserve(num_slots: usize) -> usize {
-    (num_slots + num_slots / 4 + 1024).min(8 << 20)
+    (num_slots + num_slots / 8 + 1024).min(8 << 20)
 }
 
 impl BlockStore {
@@ -353,7 +356,7 @@ impl BlockStore {
         keys: &[&str],
         out: &mut [u8],
     ) -> Result<(), StoreError> {
-        self.core.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        self.core.keys.resolve(keys, &mut s.probes, &mut s.entries, None);
         let missing = s.entries.iter().position(|&idx| !self.core.is_stored(idx));
         if let Some(at) = missing {
             self.core.counters.read_misses += 1;
@@ -411,7 +414,7 @@ impl BlockStore {
         }
         assert_eq!(out.len(), keys.len() * self.object_nbytes, "output size");
         let mut s = std::mem::take(&mut self.core.scratch);
-        self.core.keys.resolve(keys, &mut s.hashes, &mut s.entries, None);
+        self.core.keys.resolve(keys, &mut s.probes, &mut s.entries, None);
         self.prefetch_for_read(&s.entries);
         let arena = self.arena.as_ref().expect("checked open");
         let mut written = 0;
@@ -469,25 +472,24 @@ impl BlockStore {
     }
 
     /// Evictable keys, oldest first. For tests and debugging: O(n).
-    pub fn lru_keys(&self) -> Vec<&str> {
+    pub fn lru_keys(&self) -> Vec<Cow<'_, str>> {
         self.core.keys.lru_keys()
     }
 
     /// Every key with a reference count above zero, with its count, in no particular order.
-    pub fn references(&self) -> Vec<(&str, u32)> {
+    pub fn references(&self) -> Vec<(Cow<'_, str>, u32)> {
         self.core.keys.references()
     }
 
     /// Every stored key with its bytes, in no particular order. Touches no LRU position.
-    pub fn objects(&self) -> Vec<(&str, &[u8])> {
+    pub fn objects(&self) -> Vec<(Cow<'_, str>, &[u8])> {
         let Some(arena) = self.arena.as_ref() else {
             return Vec::new();
         };
         let slab = &self.core.keys.slab;
         slab.live_indices()
-            .map(|idx| &slab[idx])
-            .filter(|e| e.has_slot())
-            .map(|e| (e.key(), arena.slot(e.slot)))
+            .filter(|&idx| slab[idx].has_slot())
+            .map(|idx| (slab.key(idx), arena.slot(slab[idx].slot)))
             .collect()
     }
 
@@ -516,7 +518,7 @@ impl BlockStore {
             if slot >= used {
                 return Err(format!(
                     "slots are in range: {:?} has slot {slot} of {used} handed out",
-                    entry.key()
+                    self.core.keys.slab.key(idx)
                 ));
             }
             if owner[slot] != NIL {

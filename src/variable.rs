@@ -18,18 +18,16 @@
 use crate::arena::Prefault;
 use crate::chunks::{ChunkArena, EMPTY_CHAIN, MAX_CHUNKS};
 use crate::core::{BlockRef, Call, Charge, Core, Counters, Scratch, VictimPolicy};
+use crate::digest::Probe;
 use crate::error::StoreError;
 use crate::keys::KeyTable;
 use crate::slab::{Entry, NIL, PENDING_SLOT};
+use std::borrow::Cow;
 
-/// Key bytes kept inside a variable-store entry: vLLM's logprob keys
-/// (`vllm-logprobs/v1/{generation}/{fingerprint}/{block hash}/{token}`) are 110-130 bytes.
-pub const VARIABLE_INLINE_KEY_BYTES: usize = 159;
-
-/// Entries carry the payload length (`u32`) and keys up to 159 bytes inline: three cache lines.
-type Keys = KeyTable<u32, VARIABLE_INLINE_KEY_BYTES>;
-
-const _: () = assert!(std::mem::size_of::<Entry<u32, VARIABLE_INLINE_KEY_BYTES>>() == 192);
+/// Entries carry the payload length (`u32`). vLLM's logprob keys
+/// (`vllm-logprobs/v1/{generation}/{fingerprint}/{block hash}/{token}`, 110-130 bytes) are held
+/// as a digest and a tail, so an entry is one cache line as the fixed store's.
+type Keys = KeyTable<u32>;
 
 /// The chunk size of a store of 1 MiB or more: the unused tail of an object's last chunk
 /// averages 128 bytes, about 4% of a 3 KB logprob block.
@@ -84,7 +82,7 @@ pub struct VariableStats {
 /// `plan_read`; `read_planned` copies it while the store is unchanged.
 #[derive(Debug, Default)]
 pub struct ReadPlan {
-    hashes: Vec<u32>,
+    probes: Vec<Probe>,
     entries: Vec<u32>,
     offsets: Vec<usize>,
     missing: Vec<usize>,
@@ -113,16 +111,11 @@ impl ReadPlan {
 /// for each (the store's chunk size is the field).
 struct Chunks(usize);
 
-impl Charge<u32, VARIABLE_INLINE_KEY_BYTES> for Chunks {
+impl Charge<u32> for Chunks {
     const UNIT: bool = false;
 
     #[inline]
-    fn charge(
-        &self,
-        s: &Scratch,
-        position: Option<usize>,
-        entry: &Entry<u32, VARIABLE_INLINE_KEY_BYTES>,
-    ) -> usize {
+    fn charge(&self, s: &Scratch, position: Option<usize>, entry: &Entry<u32>) -> usize {
         match position {
             Some(position) => s.charges[position],
             None => (entry.meta as usize).div_ceil(self.0),
@@ -139,7 +132,7 @@ pub struct VariableStore {
     capacity_chunks: usize,
     /// Keys, counts and the LRU (the core shared with the fixed store); each entry carries its
     /// payload's length.
-    core: Core<u32, VARIABLE_INLINE_KEY_BYTES>,
+    core: Core<u32>,
     stored_bytes: u64,
     used_chunks: usize,
     /// Changes whenever a put may have changed entries or chains, so a read planned under one
@@ -379,7 +372,7 @@ impl VariableStore {
         plan.entries.clear();
         plan.offsets.clear();
         plan.missing.clear();
-        self.core.keys.resolve(keys, &mut plan.hashes, &mut plan.entries, None);
+        self.core.keys.resolve(keys, &mut plan.probes, &mut plan.entries, None);
         let mut total = 0usize;
         plan.offsets.push(0);
         for i in 0..plan.entries.len() {
@@ -510,18 +503,18 @@ impl VariableStore {
     }
 
     /// Evictable keys, oldest first. For tests and debugging: O(n).
-    pub fn lru_keys(&self) -> Vec<&str> {
+    pub fn lru_keys(&self) -> Vec<Cow<'_, str>> {
         self.core.keys.lru_keys()
     }
 
     /// Every key with a reference count above zero, with its count, in no particular order.
-    pub fn references(&self) -> Vec<(&str, u32)> {
+    pub fn references(&self) -> Vec<(Cow<'_, str>, u32)> {
         self.core.keys.references()
     }
 
     /// Every stored key with a copy of its bytes, in no particular order. Touches no LRU
     /// position.
-    pub fn objects(&self) -> Vec<(&str, Vec<u8>)> {
+    pub fn objects(&self) -> Vec<(Cow<'_, str>, Vec<u8>)> {
         let Some(chunks) = self.chunks.as_ref() else {
             return Vec::new();
         };
@@ -532,7 +525,7 @@ impl VariableStore {
                 let entry = &slab[idx];
                 let mut bytes = vec![0; entry.meta as usize];
                 chunks.read(entry.slot, &mut bytes);
-                (entry.key(), bytes)
+                (slab.key(idx), bytes)
             })
             .collect()
     }
@@ -546,12 +539,12 @@ impl VariableStore {
         };
         let (mut stored_bytes, mut used) = (0u64, 0usize);
         let mut objects = Vec::new();
-        let (stored, referenced) = self.core.check_entries(|_, entry| {
+        let (stored, referenced) = self.core.check_entries(|idx, entry| {
             let nbytes = entry.meta as usize;
             if (nbytes == 0) != (entry.slot == EMPTY_CHAIN) {
                 return Err(format!(
                     "every stored key has its chain: {:?} ({nbytes} bytes) has chunk {}",
-                    entry.key(),
+                    self.core.keys.slab.key(idx),
                     entry.slot
                 ));
             }
@@ -636,7 +629,7 @@ mod tests {
         let idx = store.core.keys.lookup("k").unwrap();
         store.core.keys.slab[idx].refs = u32::MAX;
         let refs = |s: &VariableStore| {
-            s.references().iter().map(|&(k, c)| (k.to_owned(), c)).collect::<Vec<_>>()
+            s.references().into_iter().map(|(k, c)| (k.into_owned(), c)).collect::<Vec<_>>()
         };
         let before = (store.stats(), store.lru_keys().len(), refs(&store));
         let error = store.put(&[obj("other", b"b")], &["other", "k"], &[]).unwrap_err();

@@ -32,7 +32,7 @@ proptest! {
         let wanted: Vec<&str> = wanted.iter().map(String::as_str).collect();
         let present: Vec<bool> = wanted.iter().map(|k| store.contains(k)).collect();
         prop_assert_eq!(&store.contains_many(&wanted).unwrap(), &present);
-        let lru_before: Vec<String> = store.lru_keys().into_iter().map(str::to_owned).collect();
+        let lru_before: Vec<String> = store.lru_keys().into_iter().map(|k| k.into_owned()).collect();
 
         let mut expected: Vec<u8> = Vec::new();
         let mut expected_missing = Vec::new();

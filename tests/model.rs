@@ -4,6 +4,7 @@
 //! to), with `check()` after every step and the full contents compared. One runner, one set of
 //! operation generators and one `Subject` trait serve both stores and both models.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use aostore::{BlockRef, BlockStore, Profile, StoreError, VariableStore};
@@ -58,8 +59,8 @@ fn blocks(objects: &[(String, Vec<u8>)]) -> Vec<BlockRef<'_>> {
     objects.iter().map(|(k, p)| BlockRef { key: k, payload: p }).collect()
 }
 
-fn owned<'a>(pairs: impl IntoIterator<Item = (&'a str, u32)>) -> HashMap<String, u32> {
-    pairs.into_iter().map(|(k, c)| (k.to_owned(), c)).collect()
+fn owned<'a>(pairs: impl IntoIterator<Item = (Cow<'a, str>, u32)>) -> HashMap<String, u32> {
+    pairs.into_iter().map(|(k, c)| (k.into_owned(), c)).collect()
 }
 
 impl Subject for BlockStore {
@@ -103,9 +104,13 @@ impl Subject for BlockStore {
 
     fn state(&self) -> State {
         State {
-            lru: self.lru_keys().into_iter().map(str::to_owned).collect(),
+            lru: self.lru_keys().into_iter().map(Cow::into_owned).collect(),
             refs: owned(self.references()),
-            objects: self.objects().into_iter().map(|(k, p)| (k.to_owned(), p.to_vec())).collect(),
+            objects: self
+                .objects()
+                .into_iter()
+                .map(|(k, p)| (k.into_owned(), p.to_vec()))
+                .collect(),
             gauge: ("num_slots", self.num_slots() as u64),
         }
     }
@@ -157,9 +162,9 @@ impl Subject for VariableStore {
 
     fn state(&self) -> State {
         State {
-            lru: self.lru_keys().into_iter().map(str::to_owned).collect(),
+            lru: self.lru_keys().into_iter().map(Cow::into_owned).collect(),
             refs: owned(self.references()),
-            objects: self.objects().into_iter().map(|(k, p)| (k.to_owned(), p)).collect(),
+            objects: self.objects().into_iter().map(|(k, p)| (k.into_owned(), p)).collect(),
             gauge: ("stored_bytes", self.stats().stored_bytes),
         }
     }
@@ -510,11 +515,14 @@ enum Op {
     Contains(Vec<u8>),
 }
 
-/// Key `k`: short, logprob-like (about 120 bytes, inline) and over-long (heap) keys mixed.
+/// Key `k`: short (inline), logprob-like and routed-experts-like (held as digests) and over-long
+/// (heap) keys mixed.
 fn key(k: u8) -> String {
-    match k % 3 {
+    match k % 4 {
         0 => format!("block-{k}"),
         1 => format!("vllm-logprobs/v1/0/(temperature=1.0, 'top_k': 20)/{:064x}/{k}", k),
+        // vLLM's routed-experts keys, held as digests, under two prefixes.
+        2 => format!("vllm-artifact/{}/{:064x}", k % 2, u64::from(k) * 0x9E37_79B9),
         _ => format!("{}-{k}", "x".repeat(170)),
     }
 }

@@ -127,11 +127,17 @@ class Kind:
         raise NotImplementedError
 
 
+# vLLM's routed-experts keys, which the stores hold as a prefix number and a binary digest: the
+# same digest under two prefixes, and one spelled in uppercase (not a digest: kept as text).
+ROUTED_KEY = "vllm-artifact/{}/{:064x}"
+
+
 class Fixed(Kind):
     # A small alphabet against stores of 1-6 slots: duplicates, hits and evictions are common.
     name = "fixed"
     model = model
-    keys = ("a", "b", "c", "d", "e", "f", "g", "h")
+    keys = ("a", "b", "c", "d", "e", ROUTED_KEY.format(0, 0xABC), ROUTED_KEY.format(1, 0xABC))
+    keys += (ROUTED_KEY.format(0, 0xABC).upper(),)
     params = st.fixed_dictionaries(
         {
             "slots": st.integers(1, 6),
@@ -215,8 +221,8 @@ class Fixed(Kind):
         return self.COMPARED_STATS
 
 
-# Short keys, two logprob-like keys (about 120 bytes, with spaces, quotes and parentheses, kept
-# inline) and one of 170 bytes (past the inline capacity).
+# Short keys, two logprob-like keys (about 120 bytes, with spaces, quotes and parentheses, held
+# as a digest and a tail) and one of 170 bytes (on the heap).
 LOGPROB_KEY = "vllm-logprobs/v1/0/(temperature=1.0, 'top_k': 20)/{:064x}/{}"
 
 

@@ -2,6 +2,7 @@
 //! the closed state, the victim policy and its part in cycle collection, and the methods whose
 //! Python face is the same for both stores (`store_methods!` exposes them on each class).
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -86,9 +87,9 @@ macro_rules! delegate_core {
             }
             fn contents(&self) -> Contents {
                 (
-                    self.lru_keys().into_iter().map(str::to_owned).collect(),
-                    self.references().into_iter().map(|(k, c)| (k.to_owned(), c)).collect(),
-                    self.objects().into_iter().map(|(k, p)| (k.to_owned(), p.into())).collect(),
+                    self.lru_keys().into_iter().map(Cow::into_owned).collect(),
+                    self.references().into_iter().map(|(k, c)| (k.into_owned(), c)).collect(),
+                    self.objects().into_iter().map(|(k, p)| (k.into_owned(), p.into())).collect(),
                 )
             }
         }

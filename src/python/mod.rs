@@ -7,6 +7,7 @@ mod lock;
 mod variable;
 mod writer;
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once, PoisonError};
 
@@ -216,14 +217,14 @@ impl PyPolicy<'_> {
     /// eligible keys (either store's), valid only during the call. Shared by both stores.
     pub(crate) fn ask_for_victims(
         &mut self,
-        candidates: &mut dyn Iterator<Item = &str>,
+        candidates: &mut dyn Iterator<Item = Cow<'_, str>>,
         count: usize,
     ) -> Result<Option<Vec<String>>, String> {
         let result = self.call(|py| -> PyResult<Option<Vec<String>>> {
-            let pointer: *mut (dyn Iterator<Item = &str> + '_) = candidates;
+            let pointer: *mut (dyn Iterator<Item = Cow<'_, str>> + '_) = candidates;
             // SAFETY: only the lifetimes are erased; the walk is dereferenced only while this
             // call runs (see `CandidateWalk`), and the pointer is cleared before it returns.
-            let pointer: *mut (dyn Iterator<Item = &'static str> + 'static) =
+            let pointer: *mut (dyn Iterator<Item = Cow<'static, str>> + 'static) =
                 unsafe { std::mem::transmute(pointer) };
             let iterator =
                 Bound::new(py, CandidateKeys { walk: Mutex::new(Some(CandidateWalk(pointer))) })?;
@@ -263,7 +264,7 @@ impl VictimPolicy for PyPolicy<'_> {
 
     fn select_victims(
         &mut self,
-        candidates: &mut dyn Iterator<Item = &str>,
+        candidates: &mut dyn Iterator<Item = Cow<'_, str>>,
         count: usize,
     ) -> Result<Option<Vec<String>>, String> {
         self.ask_for_victims(candidates, count)
@@ -324,7 +325,7 @@ fn has_iter(object: &Bound<'_, PyAny>) -> bool {
 }
 
 /// A raw pointer to the core's candidate walk, valid only during `select_victims`.
-struct CandidateWalk(*mut (dyn Iterator<Item = &'static str> + 'static));
+struct CandidateWalk(*mut (dyn Iterator<Item = Cow<'static, str>> + 'static));
 
 // SAFETY: the walk is dereferenced only under the `CandidateKeys` mutex (one thread at a time,
 // whichever thread the policy handed the iterator to) and only while `select_victims` runs,
@@ -357,7 +358,7 @@ impl CandidateKeys {
             // SAFETY: see `CandidateWalk`: set only while `select_victims` runs, and read under
             // this mutex.
             let candidates = unsafe { &mut **pointer };
-            candidates.next().map(str::to_owned)
+            candidates.next().map(Cow::into_owned)
         };
         Ok(key.map(|key| PyString::new(py, &key)))
     }

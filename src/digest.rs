@@ -1,0 +1,340 @@
+//! Keys as an entry holds them. vLLM's keys are `vllm-artifact/<namespace>/` and 64 lowercase hex
+//! digits (routed experts), or a prefix, 64 hex digits and `/<token>` (logprobs): a prefix shared
+//! by many keys, a 32-byte digest and a short tail. Such a key is held as the number of its
+//! prefix in a small table, the digest in binary and the tail (48 bytes instead of 80-130), so
+//! an entry and its key fit one cache line. Other keys are kept as text: short ones inside the
+//! entry, long ones on the heap.
+//!
+//! A key's form is a function of the key and of the prefixes interned so far, and a prefix, once
+//! interned, stays for the table's life. So a key looked up always takes the form it was stored
+//! in: a key is stored as text with a digest-shaped tail only when its prefix could not be
+//! interned (too long, or the table full), and then it never will be.
+
+use std::borrow::Cow;
+use std::hash::BuildHasher;
+
+use foldhash::fast::FixedState;
+
+/// Bytes of a digest held in binary.
+pub const DIGEST_BYTES: usize = 32;
+const HEX_DIGITS: usize = 2 * DIGEST_BYTES;
+/// Prefixes a table interns; keys with further prefixes stay text. Few: vLLM has one per
+/// namespace, and a lookup scans them.
+const MAX_PREFIXES: usize = 64;
+/// Longer prefixes are not interned.
+const MAX_PREFIX_BYTES: usize = 256;
+/// Text keys up to this many bytes stay inside the entry; longer ones go to the heap.
+pub const INLINE_KEY_BYTES: usize = 46;
+/// The longest tail after the digest: a `/` and a token index of up to 11 digits.
+const TAIL_BYTES: usize = 12;
+/// `Probe::prefix` of a key held as text.
+const TEXT: u16 = u16::MAX;
+
+/// A key as its entry holds it.
+#[derive(Debug)]
+pub enum StoredKey {
+    /// Interned prefix number, binary digest, and the tail after it.
+    Digest { prefix: u16, tail: Tail, digest: [u8; DIGEST_BYTES] },
+    /// Text of at most `INLINE_KEY_BYTES` bytes.
+    Inline { len: u8, bytes: [u8; INLINE_KEY_BYTES] },
+    /// Longer text.
+    Heap(Box<str>),
+}
+
+impl StoredKey {
+    /// The key of a vacant entry.
+    pub const EMPTY: Self = Self::Inline { len: 0, bytes: [0; INLINE_KEY_BYTES] };
+
+    /// Whether this is the key `key` was probed as.
+    #[inline]
+    pub fn matches(&self, key: &str, probe: &Probe) -> bool {
+        match self {
+            Self::Digest { prefix, tail, digest } => {
+                probe.prefix == *prefix && probe.digest == *digest && probe.tail == *tail
+            }
+            Self::Inline { len, bytes } => {
+                probe.prefix == TEXT && &bytes[..usize::from(*len)] == key.as_bytes()
+            }
+            Self::Heap(text) => probe.prefix == TEXT && text.as_bytes() == key.as_bytes(),
+        }
+    }
+}
+
+/// The bytes after a key's digest (`len` of them, the rest zero).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tail {
+    len: u8,
+    bytes: [u8; TAIL_BYTES],
+}
+
+/// A key prepared for the table: its hash, and its digest form when it has one.
+#[derive(Clone, Copy, Debug)]
+pub struct Probe {
+    /// The 32-bit hash the index files the key under.
+    pub hash: u32,
+    prefix: u16,
+    tail: Tail,
+    digest: [u8; DIGEST_BYTES],
+}
+
+/// The interned prefixes, and the hasher every key's hash comes from.
+#[derive(Debug, Default)]
+pub struct KeyCodec {
+    prefixes: Vec<Box<str>>,
+    hasher: FixedState,
+}
+
+impl KeyCodec {
+    /// `key` as the table looks it up: a prefix not interned leaves it text.
+    #[inline]
+    pub fn probe(&self, key: &str) -> Probe {
+        match split(key) {
+            Some((prefix, digest, tail)) => match self.find(prefix) {
+                Some(number) => self.digest_probe(number, digest, tail),
+                None => self.text_probe(key),
+            },
+            None => self.text_probe(key),
+        }
+    }
+
+    /// `key` as the table stores it: its prefix is interned if there is room.
+    #[inline]
+    pub fn probe_for_insert(&mut self, key: &str) -> Probe {
+        match split(key) {
+            Some((prefix, digest, tail)) => match self.find(prefix).or_else(|| self.intern(prefix))
+            {
+                Some(number) => self.digest_probe(number, digest, tail),
+                None => self.text_probe(key),
+            },
+            None => self.text_probe(key),
+        }
+    }
+
+    /// How an entry holds `key`, probed as `probe`.
+    pub fn store(key: &str, probe: &Probe) -> StoredKey {
+        if probe.prefix != TEXT {
+            let (prefix, tail, digest) = (probe.prefix, probe.tail, probe.digest);
+            return StoredKey::Digest { prefix, tail, digest };
+        }
+        if key.len() <= INLINE_KEY_BYTES {
+            let mut bytes = [0; INLINE_KEY_BYTES];
+            bytes[..key.len()].copy_from_slice(key.as_bytes());
+            StoredKey::Inline { len: key.len() as u8, bytes }
+        } else {
+            StoredKey::Heap(key.into())
+        }
+    }
+
+    /// The text of a stored key.
+    pub fn text<'a>(&'a self, key: &'a StoredKey) -> Cow<'a, str> {
+        match key {
+            StoredKey::Digest { prefix, tail, digest } => {
+                let prefix = &self.prefixes[usize::from(*prefix)];
+                let tail = &tail.bytes[..usize::from(tail.len)];
+                let mut text = Vec::with_capacity(prefix.len() + HEX_DIGITS + tail.len());
+                text.extend_from_slice(prefix.as_bytes());
+                for byte in digest {
+                    text.extend([HEX[usize::from(byte >> 4)], HEX[usize::from(byte & 0x0F)]]);
+                }
+                text.extend_from_slice(tail);
+                // A prefix and a tail cut from a key at ASCII bytes, and hex digits: UTF-8.
+                Cow::Owned(String::from_utf8(text).expect("keys are UTF-8"))
+            }
+            // Inline bytes were copied from a `&str` whole, so they are valid UTF-8.
+            StoredKey::Inline { len, bytes } => Cow::Borrowed(
+                std::str::from_utf8(&bytes[..usize::from(*len)]).expect("keys are UTF-8"),
+            ),
+            StoredKey::Heap(text) => Cow::Borrowed(text),
+        }
+    }
+
+    fn find(&self, prefix: &[u8]) -> Option<u16> {
+        self.prefixes.iter().position(|p| p.as_bytes() == prefix).map(|i| i as u16)
+    }
+
+    fn intern(&mut self, prefix: &[u8]) -> Option<u16> {
+        if self.prefixes.len() >= MAX_PREFIXES || prefix.len() > MAX_PREFIX_BYTES {
+            return None;
+        }
+        // The prefix ends before an ASCII digit of the key, so it is a whole UTF-8 string.
+        let text = std::str::from_utf8(prefix).ok()?;
+        self.prefixes.push(text.into());
+        Some((self.prefixes.len() - 1) as u16)
+    }
+
+    #[inline]
+    fn digest_probe(&self, prefix: u16, digest: [u8; DIGEST_BYTES], tail: Tail) -> Probe {
+        let word = |i: usize| u64::from_le_bytes(digest[i..i + 8].try_into().expect("8 bytes"));
+        let t = u128::from_le_bytes({
+            let mut wide = [0; 16];
+            wide[..TAIL_BYTES].copy_from_slice(&tail.bytes);
+            wide
+        });
+        let full = self.hasher.hash_one((prefix, word(0), word(8), word(16), word(24), t));
+        Probe { hash: fold(full), prefix, tail, digest }
+    }
+
+    #[inline]
+    fn text_probe(&self, key: &str) -> Probe {
+        let hash = fold(self.hasher.hash_one(key));
+        Probe { hash, prefix: TEXT, tail: Tail::default(), digest: [0; DIGEST_BYTES] }
+    }
+}
+
+#[inline]
+fn fold(full: u64) -> u32 {
+    (full ^ (full >> 32)) as u32
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// Each byte's value as a lowercase hex digit, or `BAD`.
+static NIBBLE: [u8; 256] = {
+    let mut table = [BAD; 256];
+    let mut i = 0;
+    while i < 16 {
+        table[HEX[i] as usize] = i as u8;
+        i += 1;
+    }
+    table
+};
+const BAD: u8 = 0xF0;
+
+/// The prefix, digest and tail of a key that ends in 64 lowercase hex digits (empty tail) or,
+/// failing that, has them right before its last `/` with at most `TAIL_BYTES` bytes from there
+/// on. Uppercase digits do not count: the key's text must come back exactly from the digest.
+#[inline]
+fn split(key: &str) -> Option<(&[u8], [u8; DIGEST_BYTES], Tail)> {
+    let bytes = key.as_bytes();
+    let mut end = bytes.len();
+    let mut digest = decode(bytes, end);
+    if digest.is_none() {
+        end = bytes.iter().rposition(|&b| b == b'/')?;
+        if bytes.len() - end > TAIL_BYTES {
+            return None;
+        }
+        digest = decode(bytes, end);
+    }
+    let digest = digest?;
+    let mut tail = Tail { len: (bytes.len() - end) as u8, bytes: [0; TAIL_BYTES] };
+    tail.bytes[..bytes.len() - end].copy_from_slice(&bytes[end..]);
+    Some((&bytes[..end - HEX_DIGITS], digest, tail))
+}
+
+/// The digest spelled by the 64 bytes before `end`, if they are lowercase hex digits.
+#[inline]
+fn decode(bytes: &[u8], end: usize) -> Option<[u8; DIGEST_BYTES]> {
+    let hex = bytes.get(end.checked_sub(HEX_DIGITS)?..end)?;
+    let mut digest = [0; DIGEST_BYTES];
+    let mut bad = 0;
+    // No branch per digit: a bad one is noticed once, at the end.
+    for (out, pair) in digest.iter_mut().zip(hex.chunks_exact(2)) {
+        let (high, low) = (NIBBLE[usize::from(pair[0])], NIBBLE[usize::from(pair[1])]);
+        bad |= high | low;
+        *out = (high << 4) | (low & 0x0F);
+    }
+    (bad & BAD == 0).then_some(digest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(codec: &mut KeyCodec, key: &str) -> StoredKey {
+        let probe = codec.probe_for_insert(key);
+        let stored = KeyCodec::store(key, &probe);
+        assert_eq!(codec.text(&stored), key);
+        let again = codec.probe(key);
+        assert_eq!(again.hash, probe.hash, "{key:?}");
+        assert!(stored.matches(key, &again), "{key:?}");
+        stored
+    }
+
+    #[test]
+    fn vllm_keys_are_held_as_digests_and_come_back_exactly() {
+        let mut codec = KeyCodec::default();
+        let hex = "0123456789abcdef".repeat(4);
+        let keys = [
+            format!("vllm-artifact/0/{hex}"),
+            format!("vllm-artifact/ns/{hex}"),
+            hex.clone(),
+            format!("vllm-logprobs/v1/0/(temperature=1.0, 'top_k': 20)/{hex}/151000"),
+            format!("vllm-logprobs/v1/0/(temperature=1.0, 'top_k': 20)/{hex}/16"),
+            format!("vllm-logprobs/v1/0/(temperature=1.0, 'top_k': 20)/{hex}/"),
+            format!("t/{hex}/{}", "9".repeat(TAIL_BYTES - 1)),
+        ];
+        for key in &keys {
+            assert!(matches!(round_trip(&mut codec, key), StoredKey::Digest { .. }), "{key}");
+        }
+        assert_eq!(codec.prefixes.len(), 5);
+        // Same prefix and digest, other tails: other keys.
+        let (a, b) = (codec.probe(&keys[3]), codec.probe(&keys[4]));
+        assert!(!KeyCodec::store(&keys[4], &b).matches(&keys[3], &a));
+        // Same digest, other prefix: another key.
+        let a = codec.probe(&format!("vllm-artifact/0/{hex}"));
+        let stored_b = KeyCodec::store("", &codec.probe(&format!("vllm-artifact/ns/{hex}")));
+        assert!(!stored_b.matches("", &a));
+    }
+
+    #[test]
+    fn other_keys_stay_text() {
+        let mut codec = KeyCodec::default();
+        let upper = format!("p/{}", "ABCDEF0123456789".repeat(4));
+        let short = "0123456789abcdef".repeat(3);
+        let long = "k".repeat(INLINE_KEY_BYTES + 1);
+        let bad_digit = format!("{}g", "0".repeat(63));
+        let long_tail = format!("{}/{}", "ab".repeat(32), "1".repeat(TAIL_BYTES));
+        let no_slash = format!("{}x1", "ab".repeat(32));
+        for key in [
+            upper.as_str(),
+            &short,
+            &long,
+            &bad_digit,
+            &long_tail,
+            &no_slash,
+            "",
+            "a",
+            "é",
+            "ab/1",
+            "/",
+            "short/123",
+        ] {
+            let stored = round_trip(&mut codec, key);
+            assert!(!matches!(stored, StoredKey::Digest { .. }), "{key:?}");
+        }
+        assert!(matches!(round_trip(&mut codec, &long), StoredKey::Heap(_)));
+        assert!(codec.prefixes.is_empty());
+        // A multi-byte character right before the digits is a whole prefix.
+        let accented = format!("é{}", "ab".repeat(32));
+        assert!(matches!(round_trip(&mut codec, &accented), StoredKey::Digest { .. }));
+    }
+
+    #[test]
+    fn a_prefix_not_interned_keeps_its_keys_text() {
+        let mut codec = KeyCodec::default();
+        let hex = "ab".repeat(32);
+        let looked_up = codec.probe(&format!("p/{hex}"));
+        assert_eq!(looked_up.prefix, TEXT, "a lookup interns nothing");
+        for i in 0..MAX_PREFIXES {
+            codec.probe_for_insert(&format!("p{i}/{hex}"));
+        }
+        let key = format!("full/{hex}");
+        assert!(matches!(round_trip(&mut codec, &key), StoredKey::Heap(_)));
+        let long_prefix = format!("{}{hex}", "x".repeat(MAX_PREFIX_BYTES + 1));
+        let mut fresh = KeyCodec::default();
+        assert!(matches!(round_trip(&mut fresh, &long_prefix), StoredKey::Heap(_)));
+    }
+
+    #[test]
+    fn every_byte_is_decoded_or_refused() {
+        for byte in 0..=255u8 {
+            let mut text = "0".repeat(HEX_DIGITS).into_bytes();
+            text[17] = byte;
+            let Ok(key) = String::from_utf8(text) else { continue };
+            let digit = byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte);
+            assert_eq!(split(&key).is_some(), digit, "{byte}");
+            let tailed = format!("{key}/7");
+            assert_eq!(split(&tailed).is_some(), digit, "{byte} before a tail");
+        }
+    }
+}
