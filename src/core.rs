@@ -490,10 +490,12 @@ impl<M: Copy + Default> Core<M> {
             freed += cost;
         }
         self.counters.eviction_visits += s.victims.len() as u64;
-        // The walk read only the dense links; fetch the victims' entries and index buckets all
-        // at once.
+        // The walk read only the dense links; fetch the victims' entries all at once, then
+        // (their hashes come from their keys) their index buckets.
         for &(victim, _) in &s.victims {
             self.keys.slab.prefetch(victim);
+        }
+        for &(victim, _) in &s.victims {
             self.keys.index.prefetch(self.keys.slab.hash(victim));
         }
         freed >= need

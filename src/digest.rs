@@ -162,21 +162,40 @@ impl KeyCodec {
         Some((self.prefixes.len() - 1) as u16)
     }
 
+    /// The hash of a stored key, the one its probe had: from the digest's words alone for a
+    /// digest (no text is made), so that entries need not keep their hashes.
     #[inline]
-    fn digest_probe(&self, prefix: u16, digest: [u8; DIGEST_BYTES], tail: Tail) -> Probe {
+    pub fn hash_of(&self, key: &StoredKey) -> u32 {
+        match key {
+            StoredKey::Digest { prefix, tail, digest } => self.digest_hash(*prefix, digest, tail),
+            StoredKey::Inline { .. } | StoredKey::Heap(_) => self.text_hash(&self.text(key)),
+        }
+    }
+
+    #[inline]
+    fn digest_hash(&self, prefix: u16, digest: &[u8; DIGEST_BYTES], tail: &Tail) -> u32 {
         let word = |i: usize| u64::from_le_bytes(digest[i..i + 8].try_into().expect("8 bytes"));
         let t = u128::from_le_bytes({
             let mut wide = [0; 16];
             wide[..TAIL_BYTES].copy_from_slice(&tail.bytes);
             wide
         });
-        let full = self.hasher.hash_one((prefix, word(0), word(8), word(16), word(24), t));
-        Probe { hash: fold(full), prefix, tail, digest }
+        fold(self.hasher.hash_one((prefix, word(0), word(8), word(16), word(24), t)))
+    }
+
+    #[inline]
+    fn text_hash(&self, key: &str) -> u32 {
+        fold(self.hasher.hash_one(key))
+    }
+
+    #[inline]
+    fn digest_probe(&self, prefix: u16, digest: [u8; DIGEST_BYTES], tail: Tail) -> Probe {
+        Probe { hash: self.digest_hash(prefix, &digest, &tail), prefix, tail, digest }
     }
 
     #[inline]
     fn text_probe(&self, key: &str) -> Probe {
-        let hash = fold(self.hasher.hash_one(key));
+        let hash = self.text_hash(key);
         Probe { hash, prefix: TEXT, tail: Tail::default(), digest: [0; DIGEST_BYTES] }
     }
 }
@@ -187,19 +206,6 @@ fn fold(full: u64) -> u32 {
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
-
-/// Each byte's value as a lowercase hex digit, or `BAD`.
-static NIBBLE: [u8; 256] = {
-    let mut table = [BAD; 256];
-    let mut i = 0;
-    while i < 16 {
-        table[HEX[i] as usize] = i as u8;
-        i += 1;
-    }
-    table
-};
-const BAD: u8 = 0xF0;
-
 /// The prefix, digest and tail of a key that ends in 64 lowercase hex digits (empty tail) or,
 /// failing that, has them right before its last `/` with at most `TAIL_BYTES` bytes from there
 /// on. Uppercase digits do not count: the key's text must come back exactly from the digest.
@@ -222,18 +228,36 @@ fn split(key: &str) -> Option<(&[u8], [u8; DIGEST_BYTES], Tail)> {
 }
 
 /// The digest spelled by the 64 bytes before `end`, if they are lowercase hex digits.
+///
+/// Eight digits at a time in a `u64` (SWAR): the decode is on every key of every call, and a
+/// byte-by-byte loop cost about as much as the cache misses it sits between.
 #[inline]
 fn decode(bytes: &[u8], end: usize) -> Option<[u8; DIGEST_BYTES]> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    const EVEN: u64 = 0x00FF_00FF_00FF_00FF;
     let hex = bytes.get(end.checked_sub(HEX_DIGITS)?..end)?;
     let mut digest = [0; DIGEST_BYTES];
-    let mut bad = 0;
-    // No branch per digit: a bad one is noticed once, at the end.
-    for (out, pair) in digest.iter_mut().zip(hex.chunks_exact(2)) {
-        let (high, low) = (NIBBLE[usize::from(pair[0])], NIBBLE[usize::from(pair[1])]);
-        bad |= high | low;
-        *out = (high << 4) | (low & 0x0F);
+    let mut valid = HIGH;
+    for (out, chunk) in digest.chunks_exact_mut(4).zip(hex.chunks_exact(8)) {
+        let x = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+        // Bit 7 of each byte: ASCII, and in '0'..='9' or 'a'..='f'. For ASCII bytes no sum
+        // carries out of its byte; a non-ASCII byte may spoil its neighbours, but fails itself.
+        let at_least = |c: u64| x.wrapping_add((0x80 - c) * ONES) & HIGH;
+        let digit = at_least(0x30) & !at_least(0x3A);
+        let letter = at_least(0x61) & !at_least(0x67);
+        valid &= !x & (digit | letter);
+        // A digit's value is its low nibble, a letter's that plus 9 (bit 6 marks letters).
+        let nibbles = (x & (0x0F * ONES)) + ((x >> 6) & ONES) * 9;
+        // Each 16-bit lane: first digit high, second low; then the lanes' low bytes packed.
+        let pairs = ((nibbles & EVEN) << 4) | ((nibbles >> 8) & EVEN);
+        let packed = (pairs & 0xFF)
+            | ((pairs >> 8) & 0xFF00)
+            | ((pairs >> 16) & 0xFF_0000)
+            | ((pairs >> 24) & 0xFF00_0000);
+        out.copy_from_slice(&(packed as u32).to_le_bytes());
     }
-    (bad & BAD == 0).then_some(digest)
+    (valid == HIGH).then_some(digest)
 }
 
 #[cfg(test)]
@@ -246,6 +270,7 @@ mod tests {
         assert_eq!(codec.text(&stored), key);
         let again = codec.probe(key);
         assert_eq!(again.hash, probe.hash, "{key:?}");
+        assert_eq!(codec.hash_of(&stored), probe.hash, "{key:?}");
         assert!(stored.matches(key, &again), "{key:?}");
         stored
     }
@@ -298,6 +323,8 @@ mod tests {
             "ab/1",
             "/",
             "short/123",
+            &format!("{}é{}", "a".repeat(31), "b".repeat(31)),
+            &format!("p/{}\u{7f}{}", "a".repeat(31), "b".repeat(32)),
         ] {
             let stored = round_trip(&mut codec, key);
             assert!(!matches!(stored, StoredKey::Digest { .. }), "{key:?}");
@@ -326,10 +353,25 @@ mod tests {
     }
 
     #[test]
+    fn digests_decode_as_bytes_do() {
+        let mut state = 7u64;
+        for _ in 0..1_000 {
+            let digest: Vec<u8> = (0..DIGEST_BYTES)
+                .map(|_| {
+                    state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                    (state >> 56) as u8
+                })
+                .collect();
+            let text: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(decode(text.as_bytes(), HEX_DIGITS).unwrap().as_slice(), digest);
+        }
+    }
+
+    #[test]
     fn every_byte_is_decoded_or_refused() {
-        for byte in 0..=255u8 {
-            let mut text = "0".repeat(HEX_DIGITS).into_bytes();
-            text[17] = byte;
+        for (byte, at) in (0..=255u8).flat_map(|b| [(b, 0), (b, 17), (b, 63)]) {
+            let mut text = "f".repeat(HEX_DIGITS).into_bytes();
+            text[at] = byte;
             let Ok(key) = String::from_utf8(text) else { continue };
             let digit = byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte);
             assert_eq!(split(&key).is_some(), digit, "{byte}");

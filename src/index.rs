@@ -5,6 +5,10 @@
 //! forces a rehash). A probe compares hashes only; the caller confirms the key in the entry.
 //! Because the home bucket follows from the hash alone, a batch can prefetch all its buckets
 //! before probing any of them.
+//!
+//! The bucket count is whatever the store asks for, not a power of two: a key's home is its hash
+//! scaled to the table (`hash * buckets >> 32`). Rounding up to a power of two would cost up to
+//! twice the memory, and rounding down would load the table past where probes stay short.
 
 /// An empty bucket (entry index `u32::MAX` is never used).
 const EMPTY: u64 = u64::MAX;
@@ -17,7 +21,6 @@ const MAX_LOAD_DEN: usize = 4;
 #[derive(Debug)]
 pub struct KeyIndex {
     buckets: Vec<u64>,
-    shift: u32,
     len: usize,
 }
 
@@ -39,8 +42,8 @@ fn bucket_idx(bucket: u64) -> u32 {
 impl KeyIndex {
     /// An index that holds `capacity` keys without growing.
     pub fn with_capacity(capacity: usize) -> Self {
-        let buckets = (capacity * MAX_LOAD_DEN / MAX_LOAD_NUM + 1).next_power_of_two().max(16);
-        Self { buckets: vec![EMPTY; buckets], shift: 64 - buckets.trailing_zeros(), len: 0 }
+        let buckets = (capacity * MAX_LOAD_DEN / MAX_LOAD_NUM + 1).max(16);
+        Self { buckets: vec![EMPTY; buckets], len: 0 }
     }
 
     /// Number of keys indexed.
@@ -53,15 +56,31 @@ impl KeyIndex {
         self.len == 0
     }
 
-    #[inline]
-    fn mask(&self) -> usize {
-        self.buckets.len() - 1
-    }
-
-    /// The bucket where a probe for `hash` starts: Fibonacci hashing spreads the 32 bits.
+    /// The bucket where a probe for `hash` starts: the hash (uniform over 32 bits) scaled to
+    /// the table.
     #[inline]
     fn home(&self, hash: u32) -> usize {
-        (u64::from(hash).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+        ((u64::from(hash) * self.buckets.len() as u64) >> 32) as usize
+    }
+
+    /// The bucket after `at`, wrapping at the end.
+    #[inline]
+    fn next(&self, at: usize) -> usize {
+        if at + 1 == self.buckets.len() {
+            0
+        } else {
+            at + 1
+        }
+    }
+
+    /// Buckets from `from` forward to `to`, wrapping.
+    #[inline]
+    fn distance(&self, from: usize, to: usize) -> usize {
+        if to >= from {
+            to - from
+        } else {
+            to + self.buckets.len() - from
+        }
     }
 
     /// Starts loading the home bucket of `hash` into cache.
@@ -80,7 +99,6 @@ impl KeyIndex {
     /// The first entry with `hash` for which `accept` holds.
     #[inline]
     pub fn find(&self, hash: u32, mut accept: impl FnMut(u32) -> bool) -> Option<u32> {
-        let mask = self.mask();
         let mut at = self.home(hash);
         loop {
             let bucket = self.buckets[at];
@@ -90,7 +108,7 @@ impl KeyIndex {
             if bucket_hash(bucket) == hash && accept(bucket_idx(bucket)) {
                 return Some(bucket_idx(bucket));
             }
-            at = (at + 1) & mask;
+            at = self.next(at);
         }
     }
 
@@ -105,10 +123,9 @@ impl KeyIndex {
     }
 
     fn place(&mut self, bucket: u64) {
-        let mask = self.mask();
         let mut at = self.home(bucket_hash(bucket));
         while self.buckets[at] != EMPTY {
-            at = (at + 1) & mask;
+            at = self.next(at);
         }
         self.buckets[at] = bucket;
     }
@@ -116,7 +133,6 @@ impl KeyIndex {
     fn grow(&mut self) {
         let doubled = vec![EMPTY; self.buckets.len() * 2];
         let old = std::mem::replace(&mut self.buckets, doubled);
-        self.shift -= 1;
         for bucket in old.into_iter().filter(|&b| b != EMPTY) {
             self.place(bucket);
         }
@@ -125,16 +141,15 @@ impl KeyIndex {
     /// Removes entry `idx` (indexed under `hash`), shifting later buckets of the probe run back
     /// so no tombstone is left.
     pub fn remove(&mut self, hash: u32, idx: u32) {
-        let mask = self.mask();
         let wanted = pack(hash, idx);
         let mut hole = self.home(hash);
         while self.buckets[hole] != wanted {
             assert_ne!(self.buckets[hole], EMPTY, "entry {idx} is not indexed");
-            hole = (hole + 1) & mask;
+            hole = self.next(hole);
         }
         let mut at = hole;
         loop {
-            at = (at + 1) & mask;
+            at = self.next(at);
             let bucket = self.buckets[at];
             if bucket == EMPTY {
                 break;
@@ -142,7 +157,7 @@ impl KeyIndex {
             // A bucket may move back to the hole when the hole lies on its probe path, i.e. its
             // home is no nearer to it than the hole is.
             let home = self.home(bucket_hash(bucket));
-            if (at.wrapping_sub(home) & mask) >= (at.wrapping_sub(hole) & mask) {
+            if self.distance(home, at) >= self.distance(hole, at) {
                 self.buckets[hole] = bucket;
                 hole = at;
             }
@@ -170,8 +185,9 @@ mod tests {
         let mut state = 12_345u64;
         for step in 0..20_000u32 {
             state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            // Few distinct hashes, so collisions and long probe runs are common.
-            let hash = (state >> 40) as u32 % 97;
+            // Few distinct hashes, so collisions and long probe runs are common; spread over the
+            // 32 bits, so homes lie near the table's end too and runs wrap around.
+            let hash = ((state >> 40) % 97) as u32 * (u32::MAX / 96);
             let present: Vec<u32> =
                 model.iter().filter(|(_, &h)| h == hash).map(|(&i, _)| i).collect();
             if present.is_empty() || state % 3 == 0 {

@@ -2,7 +2,7 @@
 //! threaded through vacant entries, and the LRU of evictable keys as an intrusive doubly linked
 //! list over the same indices, so insert, unlink and move-to-tail are O(1) and allocation-free.
 //!
-//! Each key's 32-bit hash and LRU links live in dense arrays beside the entries (12 bytes a key,
+//! Each key's LRU links live in a dense array beside the entries (8 bytes a key,
 //! small enough to stay in cache), so a lookup can pick its candidate, and the eviction walk can
 //! follow the LRU, without reading any entry; the entries they do need are prefetched together.
 
@@ -71,13 +71,12 @@ struct Link {
     next: u32,
 }
 
-/// Entries in a `Vec`, addressed by `u32` index, with dense hash and link arrays beside them.
+/// Entries in a `Vec`, addressed by `u32` index, with a dense link array beside them.
 #[derive(Debug)]
 pub struct Slab<M = ()> {
     /// The interned key prefixes and the hasher (every entry's key reads through it).
     pub codec: KeyCodec,
     entries: Vec<Entry<M>>,
-    hashes: Vec<u32>,
     links: Vec<Link>,
     free_head: u32,
     live: usize,
@@ -106,7 +105,6 @@ impl<M: Copy + Default> Slab<M> {
         Self {
             codec: KeyCodec::default(),
             entries: Vec::with_capacity(capacity),
-            hashes: Vec::with_capacity(capacity),
             links: Vec::with_capacity(capacity),
             free_head: NIL,
             live: 0,
@@ -122,18 +120,16 @@ impl<M: Copy + Default> Slab<M> {
         let mut slab = Self::with_room(0);
         // Large reservations are fresh anonymous mappings: untouched pages cost nothing.
         let reserved = slab.entries.try_reserve_exact(capacity).is_ok()
-            && slab.hashes.try_reserve_exact(capacity).is_ok()
             && slab.links.try_reserve_exact(capacity).is_ok();
         if !reserved {
             let fallback = capacity.min(1 << 20);
             slab.entries.reserve_exact(fallback.saturating_sub(slab.entries.capacity()));
-            slab.hashes.reserve_exact(fallback.saturating_sub(slab.hashes.capacity()));
             slab.links.reserve_exact(fallback.saturating_sub(slab.links.capacity()));
         }
         slab
     }
 
-    /// Commits the memory of the first `count` entries (entries, hashes and links) now, so that
+    /// Commits the memory of the first `count` entries (entries and links) now, so that
     /// no put pays a page fault for a new key later (`prefault`). Contents are unchanged.
     pub fn commit(&mut self, count: usize) {
         fn spare<T>(v: &mut Vec<T>, count: usize) -> (*const u8, usize) {
@@ -142,11 +138,7 @@ impl<M: Copy + Default> Slab<M> {
             let n = spare.len().min(wanted);
             (spare.as_ptr().cast(), n * std::mem::size_of::<T>())
         }
-        for (start, len) in [
-            spare(&mut self.entries, count),
-            spare(&mut self.hashes, count),
-            spare(&mut self.links, count),
-        ] {
+        for (start, len) in [spare(&mut self.entries, count), spare(&mut self.links, count)] {
             crate::arena::commit_pages(start, len);
         }
     }
@@ -166,10 +158,11 @@ impl<M: Copy + Default> Slab<M> {
         self.links.get(idx as usize).is_some_and(|l| l.prev != VACANT)
     }
 
-    /// The low 32 bits of the key hash of entry `idx`, from the dense array.
+    /// The 32-bit hash the index files entry `idx` under (computed from its key: cheap for a
+    /// digest, which is the common key).
     #[inline]
     pub fn hash(&self, idx: u32) -> u32 {
-        self.hashes[idx as usize]
+        self.codec.hash_of(&self.entries[idx as usize].key)
     }
 
     /// Starts loading entry `idx` into cache, so a batch's entries arrive together.
@@ -253,7 +246,7 @@ impl<M: Copy + Default> Slab<M> {
     /// Creates an entry for `key`, prepared as `probe` (unreferenced, no slot, not in the LRU),
     /// and returns its index.
     pub fn insert(&mut self, key: &str, probe: &Probe) -> u32 {
-        let (stored, hash) = (KeyCodec::store(key, probe), probe.hash);
+        let stored = KeyCodec::store(key, probe);
         self.live += 1;
         let unlinked = Link { prev: NIL, next: NIL };
         if self.free_head == NIL {
@@ -261,7 +254,6 @@ impl<M: Copy + Default> Slab<M> {
             assert!(idx < VACANT, "more than 2^32 keys");
             let meta = M::default();
             self.entries.push(Entry { key: stored, refs: 0, slot: NO_SLOT, mark: 0, meta });
-            self.hashes.push(hash);
             self.links.push(unlinked);
             return idx;
         }
@@ -270,7 +262,6 @@ impl<M: Copy + Default> Slab<M> {
         debug_assert_eq!(self.links[i].prev, VACANT);
         self.free_head = self.links[i].next;
         self.links[i] = unlinked;
-        self.hashes[i] = hash;
         let entry = &mut self.entries[i];
         entry.refs = 0;
         entry.slot = NO_SLOT;
@@ -397,7 +388,7 @@ impl<M: Copy + Default> Slab<M> {
     /// Verifies the slab's own invariants: the free list, the live count, and that the LRU is a
     /// well-formed list holding exactly the evictable entries.
     pub fn validate(&self) -> Result<(), String> {
-        if self.hashes.len() != self.entries.len() || self.links.len() != self.entries.len() {
+        if self.links.len() != self.entries.len() {
             return Err("dense arrays and entries differ in length".into());
         }
         let mut vacant = 0usize;

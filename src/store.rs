@@ -90,13 +90,13 @@ fn slab_reserve(num_slots: usize) -> usize {
     num_slots.saturating_mul(2).saturating_add(1024).min(MAX_SLOTS)
 }
 
-/// Keys the index holds before it rehashes: 1.125 times the slots, room for a put's new keys and
-/// the keys referenced before they are stored (its buckets are written at construction, so this
-/// is real memory: 8 bytes a bucket, 12-24 bytes a slot after rounding to a power of two; at
-/// vLLM's 167,341 slots, 12.5), capped at 8M keys (128 MiB of buckets). A store past that
-/// rehashes once.
+/// Keys the index holds before it rehashes: 1.875 times the slots, so that a full store uses 40%
+/// of its buckets (2.5 a slot, 20 bytes), where linear probes stay short (at 64% a W2 put costs
+/// 25% more), with room for a put's new keys and for keys referenced before they are stored.
+/// The buckets are written at construction, so this is real memory. Capped at 8M keys (85 MiB
+/// of buckets); a store past that rehashes once.
 fn index_reserve(num_slots: usize) -> usize {
-    (num_slots + num_slots / 8 + 1024).min(8 << 20)
+    (num_slots + num_slots * 7 / 8 + 1024).min(8 << 20)
 }
 
 impl BlockStore {
