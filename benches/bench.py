@@ -361,6 +361,25 @@ def w3_floor(shape: RolloutShape, steps: list[Step], rows: np.ndarray, prefault:
     return total / 1e9
 
 
+def largest_put_floor(shape: RolloutShape, steps: list[Step], rows: np.ndarray) -> dict[str, Any]:
+    """The memcpy floor of W3's largest put (its first, the prefill of every prompt at once):
+    numpy copying the same objects into the start of a committed arena, best of five. A single
+    put of that many bytes cannot take less, whatever the store, which bounds T8 over W3."""
+    largest = max((s for s in steps if s.publish), key=lambda s: len(s.publish))
+    batch = rows[[b % POOL_ROWS for b in largest.publish]]
+    raw = mmap.mmap(-1, batch.nbytes)
+    commit_pages(raw)
+    arena = np.frombuffer(raw, dtype=np.uint8).reshape(batch.shape)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        arena[:] = batch
+        best = min(best, (time.perf_counter_ns() - t0) / 1e3)
+    del arena
+    raw.close()
+    return {"objects": len(largest.publish), "nbytes": int(batch.nbytes), "floor_us": best}
+
+
 def replay_figures(result: ReplayResult) -> dict[str, Any]:
     return {
         "label": result.label,
@@ -396,6 +415,7 @@ def w3(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
         for result in compare(shape, steps, rows, prefault=prefault, stores=built):
             out[f"{result.name}/{arena}"] = replay_figures(result)
         out[f"floor/{arena}"] = {"writer_s": w3_floor(shape, steps, rows, prefault)}
+    out["largest_put"] = largest_put_floor(shape, steps, rows)
     return out
 
 
@@ -887,12 +907,20 @@ def t8_w3_rows(w: dict[str, Any], refs: References) -> list[Target]:
         return f"{f['worst_us'] / 1e3:.2f} ms (p99.9 {f['p999_us'] / 1e3:.2f})"
 
     value = w["aostore/fresh"]["worst_us"] / 1e3
+    largest = w.get("largest_put")
+    bound = (
+        f"; W3's largest put ({largest['objects']:,} objects, "
+        f"{largest['nbytes'] / 2**20:.1f} MiB) at the memcpy floor: "
+        f"{largest['floor_us'] / 1e3:.2f} ms"
+        if largest
+        else ""
+    )
     return [
         Target(
             "T8",
             "worst put over W3 (arena as the plugin builds it)",
             value,
-            worst("aostore"),
+            worst("aostore") + bound,
             "<= 1 ms",
             value <= 1,
             *refs.cells(worst),
