@@ -141,7 +141,8 @@ pub(crate) enum Undo {
     Pushed { idx: u32 },
 }
 
-/// Scratch vectors reused by every call, so a put allocates only for new keys' text.
+/// Scratch vectors reused by every call, so a put allocates only for new keys too long to be held
+/// in their entry.
 #[derive(Debug, Default)]
 pub(crate) struct Scratch {
     /// The keys being resolved, prepared for the key table.

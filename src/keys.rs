@@ -13,7 +13,7 @@ use crate::slab::{Slab, NIL};
 /// `Entry::mark` of a key that is not in the current batch (see `KeyTable::dedupe_batch`).
 pub const NOT_IN_BATCH: u32 = u32::MAX;
 
-/// Keys to entries: an index by 32-bit hash, and the entries (key text, count, slot, `M`).
+/// Keys to entries: an index by 32-bit hash, and the entries (key, count, slot, `M`).
 #[derive(Debug)]
 pub struct KeyTable<M> {
     /// The index from hash to entry.

@@ -2,9 +2,9 @@
 //! threaded through vacant entries, and the LRU of evictable keys as an intrusive doubly linked
 //! list over the same indices, so insert, unlink and move-to-tail are O(1) and allocation-free.
 //!
-//! Each key's LRU links live in a dense array beside the entries (8 bytes a key,
-//! small enough to stay in cache), so a lookup can pick its candidate, and the eviction walk can
-//! follow the LRU, without reading any entry; the entries they do need are prefetched together.
+//! Each key's LRU links live in a dense array beside the entries (8 bytes a key, small enough to
+//! stay in cache), so the eviction walk can follow the LRU without reading any entry; the
+//! victims' entries are then prefetched together.
 
 use std::borrow::Cow;
 
