@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from refused import put_refused
 from scripts import TIMEOUT
 
 N = 512
@@ -480,11 +481,11 @@ def test_every_concurrent_close_returns_after_the_store_closed_and_raises(kind):
         store: Any = SlowClose(max_bytes=N, object_nbytes=N)
         failing = [BlockObject("a", bytes([1]) * N), BlockObject("b", bytes([2]) * N)]
         writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
-        writer.put(failing, retain_keys=["a", "b"])  # cannot retain: latched
+        put_refused(writer, failing, retain_keys=["a", "b"])  # cannot retain: latched
     else:
         store = PythonSlowStore()
         writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
-        writer.put([BlockObject("a", bytes([1]) * N)], retain_keys=["a"])  # raises in the writer
+        put_refused(writer, [BlockObject("a", bytes([1]) * N)], retain_keys=["a"])  # writer raises
     seen: list[tuple[bool, str]] = []
 
     def close() -> None:
