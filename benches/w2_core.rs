@@ -1,10 +1,10 @@
 //! W2's steady churn on the core alone (no Python): ns per object for put and get, to split a
 //! Python-level figure into core and binding. `cargo bench --bench w2_core -- [slots]
-//! [object_nbytes] [batches]`
+//! [object_nbytes] [batches] [prefault: 0 or 1]`
 
 use std::time::Instant;
 
-use aostore::{BlockRef, BlockStore};
+use aostore::{BlockRef, BlockStore, Prefault, Profile};
 
 fn key(i: u64) -> String {
     format!("vllm-artifact/0/{:064x}", u128::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15))
@@ -20,7 +20,10 @@ fn main() {
     let slots = args.first().copied().unwrap_or(167_341);
     let nbytes = args.get(1).copied().unwrap_or(64);
     let batches = args.get(2).copied().unwrap_or(4_000);
-    let mut store = BlockStore::new(slots * nbytes, nbytes).unwrap();
+    let prefault =
+        if args.get(3).copied().unwrap_or(0) == 1 { Prefault::Now } else { Prefault::OnWrite };
+    let mut store =
+        BlockStore::with_commit(slots * nbytes, nbytes, Profile::FailClosed, prefault).unwrap();
     let payload = vec![7u8; nbytes];
     let mut next = 0u64;
     while (next as usize) < slots {

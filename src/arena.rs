@@ -436,6 +436,26 @@ pub(crate) fn commit_pages(start: *const u8, len: usize) -> bool {
     unsafe { libc::madvise(first as *mut libc::c_void, end - first, MADV_POPULATE_WRITE) == 0 }
 }
 
+/// Asks for huge pages under the whole 2 MiB extents of `[start, start + len)`, memory the caller
+/// owns and is about to write in full (the key table's buckets, committed entries): it is read
+/// at random, and with 4 KiB pages most of those reads miss the TLB too, a page walk on top of
+/// the cache miss. Advice only: the kernel may refuse it, and no byte changes.
+pub(crate) fn advise_huge_pages(start: *const u8, len: usize) {
+    const HUGE: usize = 2 << 20;
+    let first = (start as usize).next_multiple_of(HUGE);
+    let end = (start as usize).saturating_add(len) & !(HUGE - 1);
+    if end > first {
+        // SAFETY: the advice changes only how pages the caller owns are backed, never their
+        // contents; a range that is not mapped makes it fail with an error, not fault.
+        unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
+    }
+}
+
+/// `advise_huge_pages` over a `Vec`'s capacity.
+pub(crate) fn advise_huge_pages_for<T>(v: &Vec<T>) {
+    advise_huge_pages(v.as_ptr().cast(), v.capacity() * std::mem::size_of::<T>());
+}
+
 fn last_errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }

@@ -14,7 +14,7 @@ use std::borrow::Cow;
 
 use crate::digest::Probe;
 use crate::error::StoreError;
-use crate::keys::KeyTable;
+use crate::keys::{KeyTable, Keyed};
 use crate::ledger::Ledger;
 use crate::slab::{Entry, Slab, NIL, NO_SLOT, PENDING_SLOT};
 
@@ -271,6 +271,19 @@ impl<M: Copy + Default> Iterator for Walk<'_, M> {
     }
 }
 
+impl Keyed for BlockRef<'_> {
+    #[inline]
+    fn key(&self) -> &str {
+        self.key
+    }
+}
+
+/// Whether the objects' keys are `keys`, in the same order. Comparing a key's bytes costs a
+/// fraction of resolving it again (its digest decoded, its hash, its bucket and its entry).
+fn same_keys(objects: &[BlockRef<'_>], keys: &[&str]) -> bool {
+    objects.len() == keys.len() && objects.iter().zip(keys).all(|(o, k)| o.key == *k)
+}
+
 /// Keys, counts, the LRU and the figures every store keeps about them.
 #[derive(Debug)]
 pub(crate) struct Core<M> {
@@ -347,8 +360,12 @@ impl<M: Copy + Default> Core<M> {
             self.keys.forget_orphans(&s.created);
             return Err(error);
         }
-        let keys: Vec<&str> = objects.iter().map(|o| o.key).collect();
-        self.keys.resolve(&keys, &mut s.probes, &mut s.entries, Some(&mut s.created));
+        if same_keys(objects, retain_keys) {
+            // A put that retains exactly its own objects: they were resolved a moment ago.
+            s.entries.extend_from_slice(&s.retains);
+        } else {
+            self.keys.resolve(objects, &mut s.probes, &mut s.entries, Some(&mut s.created));
+        }
         s.batch.extend(s.entries.iter().enumerate().map(|(position, &idx)| (idx, position)));
         assert!(s.batch.len() < POSITION as usize, "batch too large");
         self.keys.dedupe_batch(&mut s.batch, &s.releases);

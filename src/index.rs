@@ -39,11 +39,20 @@ fn bucket_idx(bucket: u64) -> u32 {
     bucket as u32
 }
 
+/// `n` empty buckets, on huge pages where the kernel grants them (advised before the first
+/// write, as a page's backing is chosen when it is first touched).
+fn empty_buckets(n: usize) -> Vec<u64> {
+    let mut buckets = Vec::with_capacity(n);
+    crate::arena::advise_huge_pages_for(&buckets);
+    buckets.resize(n, EMPTY);
+    buckets
+}
+
 impl KeyIndex {
     /// An index that holds `capacity` keys without growing.
     pub fn with_capacity(capacity: usize) -> Self {
         let buckets = (capacity * MAX_LOAD_DEN / MAX_LOAD_NUM + 1).max(16);
-        Self { buckets: vec![EMPTY; buckets], len: 0 }
+        Self { buckets: empty_buckets(buckets), len: 0 }
     }
 
     /// Number of keys indexed.
@@ -131,7 +140,7 @@ impl KeyIndex {
     }
 
     fn grow(&mut self) {
-        let doubled = vec![EMPTY; self.buckets.len() * 2];
+        let doubled = empty_buckets(self.buckets.len() * 2);
         let old = std::mem::replace(&mut self.buckets, doubled);
         for bucket in old.into_iter().filter(|&b| b != EMPTY) {
             self.place(bucket);

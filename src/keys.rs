@@ -13,6 +13,19 @@ use crate::slab::{Slab, NIL};
 /// `Entry::mark` of a key that is not in the current batch (see `KeyTable::dedupe_batch`).
 pub const NOT_IN_BATCH: u32 = u32::MAX;
 
+/// What a call's keys come as: key strings, or objects that carry one.
+pub trait Keyed {
+    /// The key.
+    fn key(&self) -> &str;
+}
+
+impl Keyed for &str {
+    #[inline]
+    fn key(&self) -> &str {
+        self
+    }
+}
+
 /// Keys to entries: an index by 32-bit hash, and the entries (key, count, slot, `M`).
 #[derive(Debug)]
 pub struct KeyTable<M> {
@@ -62,13 +75,14 @@ impl<M: Copy + Default> KeyTable<M> {
     }
 
     /// Resolves `keys` to entries, appending to `out`, in passes so that their cache misses
-    /// overlap: prepare every key (its hash, its digest) and prefetch its home bucket; take each
-    /// key's candidate from the buckets' hashes alone and prefetch the candidate's entry; then
-    /// confirm each key. Missing keys get new entries (recorded in `created`) when `created` is
-    /// given, and resolve to `NIL` otherwise.
-    pub fn resolve(
+    /// overlap: prepare each key (its hash, its digest) and prefetch its home bucket at once, so
+    /// the next key's preparation runs under this one's miss; take each key's candidate from
+    /// the buckets' hashes alone and prefetch the candidate's entry; then confirm each key.
+    /// Missing keys get new entries (recorded in `created`) when `created` is given, and
+    /// resolve to `NIL` otherwise.
+    pub fn resolve<K: Keyed>(
         &mut self,
-        keys: &[&str],
+        keys: &[K],
         probes: &mut Vec<Probe>,
         out: &mut Vec<u32>,
         mut created: Option<&mut Vec<u32>>,
@@ -76,14 +90,14 @@ impl<M: Copy + Default> KeyTable<M> {
         let first = out.len();
         probes.clear();
         let codec = &mut self.slab.codec;
-        if created.is_some() {
-            probes.extend(keys.iter().map(|key| codec.probe_for_insert(key)));
-        } else {
-            probes.extend(keys.iter().map(|key| codec.probe(key)));
-        }
-        for probe in probes.iter() {
-            self.index.prefetch(probe.hash);
-        }
+        let index = &self.index;
+        let for_insert = created.is_some();
+        probes.extend(keys.iter().map(|key| {
+            let probe =
+                if for_insert { codec.probe_for_insert(key.key()) } else { codec.probe(key.key()) };
+            index.prefetch(probe.hash);
+            probe
+        }));
         for probe in probes.iter() {
             let candidate = self.index.find(probe.hash, |_| true).unwrap_or(NIL);
             if candidate != NIL {
@@ -92,7 +106,7 @@ impl<M: Copy + Default> KeyTable<M> {
             out.push(candidate);
         }
         for (i, key) in keys.iter().enumerate() {
-            let candidate = out[first + i];
+            let (key, candidate) = (key.key(), out[first + i]);
             if candidate != NIL && self.slab[candidate].is_key(key, &probes[i]) {
                 continue;
             }

@@ -21,6 +21,7 @@ pub mod variable;
 #[cfg(feature = "python")]
 mod python;
 
+pub use arena::Prefault;
 pub use error::StoreError;
 pub use store::{
     BlockRef, BlockStore, Counters, Profile, PutReport, RemoveReason, Stats, VictimPolicy,

@@ -598,6 +598,50 @@ mod tests {
     }
 
     #[test]
+    fn a_put_that_retains_its_own_keys_in_order_acts_as_in_another_order() {
+        // The core reuses the retains' entries for the objects when the retains are the
+        // objects' keys in order; retained in another order, the objects are resolved again.
+        // Both must end alike, duplicates in the batch, refusals and evictions included.
+        let calls: [&[(&str, u8)]; 5] = [
+            &[("a", 1), ("b", 2), ("a", 3)],
+            &[("c", 4), ("d", 5)],
+            &[("e", 6), ("e", 7), ("f", 8)],
+            &[("g", 9), ("h", 10), ("i", 11), ("j", 12), ("k", 13)], // refused: too many
+            &[("a", 14)],
+        ];
+        let mut shared = BlockStore::new(6, 1).unwrap();
+        let mut resolved = BlockStore::new(6, 1).unwrap();
+        for (n, call) in calls.iter().enumerate() {
+            let payloads: Vec<[u8; 1]> = call.iter().map(|&(_, v)| [v]).collect();
+            let objects: Vec<BlockRef<'_>> = call
+                .iter()
+                .zip(&payloads)
+                .map(|(&(key, _), payload)| block(key, payload))
+                .collect();
+            let own: Vec<&str> = call.iter().map(|&(key, _)| key).collect();
+            let mut rotated = own.clone();
+            rotated.rotate_left(1);
+            let released: &[&str] = if n == 2 { &["a", "b"] } else { &[] };
+            let a = shared.put(&objects, &own, released).map(|_| ());
+            let b = resolved.put(&objects, &rotated, released).map(|_| ());
+            assert_eq!(a, b, "call {n}");
+            shared.check().unwrap();
+            assert_eq!(shared.lru_keys(), resolved.lru_keys(), "call {n}");
+            let mut refs = (shared.references(), resolved.references());
+            refs.0.sort();
+            refs.1.sort();
+            assert_eq!(refs.0, refs.1, "call {n}");
+            assert_eq!(shared.stats(), resolved.stats(), "call {n}");
+        }
+        // A key's last payload in its first put wins; a stored key is not rewritten.
+        assert_eq!(shared.get_concatenated(&["a", "c", "e"]).unwrap(), [3, 4, 7]);
+        assert_eq!(resolved.get_concatenated(&["a", "c", "e"]).unwrap(), [3, 4, 7]);
+        // The refused put kept its retains (as vLLM does); the last one added to a's.
+        assert_eq!(shared.reference_count("a"), 2);
+        assert_eq!(shared.reference_count("k"), 1);
+    }
+
+    #[test]
     fn check_catches_a_stored_key_lost_outside_eviction() {
         let mut store = BlockStore::new(4, 1).unwrap();
         store.put(&[block("a", b"1"), block("b", b"2")], &[], &[]).unwrap();
