@@ -261,9 +261,9 @@ fn split(key: &str) -> Option<(&[u8], [u8; DIGEST_BYTES], Tail)> {
 }
 
 /// The digest spelled by the 64 bytes before `end`, if they are lowercase hex digits. The
-/// decode is on every key of every call (a put decodes each key about three times: as a batch
-/// key, a retain and later a release), so it goes 16 digits at a time where SSE2 is there
-/// (always on x86_64) and 8 at a time in a `u64` elsewhere.
+/// decode is on every key of every call (a put decodes each key as a retain and later as a
+/// release, and as a batch key too unless its retains are its objects' keys), so it goes 16
+/// digits at a time where SSE2 is there (always on x86_64) and 8 at a time in a `u64` elsewhere.
 #[inline]
 fn decode(bytes: &[u8], end: usize) -> Option<[u8; DIGEST_BYTES]> {
     let hex: &[u8; HEX_DIGITS] = bytes.get(end.checked_sub(HEX_DIGITS)?..end)?.try_into().ok()?;
