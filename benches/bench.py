@@ -362,7 +362,7 @@ def w3_floor(shape: RolloutShape, steps: list[Step], rows: np.ndarray, prefault:
 
 
 def largest_put_floor(shape: RolloutShape, steps: list[Step], rows: np.ndarray) -> dict[str, Any]:
-    """The memcpy floor of W3's largest put (its first, the prefill of every prompt at once):
+    """The memcpy floor of W3's largest put (one of its first: the prefill of a step's prompts):
     numpy copying the same objects into the start of a committed arena, best of five. A single
     put of that many bytes cannot take less, whatever the store, which bounds T8 over W3."""
     largest = max((s for s in steps if s.publish), key=lambda s: len(s.publish))
@@ -902,11 +902,13 @@ def t7_rows(t: dict[str, Any], refs: References) -> list[Target]:
 
 
 def t8_w3_rows(w: dict[str, Any], refs: References) -> list[Target]:
-    def worst(name: str) -> str:
-        f = w[f"{name}/fresh"]
+    def worst(name: str, arena: str = "prefaulted") -> str:
+        f = w[f"{name}/{arena}"]
         return f"{f['worst_us'] / 1e3:.2f} ms (p99.9 {f['p999_us'] / 1e3:.2f})"
 
-    value = w["aostore/fresh"]["worst_us"] / 1e3
+    # SPEC T8: the store built with prefault=True. The plugin's arena (committed in the
+    # background while the first puts run) is reported beside it.
+    value = w["aostore/prefaulted"]["worst_us"] / 1e3
     largest = w.get("largest_put")
     bound = (
         f"; W3's largest put ({largest['objects']:,} objects, "
@@ -918,9 +920,9 @@ def t8_w3_rows(w: dict[str, Any], refs: References) -> list[Target]:
     return [
         Target(
             "T8",
-            "worst put over W3 (arena as the plugin builds it)",
+            "worst put over W3 (prefault=True)",
             value,
-            worst("aostore") + bound,
+            worst("aostore") + f"; plugin's arena {worst('aostore', 'fresh')}" + bound,
             "<= 1 ms",
             value <= 1,
             *refs.cells(worst),

@@ -25,15 +25,17 @@ the step before (their keys are released in reverse).
 
 The schedule is W3's (SPEC section 9), from ``aostore.bench.replay``: its generator is run and
 the admission of each request (step, prompt, lengths, block ids) recorded. A request is
-prefilled in its admission step (all its prompt tokens, as W3 does: ``max_num_batched_tokens``
-is the largest step), decodes one token a step, and finishes ``out_len`` steps after it
-started. Samples of a prompt share its full prompt blocks: a sample admitted while a sibling
-is running (or in the same step) is a prefix-cache hit on them (vLLM's cap: at most
-``num_tokens - 1`` tokens, in whole blocks), so the worker reads their routed experts back from
-the store (``materialize_routed_experts``). Block hashes are the replay's keys in bytes (32
-bytes; the store keys are vLLM's own ``vllm-artifact/0/<64 hex>``). Not modelled: the
-scheduler's KV-cached retains and releases (``retained_block_hashes``/``released_block_hashes``,
-sent as ``None``), chunked prefill, preemption, speculative decoding, async scheduling.
+prefilled in its admission step (all its prompt tokens, as W3 does; W3 admits a step's requests
+while their tokens fit vLLM's ``max_num_batched_tokens`` of 16,384, and the connector's
+``max_num_batched_tokens`` is the largest step), decodes one token a step, and finishes
+``out_len`` steps after it started. Samples of a prompt share its full prompt blocks: a sample
+admitted while a sibling is running (or in the same step) is a prefix-cache hit on them (vLLM's
+cap: at most ``num_tokens - 1`` tokens, in whole blocks), so the worker reads their routed
+experts back from the store (``materialize_routed_experts``). Block hashes are the replay's keys
+in bytes (32 bytes; the store keys are vLLM's own ``vllm-artifact/0/<64 hex>``). Not modelled:
+the scheduler's KV-cached retains and releases
+(``retained_block_hashes``/``released_block_hashes``, sent as ``None``), chunked prefill,
+preemption, speculative decoding, async scheduling.
 
 Stores, each run in its own forked child (vLLM imported once, before any swap), ABBA order
 ``noop vllm aostore aostore vllm noop`` per ``--reps``:

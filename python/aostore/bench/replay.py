@@ -9,9 +9,17 @@ the block keys that appeared in this step (before their data), and the releases 
 that finished, each request's keys in reverse. A finished request's routed experts are read
 back (as vLLM returns them with the output) before its release.
 
-Simplification, written down: admission reserves a request's final KV size, so no request is
-preempted. Writer time is the sum of ``put`` wall time, measured on the calling thread (the
-same work a writer thread does).
+A step schedules at most ``max_num_batched_tokens`` tokens, as vLLM's scheduler does: one for
+each running request, then the prompts of the requests it admits (a prompt whose blocks a
+running sample of it holds is a prefix-cache hit: only its last tokens are computed). The default,
+16,384, is vLLM 0.33's for the seed's GB200 node; ``0`` lifts the bound (every request that
+fits the KV cache is prefilled in its first step, as W3 did before).
+
+Simplifications, written down: admission reserves a request's final KV size, so no request is
+preempted; a prompt that does not fit what is left of a step's tokens waits for the next step
+whole (vLLM would start it in chunks; prompts are at most 1,200 tokens, so a step holds at most
+one prompt's tokens fewer). Writer time is the sum of ``put`` wall time, measured on the calling
+thread (the same work a writer thread does).
 
 Each store compared is a :class:`Contender`: aostore, vLLM's own store (when ``vllm`` is
 importable; :func:`vllm_contender` imports it lazily) and the pure-Python replica of it
@@ -51,6 +59,7 @@ class RolloutShape:
     kv_blocks: int = 152_129
     store_factor: float = 1.1
     max_running: int = 512
+    max_num_batched_tokens: int = 16_384
     object_nbytes: int = 5_888
     rollout_steps: int = 1
     seed: int = 0
@@ -114,12 +123,15 @@ def generate(shape: RolloutShape) -> list[Step]:
 def _schedule(
     shape: RolloutShape, requests: list[_Request], steps: dict[int, Step], start: int
 ) -> int:
-    """Admits requests in order as KV room frees up; returns the step after the last release."""
+    """Admits requests in order as KV room and the step's token budget allow; returns the step
+    after the last release."""
     waiting = list(reversed(requests))
     finishing: list[tuple[int, int]] = []  # (release step, request index)
     reserved = 0
     running = 0
+    samples_running: dict[int, int] = defaultdict(int)  # prompt -> its running samples
     published: set[int] = set()
+    budget = shape.max_num_batched_tokens
     step = start
     last = start
     while waiting:
@@ -127,21 +139,44 @@ def _schedule(
             _, index = heapq.heappop(finishing)
             reserved -= requests[index].blocks
             running -= 1
+            samples_running[requests[index].prompt] -= 1
+        # Every running request decodes one token this step; prompts share what is left.
+        tokens = running
+        admitted = 0
+        out_of_tokens = False
         while waiting and running < shape.max_running:
             request = waiting[-1]
             if reserved + request.blocks > shape.kv_blocks and running:
                 break
+            cost = _prefill_tokens(request, cached=samples_running[request.prompt] > 0)
+            if budget and admitted and tokens + cost > budget:
+                out_of_tokens = True
+                break
             waiting.pop()
+            tokens += cost
+            admitted += 1
             reserved += request.blocks
             running += 1
+            samples_running[request.prompt] += 1
             index = len(requests) - len(waiting) - 1
             release = _admit(request, step, steps, published)
             heapq.heappush(finishing, (release, index))
             last = max(last, release)
-        if waiting:
-            # Nothing else can start until a running request releases its blocks.
-            step = finishing[0][0]
+        if not waiting:
+            break
+        # Out of tokens, admission goes on in the next step; otherwise nothing else can start
+        # until a running request releases its blocks.
+        step = step + 1 if out_of_tokens else finishing[0][0]
     return last + 1
+
+
+def _prefill_tokens(request: _Request, *, cached: bool) -> int:
+    """The prompt tokens a request's prefill computes: all of them, or after a prefix-cache hit
+    on its full prompt blocks only the rest (vLLM computes at least the last token)."""
+    if not cached:
+        return request.prompt_len
+    hit = min(request.prompt_blocks * BLOCK_TOKENS, request.prompt_len - 1)
+    return request.prompt_len - hit // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 def _admit(request: _Request, start: int, steps: dict[int, Step], published: set[int]) -> int:

@@ -1,0 +1,90 @@
+"""W3's schedule (``aostore.bench.replay.generate``): the step token budget bounds each step's
+prefill as vLLM's scheduler does, and changes when work happens, not what work there is."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from aostore.bench import replay
+from aostore.bench.replay import BLOCK_TOKENS, RolloutShape, generate
+
+SMALL = {
+    "prompts": 16,
+    "samples": 4,
+    "prompt_tokens": (200, 1200),
+    "output_tokens": (64, 256),
+    "kv_blocks": 4_000,
+    "max_running": 64,
+}
+
+
+def admissions(
+    shape: RolloutShape, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[int, int, int, int]]:
+    """(step, release step, prompt, prompt tokens) of each admission ``generate`` makes."""
+    seen: list[tuple[int, int, int, int]] = []
+    original = replay._admit
+
+    def record(request, start, steps, published):  # type: ignore[no-untyped-def]
+        release = original(request, start, steps, published)
+        seen.append((start, release, request.prompt, request.prompt_len))
+        return release
+
+    monkeypatch.setattr(replay, "_admit", record)
+    generate(shape)
+    return seen
+
+
+def test_a_step_schedules_no_more_tokens_than_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = 2_048
+    shape = RolloutShape(**SMALL, max_num_batched_tokens=budget)
+    seen = admissions(shape, monkeypatch)
+    tokens: Counter[int] = Counter()
+    admitted: Counter[int] = Counter()
+    for i, (step, _, prompt, prompt_len) in enumerate(seen):
+        # A running sample of the prompt (admitted before, not yet released) holds its full
+        # blocks: this one computes what is left after them (vLLM keeps at least one token).
+        cached = any(p == prompt and r > step for _, r, p, _ in seen[:i])
+        full = min(prompt_len // BLOCK_TOKENS * BLOCK_TOKENS, prompt_len - 1)
+        tokens[step] += prompt_len - full // BLOCK_TOKENS * BLOCK_TOKENS if cached else prompt_len
+        admitted[step] += 1
+    for step in tokens:
+        decodes = sum(1 for s, r, _, _ in seen if s < step < r)
+        assert decodes + tokens[step] <= budget or admitted[step] == 1, step
+    # The bound binds: the first requests start over several steps, not all in the first.
+    assert 1 < len([s for s in tokens if s < 10])
+
+
+def test_without_a_budget_every_fitting_request_starts_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shape = RolloutShape(**SMALL, max_num_batched_tokens=0)
+    starts = Counter(step for step, _, _, _ in admissions(shape, monkeypatch))
+    assert starts[0] == SMALL["max_running"]
+
+
+@pytest.mark.parametrize("budget", [0, 2_048, 16_384])
+def test_the_budget_moves_work_in_time_but_keeps_it(budget: int) -> None:
+    steps = generate(RolloutShape(**SMALL, max_num_batched_tokens=budget))
+    unbounded = generate(RolloutShape(**SMALL, max_num_batched_tokens=0))
+
+    def totals(steps: list[replay.Step]) -> tuple[Counter[int], Counter[int], Counter[int]]:
+        published, retained, released = Counter[int](), Counter[int](), Counter[int]()
+        for step in steps:
+            published.update(step.publish)
+            retained.update(step.retain)
+            released.update(step.release)
+        return published, retained, released
+
+    published, retained, released = totals(steps)
+    assert (published, retained, released) == totals(unbounded)
+    assert set(published.values()) == {1}, "every block published once"
+    assert retained == released, "every retain released"
+    # A block's key is retained before (never after) its data is published.
+    retained_at: dict[int, int] = {}
+    for i, step in enumerate(steps):
+        for key in step.retain:
+            retained_at.setdefault(key, i)
+        for key in step.publish:
+            assert retained_at[key] < i
