@@ -375,11 +375,24 @@ impl Drop for Arena {
 /// Payloads below this size are copied with plain stores: the stream setup is not worth it.
 const STREAMING_MIN_BYTES: usize = 512;
 
-/// `dst.copy_from_slice(src)` with 16-byte non-temporal stores for the aligned middle part.
+/// `dst.copy_from_slice(src)` with non-temporal stores for the aligned middle part: 32 bytes at
+/// a time where the CPU has AVX2, 16 otherwise (`w2_core` at 5,888 B: put 749-840 ns an object
+/// against 1,050-1,128 with 16-byte stores on this project's VM).
 #[cfg(target_arch = "x86_64")]
 fn stream_copy(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     debug_assert_eq!(dst.len(), src.len());
+    // std caches the CPU's features after the first query: a load and a test.
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present, checked just above.
+        unsafe { stream_copy_avx2(dst, src) }
+    } else {
+        stream_copy_sse2(dst, src)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn stream_copy_sse2(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let head = dst.as_ptr().align_offset(16).min(dst.len());
     dst[..head].copy_from_slice(&src[..head]);
     let body = (dst.len() - head) / 16 * 16;
@@ -390,6 +403,27 @@ fn stream_copy(dst: &mut [u8], src: &[u8]) {
         unsafe {
             let value = _mm_loadu_si128(s.as_ptr().cast::<__m128i>());
             _mm_stream_si128(d.as_mut_ptr().cast::<__m128i>(), value);
+        }
+    }
+    dst[head + body..].copy_from_slice(&src[head + body..]);
+}
+
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_copy_avx2(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
+    let head = dst.as_ptr().align_offset(32).min(dst.len());
+    dst[..head].copy_from_slice(&src[..head]);
+    let body = (dst.len() - head) / 32 * 32;
+    let (dst_body, src_body) = (&mut dst[head..head + body], &src[head..head + body]);
+    for (d, s) in dst_body.chunks_exact_mut(32).zip(src_body.chunks_exact(32)) {
+        // SAFETY: `d` is 32 bytes, 32-byte aligned (offset `head` aligned the body), and `s` is
+        // 32 readable bytes; unaligned loads are allowed. The caller vouches for AVX2.
+        unsafe {
+            let value = _mm256_loadu_si256(s.as_ptr().cast::<__m256i>());
+            _mm256_stream_si256(d.as_mut_ptr().cast::<__m256i>(), value);
         }
     }
     dst[head + body..].copy_from_slice(&src[head + body..]);
@@ -524,6 +558,34 @@ mod tests {
             arena.flush_writes();
             assert_eq!(arena.slot(1), &payload[..], "object_nbytes={object_nbytes}");
             assert!(arena.slot(0).iter().chain(arena.slot(2)).all(|&b| b == 0));
+        }
+    }
+
+    /// Both stream copies (the one the CPU does not pick is tested too), at every destination
+    /// alignment within 32 bytes and lengths around the store sizes: every byte copied, none
+    /// written outside the destination.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn both_stream_copies_write_exactly_the_destination() {
+        let src: Vec<u8> = (0..6_000).map(|i| (i * 13 + 1) as u8).collect();
+        type Copy = fn(&mut [u8], &[u8]);
+        let mut copies: Vec<(&str, Copy)> = vec![("sse2", stream_copy_sse2)];
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present, checked just above.
+            copies.push(("avx2", |d, s| unsafe { stream_copy_avx2(d, s) }));
+        }
+        for (name, copy) in copies {
+            for offset in 0..32 {
+                for len in [0, 1, 15, 16, 31, 32, 33, 63, 64, 65, 127, 511, 512, 5_888] {
+                    let mut buffer = vec![0xAAu8; 64 + len + 64];
+                    // `offset` bytes past a 32-byte boundary; at most 63 bytes in.
+                    let start = buffer.as_ptr().align_offset(32) + offset;
+                    copy(&mut buffer[start..start + len], &src[..len]);
+                    assert_eq!(&buffer[start..start + len], &src[..len], "{name} {offset} {len}");
+                    assert!(buffer[..start].iter().all(|&b| b == 0xAA), "{name} before");
+                    assert!(buffer[start + len..].iter().all(|&b| b == 0xAA), "{name} after");
+                }
+            }
         }
     }
 
