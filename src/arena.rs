@@ -568,8 +568,8 @@ mod tests {
     #[test]
     fn both_stream_copies_write_exactly_the_destination() {
         let src: Vec<u8> = (0..6_000).map(|i| (i * 13 + 1) as u8).collect();
-        type Copy = fn(&mut [u8], &[u8]);
-        let mut copies: Vec<(&str, Copy)> = vec![("sse2", stream_copy_sse2)];
+        type CopyFn = fn(&mut [u8], &[u8]);
+        let mut copies: Vec<(&str, CopyFn)> = vec![("sse2", stream_copy_sse2)];
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 is present, checked just above.
             copies.push(("avx2", |d, s| unsafe { stream_copy_avx2(d, s) }));
