@@ -390,22 +390,30 @@ fn stream_copy(dst: &mut [u8], src: &[u8]) {
     }
 }
 
+/// Copies `src` to `dst` (same length): plain copies up to the first `LANE`-byte boundary of
+/// `dst` and after the last one, and `stream(d, s)` for each lane between them, where `d` is
+/// `LANE` bytes starting at a `LANE`-byte boundary and `s` the `LANE` bytes to go there.
 #[cfg(target_arch = "x86_64")]
-fn stream_copy_sse2(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    let head = dst.as_ptr().align_offset(16).min(dst.len());
+#[inline(always)]
+fn copy_by_lanes<const LANE: usize>(dst: &mut [u8], src: &[u8], stream: impl Fn(&mut [u8], &[u8])) {
+    let head = dst.as_ptr().align_offset(LANE).min(dst.len());
     dst[..head].copy_from_slice(&src[..head]);
-    let body = (dst.len() - head) / 16 * 16;
+    let body = (dst.len() - head) / LANE * LANE;
     let (dst_body, src_body) = (&mut dst[head..head + body], &src[head..head + body]);
-    for (d, s) in dst_body.chunks_exact_mut(16).zip(src_body.chunks_exact(16)) {
-        // SAFETY: `d` is 16 bytes, 16-byte aligned (offset `head` aligned the body), and `s` is
-        // 16 readable bytes; unaligned loads are allowed. SSE2 is in the x86_64 baseline.
-        unsafe {
-            let value = _mm_loadu_si128(s.as_ptr().cast::<__m128i>());
-            _mm_stream_si128(d.as_mut_ptr().cast::<__m128i>(), value);
-        }
+    for (d, s) in dst_body.chunks_exact_mut(LANE).zip(src_body.chunks_exact(LANE)) {
+        stream(d, s);
     }
     dst[head + body..].copy_from_slice(&src[head + body..]);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn stream_copy_sse2(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{_mm_loadu_si128, _mm_stream_si128};
+    copy_by_lanes::<16>(dst, src, |d, s| {
+        // SAFETY: `d` is 16 bytes at a 16-byte boundary and `s` 16 readable bytes
+        // (`copy_by_lanes`); unaligned loads are allowed. SSE2 is in the x86_64 baseline.
+        unsafe { _mm_stream_si128(d.as_mut_ptr().cast(), _mm_loadu_si128(s.as_ptr().cast())) }
+    });
 }
 
 /// # Safety
@@ -413,20 +421,13 @@ fn stream_copy_sse2(dst: &mut [u8], src: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn stream_copy_avx2(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
-    let head = dst.as_ptr().align_offset(32).min(dst.len());
-    dst[..head].copy_from_slice(&src[..head]);
-    let body = (dst.len() - head) / 32 * 32;
-    let (dst_body, src_body) = (&mut dst[head..head + body], &src[head..head + body]);
-    for (d, s) in dst_body.chunks_exact_mut(32).zip(src_body.chunks_exact(32)) {
-        // SAFETY: `d` is 32 bytes, 32-byte aligned (offset `head` aligned the body), and `s` is
-        // 32 readable bytes; unaligned loads are allowed. The caller vouches for AVX2.
-        unsafe {
-            let value = _mm256_loadu_si256(s.as_ptr().cast::<__m256i>());
-            _mm256_stream_si256(d.as_mut_ptr().cast::<__m256i>(), value);
-        }
-    }
-    dst[head + body..].copy_from_slice(&src[head + body..]);
+    use std::arch::x86_64::{_mm256_loadu_si256, _mm256_stream_si256};
+    // The closure inherits this function's AVX2.
+    copy_by_lanes::<32>(dst, src, |d, s| {
+        // SAFETY: `d` is 32 bytes at a 32-byte boundary and `s` 32 readable bytes
+        // (`copy_by_lanes`); unaligned loads are allowed. The caller vouches for AVX2.
+        unsafe { _mm256_stream_si256(d.as_mut_ptr().cast(), _mm256_loadu_si256(s.as_ptr().cast())) }
+    });
 }
 
 fn map_anonymous(len: usize) -> Result<NonNull<u8>, StoreError> {
