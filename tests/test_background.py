@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -528,6 +529,43 @@ def test_aostore_stores_without_overrides_still_get_the_rust_writer(aostore):
         writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=2)
         assert type(writer._writer) is NativeWriter
         writer.close()
+
+
+def python_calls_during(call: Callable[[], None]) -> list[str]:
+    """The Python functions (not C functions) that ``call`` runs on this thread."""
+    names: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+@pytest.mark.parametrize("kind", ["fixed", "variable"])
+def test_a_put_through_the_rust_writer_runs_no_python_on_the_engine_thread(aostore, kind):
+    # The engine thread's put goes straight to the Rust writer: no Python frame of the wrapper.
+    if kind == "fixed":
+        store = aostore.BlockObjectStore(max_bytes=8 * N, object_nbytes=N)
+    else:
+        store = aostore.VariableBlockObjectStore(max_bytes=8 * N)
+    writer = aostore.BackgroundBlockObjectStore(store, max_pending_batches=2)
+    objects = [aostore.BlockObject("a", fill(1))]
+    assert python_calls_during(lambda: writer.put(objects, retain_keys=["a"])) == ["<lambda>"]
+    assert writer.get_concatenated(["a"]) == fill(1)
+    writer.close()
+    # A store the Rust writer cannot drive keeps the wrapper's Python put (and its writer).
+    plain = mock.Mock(spec=["put", "get_concatenated", "close"])
+    python_writer = aostore.BackgroundBlockObjectStore(plain, max_pending_batches=2)
+    calls = python_calls_during(lambda: python_writer.put(objects))
+    assert "put" in calls
+    python_writer.close()
+    assert plain.put.call_count == 1
 
 
 def test_the_variable_store_through_the_rust_writer_keeps_its_contract(aostore):

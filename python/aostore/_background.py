@@ -223,6 +223,10 @@ class BackgroundBlockObjectStore:
         self._writer: NativeWriter | _PythonWriter
         if _native_eligible(store):
             self._writer = NativeWriter(store, max_pending_batches)  # type: ignore[arg-type]
+            # The engine thread calls the Rust writer's put directly, without a Python frame in
+            # between (about 1 µs of a put's 3-5 on this project's VM); `put` below is the same
+            # call, for anyone who looks the method up on the class.
+            self.put = self._writer.put  # type: ignore[method-assign]
         else:
             self._writer = _PythonWriter(store, max_pending_batches)
 

@@ -310,7 +310,11 @@ impl NativeWriter {
 
     /// Drops finished jobs and logs growths; needs the GIL, which every caller holds.
     fn collect(&self, py: Python<'_>) {
-        let (done, growths) = self.shared.take_done();
+        self.drop_finished(py, self.shared.take_done());
+    }
+
+    /// Drops finished jobs taken out under the lock, after it, and logs the growths.
+    fn drop_finished(&self, py: Python<'_>, (done, growths): (Vec<Job>, Vec<usize>)) {
         drop(done);
         for num_slots in growths {
             log_growth(py, num_slots);
@@ -345,30 +349,47 @@ impl NativeWriter {
     }
 
     fn enqueue(&self, py: Python<'_>, job: Job) -> PyResult<()> {
-        self.collect(py);
-        self.raise_if_failed(py)?;
         let shared = &self.shared;
+        // An argument error latched earlier: a cell read with the GIL, no Rust lock needed.
+        let input_failed = self.input_error.get(py).is_some();
         // With room in the queue, hand the job over without releasing the GIL: the writer thread
         // never waits for the GIL, and other holders of this lock hold it only briefly and never
-        // wait for the GIL while holding it, so taking it with the GIL held cannot deadlock.
+        // wait for the GIL while holding it, so taking it with the GIL held cannot deadlock. The
+        // engine thread pays for this lock once per put: the closed and failed checks, the
+        // finished jobs to drop and the hand-over all happen under it; what must be dropped or
+        // logged waits until it is released.
+        let mut state = shared.lock();
+        let finished = (std::mem::take(&mut state.done), std::mem::take(&mut state.growths));
+        let refused = if state.closing {
+            Some(Err(closed_error()))
+        } else if input_failed || state.error.is_some() || state.panic.is_some() {
+            Some(Ok(()))
+        } else {
+            None
+        };
+        if let Some(refusal) = refused {
+            drop(state);
+            drop(job);
+            self.drop_finished(py, finished);
+            refusal?;
+            return self.raise_if_failed(py);
+        }
+        if state.queue.len() < shared.capacity {
+            state.queue.push_back(job);
+            // A polling writer finds the job on its next tick, unless the queue is filling
+            // faster than that: from half full on, wake it now, before a put finds no room.
+            let wake = !state.polling || 2 * state.queue.len() >= shared.capacity;
+            drop(state);
+            if wake {
+                shared.work.notify_one();
+            }
+            self.drop_finished(py, finished);
+            return Ok(());
+        }
+        drop(state);
+        self.drop_finished(py, finished);
         let job = {
             let mut state = shared.lock();
-            if state.closing {
-                drop(state);
-                drop(job);
-                return Err(closed_error());
-            }
-            if state.queue.len() < shared.capacity {
-                state.queue.push_back(job);
-                // A polling writer finds the job on its next tick, unless the queue is filling
-                // faster than that: from half full on, wake it now, before a put finds no room.
-                let wake = !state.polling || 2 * state.queue.len() >= shared.capacity;
-                drop(state);
-                if wake {
-                    shared.work.notify_one();
-                }
-                return self.raise_if_failed(py);
-            }
             // Full: the writer is woken and, since it never takes the GIL, frees a place while
             // this thread keeps the GIL. Waiting here briefly is cheaper than releasing the GIL:
             // another Python thread would take it, and getting it back can cost a whole
@@ -641,17 +662,14 @@ fn unsafe_py_for_traverse() -> Python<'static> {
 impl NativeWriter {
     fn submit(&self, py: Python<'_>, gathered: PyResult<Gathered<'_>>) -> PyResult<()> {
         // As vLLM: an empty update is a no-op, even on a closed store.
-        if gathered.as_ref().is_ok_and(Gathered::is_empty) {
-            return Ok(());
-        }
-        if self.is_closed() {
-            return Err(closed_error());
-        }
         match gathered {
+            Ok(batch) if batch.is_empty() => Ok(()),
             Ok(batch) => {
+                // `enqueue` refuses it on a closed store, under the lock it takes anyway.
                 let (views, owners) = batch.into_owned();
                 self.enqueue(py, Job { views, owners })
             }
+            Err(_) if self.is_closed() => Err(closed_error()),
             Err(error)
                 if error.is_instance_of::<PyTypeError>(py)
                     || error.is_instance_of::<PyValueError>(py) =>
