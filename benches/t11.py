@@ -11,9 +11,9 @@ Logprob-like rows of 1.3-4.5 KB under 110-130-byte keys. Contenders, in one run:
   the reference T11 is judged against (SPEC section 10: "as T4 and T7 for the fixed store").
 
 W4: ~200 µs of pure-Python engine work, then a put of 64 rows, 400 times; speed against the
-same loop with a no-op store (median of 5 alternating repetitions). T7: the engine-thread cost
-of one put, (a) 4 rows + 8 retains + 4 releases and (b) 64 rows, median quiet and p99 while
-another Python thread keeps the interpreter busy.
+same loop with a no-op store run beside it (median of 15 pairs, in alternating order). T7: the
+engine-thread cost of one put, (a) 4 rows + 8 retains + 4 releases and (b) 64 rows, median
+quiet and p99 while another Python thread keeps the interpreter busy.
 
     python benches/t11.py            # the table
     python benches/t11.py --quick    # tiny sizes
@@ -39,7 +39,16 @@ from aostore import (
     BlockObjectStore,
     VariableBlockObjectStore,
 )
-from bench import NoopStore, busy_interpreter, calibrate, engine_work, percentile
+from bench import (
+    W4_REPETITIONS,
+    NoopStore,
+    busy_interpreter,
+    calibrate,
+    engine_work,
+    paired_speeds,
+    percentile,
+    speed_summary,
+)
 from variable_bench import logprob_key, logprob_nbytes
 
 BATCH = 64
@@ -129,14 +138,16 @@ def w4(quick: bool) -> dict[str, Any]:
         store.close()
         return elapsed
 
-    speeds: dict[str, list[float]] = {name: [] for name in made}
-    for _ in range(5):
-        noop = loop(NoopStore(), plans["fixed/rust"])
-        for name, build in made.items():
-            speeds[name].append(noop / loop(build(8), plans[name]))
+    def noop_loop() -> float:
+        return loop(NoopStore(), plans["fixed/rust"])
+
+    def store_loop(name: str) -> Callable[[], float]:
+        return lambda: loop(made[name](8), plans[name])
+
+    repetitions = 5 if quick else W4_REPETITIONS
     return {
-        name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
-        for name, s in speeds.items()
+        name: speed_summary(paired_speeds(noop_loop, store_loop(name), repetitions))
+        for name in made
     }
 
 

@@ -7,9 +7,10 @@
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList, PyTuple, PyTupleMethods};
+use pyo3::PyTypeInfo;
+use pyo3::{ffi, intern};
 
 use super::{holds_objects, key_text, size_hint, type_name, BlockObject};
 use crate::store::BlockRef;
@@ -66,6 +67,12 @@ pub(crate) fn flat_view<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, P
     view.call_method1("cast", ("B",))
 }
 
+/// Whether `object`'s type is exactly `kind` (a pointer comparison).
+fn is_exactly(object: &Bound<'_, PyAny>, kind: *mut ffi::PyTypeObject) -> bool {
+    // SAFETY: a live object; its type pointer is part of the stable ABI's object header.
+    unsafe { ffi::Py_TYPE(object.as_ptr()) == kind }
+}
+
 /// Owned forms of a batch's owners, for a batch that outlives the call (the writer thread).
 /// Dropping one needs the GIL (a `PyUntypedBuffer` releases its export by taking it).
 pub(crate) enum Owner {
@@ -78,40 +85,84 @@ impl<'py> Gathered<'py> {
     /// Records the objects of a `put`: our `BlockObject` or anything with `.key`/`.payload`.
     pub(crate) fn objects(&mut self, objects: &Bound<'py, PyAny>) -> PyResult<()> {
         let py = objects.py();
+        if let Some(items) = self.snapshot(objects)? {
+            self.blocks.reserve(items.len());
+            let block_type = BlockObject::type_object_raw(py);
+            for item in items.iter_borrowed() {
+                let block = if is_exactly(&item, block_type) {
+                    // SAFETY: its type is exactly `BlockObject` (a final class).
+                    let block = unsafe { item.cast_unchecked::<BlockObject>() }.get();
+                    let key = self.key(block.key.bind(py))?;
+                    (key, self.payload(block.key.bind(py), block.payload.bind(py))?)
+                } else {
+                    // The snapshot keeps the item; its parts are kept too.
+                    self.duck_typed(&item)?
+                };
+                self.blocks.push(block);
+            }
+            return Ok(());
+        }
         self.blocks.reserve(size_hint(objects));
         for item in objects.try_iter()? {
             let item = item?;
-            let (key, payload) = if let Ok(block) = item.cast::<BlockObject>() {
+            let block = if let Ok(block) = item.cast::<BlockObject>() {
                 let block = block.get();
                 let key = self.key(block.key.bind(py))?;
                 (key, self.payload(block.key.bind(py), block.payload.bind(py))?)
             } else {
-                let parts = item
-                    .getattr(intern!(py, "key"))
-                    .and_then(|key| Ok((key, item.getattr(intern!(py, "payload"))?)));
-                let (key_object, payload_object) = parts.map_err(|error| {
-                    // A missing attribute is a wrong type; anything the object raised itself
-                    // propagates as it was.
-                    if !error.is_instance_of::<PyAttributeError>(py) {
-                        return error;
-                    }
-                    let wrong = PyTypeError::new_err(format!(
-                        "put() takes objects with .key and .payload, not {}",
-                        type_name(&item)
-                    ));
-                    wrong.set_cause(py, Some(error));
-                    wrong
-                })?;
-                let key = self.key(&key_object)?;
-                let payload = self.payload(&key_object, &payload_object)?;
-                self.objects.push(key_object);
-                self.objects.push(payload_object);
-                (key, payload)
+                self.duck_typed(&item)?
             };
             self.objects.push(item);
-            self.blocks.push((key, payload));
+            self.blocks.push(block);
         }
         Ok(())
+    }
+
+    /// The key and payload of an object that is not a `BlockObject`, read through `.key` and
+    /// `.payload`; what those return is kept with the batch (it may be a new object).
+    fn duck_typed(&mut self, item: &Bound<'py, PyAny>) -> PyResult<(RawBytes, RawBytes)> {
+        let py = item.py();
+        let parts = item
+            .getattr(intern!(py, "key"))
+            .and_then(|key| Ok((key, item.getattr(intern!(py, "payload"))?)));
+        let (key_object, payload_object) = parts.map_err(|error| {
+            // A missing attribute is a wrong type; anything the object raised itself
+            // propagates as it was.
+            if !error.is_instance_of::<PyAttributeError>(py) {
+                return error;
+            }
+            let wrong = PyTypeError::new_err(format!(
+                "put() takes objects with .key and .payload, not {}",
+                type_name(item)
+            ));
+            wrong.set_cause(py, Some(error));
+            wrong
+        })?;
+        let key = self.key(&key_object)?;
+        let payload = self.payload(&key_object, &payload_object)?;
+        self.objects.push(key_object);
+        self.objects.push(payload_object);
+        Ok((key, payload))
+    }
+
+    /// For a list or tuple of objects (exactly those types), a tuple of its items that the batch
+    /// keeps: one reference holds them all (each `BlockObject` holds its key and payload), and
+    /// the items are read without a reference of their own or the iterator protocol. Other
+    /// iterables are iterated as they are (`None`).
+    fn snapshot(&mut self, sequence: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        if !(sequence.is_exact_instance_of::<PyList>()
+            || sequence.is_exact_instance_of::<PyTuple>())
+        {
+            return Ok(None);
+        }
+        // SAFETY: a list or tuple; `PySequence_Tuple` returns a new reference (a tuple is
+        // returned as itself) or NULL with an exception set.
+        let items = unsafe {
+            Bound::from_owned_ptr_or_err(sequence.py(), ffi::PySequence_Tuple(sequence.as_ptr()))?
+                .cast_into_unchecked::<PyTuple>()
+        };
+        self.objects.push(items.clone().into_any());
+        Ok(Some(items))
     }
 
     /// Records one C-contiguous buffer of `count * object_nbytes` bytes as `count` payloads.
@@ -218,6 +269,8 @@ impl<'py> Gathered<'py> {
 
     /// Records a sequence of keys (each must be `str`).
     pub(crate) fn keys(&mut self, keys: &Bound<'py, PyAny>) -> PyResult<Vec<RawBytes>> {
+        // Iterated, not copied into a tuple as objects are: a key list is as long as the put is
+        // wide (thousands for `put_blocks`), and each key needs its own reference anyway.
         let mut out = Vec::with_capacity(size_hint(keys));
         for key in keys.try_iter()? {
             let key = key?;
@@ -229,7 +282,17 @@ impl<'py> Gathered<'py> {
 
     /// The text of one key; the caller keeps its owner.
     fn key(&mut self, key: &Bound<'py, PyAny>) -> PyResult<RawBytes> {
-        key_text(key).map(|text| RawBytes::of(text.as_bytes()))
+        let mut len: ffi::Py_ssize_t = 0;
+        // SAFETY: `key` is a live object and the GIL is held; for a `str` (or a subclass) the
+        // result is its UTF-8 text, cached in the object and valid while it lives; anything
+        // else gives NULL with an exception set.
+        let text = unsafe { ffi::PyUnicode_AsUTF8AndSize(key.as_ptr(), &raw mut len) };
+        if text.is_null() {
+            // Not a str, or one that is not valid UTF-8: the message says which.
+            drop(PyErr::take(key.py()));
+            return key_text(key).map(|text| RawBytes::of(text.as_bytes()));
+        }
+        Ok(RawBytes { ptr: text.cast::<u8>(), len: len as usize })
     }
 
     /// The bytes of one payload (bytes, or any C-contiguous buffer of plain data).
