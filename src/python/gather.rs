@@ -52,12 +52,15 @@ impl RawBytes {
 /// The owners of a batch's bytes and the views into them.
 #[derive(Default)]
 pub(crate) struct Gathered<'py> {
-    objects: Vec<Bound<'py, PyAny>>,
+    /// Unbound as they are recorded, so that a batch handed to the writer moves them whole.
+    objects: Vec<Py<PyAny>>,
     buffers: Vec<PyUntypedBuffer>,
     /// (key, payload) per object, in call order.
     pub(crate) blocks: Vec<(RawBytes, RawBytes)>,
     pub(crate) retains: Vec<RawBytes>,
     pub(crate) releases: Vec<RawBytes>,
+    /// Made and dropped with the GIL held, as its owners need.
+    gil: std::marker::PhantomData<Python<'py>>,
 }
 
 /// `memoryview(value).cast("B")`: the same bytes as a 1-d buffer (C-contiguous input only).
@@ -67,55 +70,84 @@ pub(crate) fn flat_view<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, P
     view.call_method1("cast", ("B",))
 }
 
+/// Calls `f` with each item of `sequence`, in order. A list or tuple (exactly those types) is
+/// read by index rather than through an iterator; a list's length is read again before every
+/// item, since `f` may run code that changes it (a duck-typed object's `.key`), as an iterator
+/// would see. Nothing here makes a Python object, so no collection (and no finalizer) runs in
+/// the middle of a put.
+fn for_each_item<'py>(
+    sequence: &Bound<'py, PyAny>,
+    mut f: impl FnMut(Bound<'py, PyAny>) -> PyResult<()>,
+) -> PyResult<()> {
+    let py = sequence.py();
+    if let Ok(list) = sequence.cast_exact::<PyList>() {
+        let mut i = 0;
+        while i < list.len() {
+            // SAFETY: `i` is below the list's length and the GIL is held, so the borrowed item is
+            // live; it becomes a new reference before any other code runs.
+            f(unsafe {
+                Bound::from_borrowed_ptr(
+                    py,
+                    ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t),
+                )
+            })?;
+            i += 1;
+        }
+        return Ok(());
+    }
+    if let Ok(tuple) = sequence.cast_exact::<PyTuple>() {
+        for item in tuple.iter_borrowed() {
+            f(item.to_owned())?;
+        }
+        return Ok(());
+    }
+    for item in sequence.try_iter()? {
+        f(item?)?;
+    }
+    Ok(())
+}
+
 /// Whether `object`'s type is exactly `kind` (a pointer comparison).
 fn is_exactly(object: &Bound<'_, PyAny>, kind: *mut ffi::PyTypeObject) -> bool {
     // SAFETY: a live object; its type pointer is part of the stable ABI's object header.
     unsafe { ffi::Py_TYPE(object.as_ptr()) == kind }
 }
 
-/// Owned forms of a batch's owners, for a batch that outlives the call (the writer thread).
-/// Dropping one needs the GIL (a `PyUntypedBuffer` releases its export by taking it).
-pub(crate) enum Owner {
-    Object(Py<PyAny>),
-    #[expect(dead_code, reason = "held only so the export stays alive and in place")]
-    Buffer(PyUntypedBuffer),
+/// A batch's owners, for a batch that outlives the call (the writer thread): moved out of the
+/// batch whole, with no work per object. Dropping them needs the GIL (a `PyUntypedBuffer`
+/// releases its export by taking it).
+#[derive(Default)]
+pub(crate) struct Owners {
+    pub(crate) objects: Vec<Py<PyAny>>,
+    #[expect(dead_code, reason = "held only so the exports stay alive and in place")]
+    buffers: Vec<PyUntypedBuffer>,
 }
 
 impl<'py> Gathered<'py> {
     /// Records the objects of a `put`: our `BlockObject` or anything with `.key`/`.payload`.
+    ///
+    /// A list or tuple (exactly those types) is read by index, not through an iterator, and a
+    /// `BlockObject` is recognized by its type pointer (the class is final). Nothing here makes
+    /// a Python object, so no collection (and no finalizer) can run in the middle of a put.
     pub(crate) fn objects(&mut self, objects: &Bound<'py, PyAny>) -> PyResult<()> {
         let py = objects.py();
-        if let Some(items) = self.snapshot(objects)? {
-            self.blocks.reserve(items.len());
-            let block_type = BlockObject::type_object_raw(py);
-            for item in items.iter_borrowed() {
-                let block = if is_exactly(&item, block_type) {
-                    // SAFETY: its type is exactly `BlockObject` (a final class).
-                    let block = unsafe { item.cast_unchecked::<BlockObject>() }.get();
-                    let key = self.key(block.key.bind(py))?;
-                    (key, self.payload(block.key.bind(py), block.payload.bind(py))?)
-                } else {
-                    // The snapshot keeps the item; its parts are kept too.
-                    self.duck_typed(&item)?
-                };
-                self.blocks.push(block);
-            }
-            return Ok(());
-        }
-        self.blocks.reserve(size_hint(objects));
-        for item in objects.try_iter()? {
-            let item = item?;
-            let block = if let Ok(block) = item.cast::<BlockObject>() {
-                let block = block.get();
+        let block_type = BlockObject::type_object_raw(py);
+        let hint = size_hint(objects);
+        self.blocks.reserve(hint);
+        self.objects.reserve(hint);
+        for_each_item(objects, |item| {
+            let block = if is_exactly(&item, block_type) {
+                // SAFETY: its type is exactly `BlockObject`, a final class.
+                let block = unsafe { item.cast_unchecked::<BlockObject>() }.get();
                 let key = self.key(block.key.bind(py))?;
                 (key, self.payload(block.key.bind(py), block.payload.bind(py))?)
             } else {
                 self.duck_typed(&item)?
             };
-            self.objects.push(item);
+            self.objects.push(item.unbind());
             self.blocks.push(block);
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// The key and payload of an object that is not a `BlockObject`, read through `.key` and
@@ -140,29 +172,9 @@ impl<'py> Gathered<'py> {
         })?;
         let key = self.key(&key_object)?;
         let payload = self.payload(&key_object, &payload_object)?;
-        self.objects.push(key_object);
-        self.objects.push(payload_object);
+        self.objects.push(key_object.unbind());
+        self.objects.push(payload_object.unbind());
         Ok((key, payload))
-    }
-
-    /// For a list or tuple of objects (exactly those types), a tuple of its items that the batch
-    /// keeps: one reference holds them all (each `BlockObject` holds its key and payload), and
-    /// the items are read without a reference of their own or the iterator protocol. Other
-    /// iterables are iterated as they are (`None`).
-    fn snapshot(&mut self, sequence: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        if !(sequence.is_exact_instance_of::<PyList>()
-            || sequence.is_exact_instance_of::<PyTuple>())
-        {
-            return Ok(None);
-        }
-        // SAFETY: a list or tuple; `PySequence_Tuple` returns a new reference (a tuple is
-        // returned as itself) or NULL with an exception set.
-        let items = unsafe {
-            Bound::from_owned_ptr_or_err(sequence.py(), ffi::PySequence_Tuple(sequence.as_ptr()))?
-                .cast_into_unchecked::<PyTuple>()
-        };
-        self.objects.push(items.clone().into_any());
-        Ok(Some(items))
     }
 
     /// Records one C-contiguous buffer of `count * object_nbytes` bytes as `count` payloads.
@@ -269,14 +281,14 @@ impl<'py> Gathered<'py> {
 
     /// Records a sequence of keys (each must be `str`).
     pub(crate) fn keys(&mut self, keys: &Bound<'py, PyAny>) -> PyResult<Vec<RawBytes>> {
-        // Iterated, not copied into a tuple as objects are: a key list is as long as the put is
-        // wide (thousands for `put_blocks`), and each key needs its own reference anyway.
-        let mut out = Vec::with_capacity(size_hint(keys));
-        for key in keys.try_iter()? {
-            let key = key?;
+        let hint = size_hint(keys);
+        let mut out = Vec::with_capacity(hint);
+        self.objects.reserve(hint);
+        for_each_item(keys, |key| {
             out.push(self.key(&key)?);
-            self.objects.push(key);
-        }
+            self.objects.push(key.unbind());
+            Ok(())
+        })?;
         Ok(out)
     }
 
@@ -353,7 +365,7 @@ impl<'py> Gathered<'py> {
 
     /// Keeps `value` alive with the batch (for bytes recorded through `buffer`).
     fn keep(&mut self, value: Bound<'py, PyAny>) {
-        self.objects.push(value);
+        self.objects.push(value.unbind());
     }
 
     /// The batch as the store takes it.
@@ -380,18 +392,13 @@ impl<'py> Gathered<'py> {
     }
 
     /// Splits into the raw views and owned owners, for a batch that another thread applies.
-    pub(crate) fn into_owned(self) -> (OwnedViews, Vec<Owner>) {
-        let owners = self
-            .objects
-            .into_iter()
-            .map(|o| Owner::Object(o.unbind()))
-            .chain(self.buffers.into_iter().map(Owner::Buffer))
-            .collect();
+    pub(crate) fn into_owned(self) -> (OwnedViews, Owners) {
+        let owners = Owners { objects: self.objects, buffers: self.buffers };
         (OwnedViews { blocks: self.blocks, retains: self.retains, releases: self.releases }, owners)
     }
 }
 
-/// A batch's views without the GIL-bound owners (those travel as `Owner`s).
+/// A batch's views without their owners (those travel as `Owners`).
 #[derive(Default)]
 pub(crate) struct OwnedViews {
     pub(crate) blocks: Vec<(RawBytes, RawBytes)>,

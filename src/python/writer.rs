@@ -30,7 +30,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::PyTraverseError;
 
-use super::gather::{Gathered, OwnedViews, Owner};
+use super::gather::{Gathered, OwnedViews, Owners};
 use super::variable::NativeVariableStore;
 use super::{
     fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore, SharedCore,
@@ -43,7 +43,7 @@ use crate::variable::VariableStore;
 struct Job {
     views: OwnedViews,
     /// Held so the memory stays alive and in place; dropped only by a thread holding the GIL.
-    owners: Vec<Owner>,
+    owners: Owners,
 }
 
 #[derive(Default)]
@@ -66,7 +66,7 @@ struct State {
     panic: Option<String>,
     /// The owners of the job being applied (taken off the queue, so the queue's length counts
     /// only waiting jobs, as `queue.Queue(maxsize)` does in vLLM).
-    in_flight: Option<Vec<Owner>>,
+    in_flight: Option<Owners>,
     /// Finished jobs, to be dropped by a thread holding the GIL.
     done: Vec<Job>,
     /// Profile `grow`: arena growths to log from a thread holding the GIL.
@@ -640,10 +640,8 @@ impl NativeWriter {
         if let Ok(state) = self.shared.state.try_lock() {
             let jobs = state.queue.iter().chain(&state.done).map(|job| &job.owners);
             for owners in jobs.chain(&state.in_flight) {
-                for owner in owners {
-                    if let Owner::Object(object) = owner {
-                        visit.call(object)?;
-                    }
+                for object in &owners.objects {
+                    visit.call(object)?;
                 }
             }
         }
