@@ -71,10 +71,10 @@ pub(crate) fn flat_view<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, P
 }
 
 /// Calls `f` with each item of `sequence`, in order. A list or tuple (exactly those types) is
-/// read by index rather than through an iterator; a list's length is read again before every
-/// item, since `f` may run code that changes it (a duck-typed object's `.key`), as an iterator
-/// would see. Nothing here makes a Python object, so no collection (and no finalizer) runs in
-/// the middle of a put.
+/// read by index rather than through an iterator, which makes no Python object (so no
+/// collection, and no finalizer, starts in the middle of a put); a list's length is read again
+/// before every item, since `f` may run code that changes it (a duck-typed object's `.key`), as
+/// an iterator would see. Any other iterable is iterated.
 fn for_each_item<'py>(
     sequence: &Bound<'py, PyAny>,
     mut f: impl FnMut(Bound<'py, PyAny>) -> PyResult<()>,
@@ -126,9 +126,9 @@ pub(crate) struct Owners {
 impl<'py> Gathered<'py> {
     /// Records the objects of a `put`: our `BlockObject` or anything with `.key`/`.payload`.
     ///
-    /// A list or tuple (exactly those types) is read by index, not through an iterator, and a
-    /// `BlockObject` is recognized by its type pointer (the class is final). Nothing here makes
-    /// a Python object, so no collection (and no finalizer) can run in the middle of a put.
+    /// A list or tuple is read by index (`for_each_item`) and a `BlockObject` is recognized by
+    /// its type pointer (the class is final): a batch of `BlockObject`s in a list is recorded
+    /// without making a Python object.
     pub(crate) fn objects(&mut self, objects: &Bound<'py, PyAny>) -> PyResult<()> {
         let py = objects.py();
         let block_type = BlockObject::type_object_raw(py);
