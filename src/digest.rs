@@ -256,7 +256,10 @@ fn split(key: &str) -> Option<(&[u8], [u8; DIGEST_BYTES], Tail)> {
     }
     let digest = digest?;
     let mut tail = Tail { len: (bytes.len() - end) as u8, bytes: [0; TAIL_BYTES] };
-    tail.bytes[..bytes.len() - end].copy_from_slice(&bytes[end..]);
+    // Routed-expert keys have no tail: no copy (it was a call to `memcpy` of 0 bytes).
+    if end < bytes.len() {
+        tail.bytes[..bytes.len() - end].copy_from_slice(&bytes[end..]);
+    }
     Some((&bytes[..end - HEX_DIGITS], digest, tail))
 }
 
