@@ -435,17 +435,29 @@ def replay_figures(result: ReplayResult) -> dict[str, Any]:
 
 
 def worst_put(result: ReplayResult, steps: list[Step]) -> dict[str, Any]:
-    """Which of W3's puts was the slowest (its index and shape) and how long the second slowest
-    took: a worst put far above the second, and small, is a stall of the machine rather than
-    the store's work."""
+    """Which of W3's puts was the slowest (its index and shape), how long the second slowest
+    took, and how much of the slowest ran on the thread's CPU; and the put that ran longest on
+    the CPU. A worst put far above its own CPU time was a stall of the machine (the thread off
+    its CPU), not the store's work; the longest on the CPU is the store's worst work."""
     order = sorted(range(len(result.put_ns)), key=result.put_ns.__getitem__, reverse=True)
     step = steps[order[0]]
+    cpu = result.cpu_ns
+    busiest = max(range(len(cpu)), key=cpu.__getitem__) if cpu else order[0]
     return {
         "index": order[0],
         "objects": len(step.publish),
         "retains": len(step.retain),
         "releases": len(step.release),
         "second_us": result.put_ns[order[1]] / 1e3 if len(order) > 1 else 0.0,
+        "cpu_us": cpu[order[0]] / 1e3 if cpu else None,
+        "busiest": {
+            "index": busiest,
+            "wall_us": result.put_ns[busiest] / 1e3,
+            "cpu_us": cpu[busiest] / 1e3 if cpu else None,
+            "objects": len(steps[busiest].publish),
+            "retains": len(steps[busiest].retain),
+            "releases": len(steps[busiest].release),
+        },
     }
 
 
@@ -972,6 +984,13 @@ def t8_w3_rows(w: dict[str, Any], refs: References) -> list[Target]:
         if shape
         else ""
     )
+    if shape and shape.get("cpu_us") is not None:
+        busy = shape["busiest"]
+        which += (
+            f", {shape['cpu_us'] / 1e3:.2f} ms of it on the CPU; the longest on the CPU: put "
+            f"{busy['index']:,} ({busy['objects']:,} objects, {busy['retains']:,} retains), "
+            f"{busy['cpu_us'] / 1e3:.2f} ms"
+        )
     largest = w.get("largest_put")
     bound = (
         f"; W3's largest put ({largest['objects']:,} objects, "

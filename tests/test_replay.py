@@ -88,3 +88,41 @@ def test_the_budget_moves_work_in_time_but_keeps_it(budget: int) -> None:
             retained_at.setdefault(key, i)
         for key in step.publish:
             assert retained_at[key] < i
+
+
+def test_the_replay_tells_a_put_off_the_cpu_from_the_store_s_work() -> None:
+    """``run`` reads each put's CPU time beside its wall time, so a stall of the machine (the
+    thread off its CPU) shows as a put far above its CPU time. The stall is a sleep inside one
+    put of a real store: the machine's stalls cannot be made on purpose."""
+    import time
+
+    from aostore import BlockObjectStore
+
+    shape = RolloutShape(**SMALL)
+    steps = generate(shape)
+    rows = replay.pool(shape.object_nbytes)
+    stalled = len(steps) // 2
+
+    class Stalling:
+        def __init__(self) -> None:
+            self.store = BlockObjectStore(
+                max_bytes=shape.store_slots * shape.object_nbytes,
+                object_nbytes=shape.object_nbytes,
+            )
+            self.puts = 0
+
+        def put(self, batch: list[object], **references: list[str]) -> None:
+            if self.puts == stalled:
+                time.sleep(0.02)
+            self.puts += 1
+            self.store.put(batch, **references)
+
+        def get_concatenated(self, keys: list[str]) -> bytes:
+            return self.store.get_concatenated(keys)
+
+    result = replay.run("stalling", Stalling(), steps, rows, as_bytes=True)
+    assert len(result.cpu_ns) == len(result.put_ns) == len(steps)
+    assert result.put_ns[stalled] >= 20_000_000
+    assert result.cpu_ns[stalled] < result.put_ns[stalled] / 2
+    assert max(range(len(steps)), key=result.put_ns.__getitem__) == stalled
+    assert all(ns >= 0 for ns in result.cpu_ns)

@@ -364,6 +364,10 @@ class ReplayResult:
     objects_read: int
     evictions: int
     label: str = ""
+    # Each put's time on the calling thread's CPU (user and system, page faults included), read
+    # just outside its wall-time window. A put whose wall time is far above it was off the CPU:
+    # descheduled, or its virtual CPU taken by the host, which no store causes.
+    cpu_ns: list[int] = field(default_factory=list)
 
     def percentile_us(self, q: float) -> float:
         return float(np.percentile(np.asarray(self.put_ns), q)) / 1e3
@@ -404,18 +408,23 @@ def run(
         return text
 
     put_ns: list[int] = []
+    cpu_ns: list[int] = []
     objects = 0
     read_ns = 0
     objects_read = 0
     clock = time.perf_counter_ns
+    cpu_clock = time.thread_time_ns
     width = rows.shape[1]
     for i, step in enumerate(steps):
         batch = [block_object(key(b), payloads[b % POOL_ROWS]) for b in step.publish]
         retains = [key(b) for b in step.retain]
         releases = [key(b) for b in step.release]
+        c0 = cpu_clock()
         t0 = clock()
         store.put(batch, retain_keys=retains, release_keys=releases)
-        put_ns.append(clock() - t0)
+        t1 = clock()
+        cpu_ns.append(cpu_clock() - c0)
+        put_ns.append(t1 - t0)
         objects += len(batch)
         for b in step.release:
             keys.pop(b, None)
@@ -441,6 +450,7 @@ def run(
         objects_read=objects_read,
         evictions=int(stats.get("evictions", -1)),
         label=label or name,
+        cpu_ns=cpu_ns,
     )
 
 
