@@ -10,6 +10,9 @@ use crate::error::StoreError;
 use crate::index::KeyIndex;
 use crate::slab::{Slab, NIL};
 
+/// Keys `KeyTable::resolve` takes through its passes at a time.
+const RESOLVE_CHUNK: usize = 256;
+
 /// `Entry::mark` of a key that is not in the current batch (see `KeyTable::dedupe_batch`).
 pub const NOT_IN_BATCH: u32 = u32::MAX;
 
@@ -80,7 +83,25 @@ impl<M: Copy + Default> KeyTable<M> {
     /// the buckets' hashes alone and prefetch the candidate's entry; then confirm each key.
     /// Missing keys get new entries (recorded in `created`) when `created` is given, and
     /// resolve to `NIL` otherwise.
+    ///
+    /// The passes run over `RESOLVE_CHUNK` keys at a time: that keeps far more misses in flight
+    /// than the CPU can track, while the probes stay in cache and a call of thousands of keys
+    /// (W3's first puts retain 5,000-7,500) needs no large scratch, whose first use in a store
+    /// page-faulted (about 100 faults, 0.2-0.5 ms on this project's VM).
     pub fn resolve<K: Keyed>(
+        &mut self,
+        keys: &[K],
+        probes: &mut Vec<Probe>,
+        out: &mut Vec<u32>,
+        mut created: Option<&mut Vec<u32>>,
+    ) {
+        out.reserve(keys.len());
+        for chunk in keys.chunks(RESOLVE_CHUNK) {
+            self.resolve_chunk(chunk, probes, out, created.as_deref_mut());
+        }
+    }
+
+    fn resolve_chunk<K: Keyed>(
         &mut self,
         keys: &[K],
         probes: &mut Vec<Probe>,
@@ -242,6 +263,23 @@ impl<M: Copy + Default> KeyTable<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_repeated_in_a_later_chunk_resolves_to_its_first_entry() {
+        let mut table: KeyTable<u32> = KeyTable::with_capacity(16);
+        let half = RESOLVE_CHUNK + 44;
+        let texts: Vec<String> =
+            (0..2 * half).map(|i| format!("vllm-artifact/0/{:064x}", (i % half) * 7919)).collect();
+        let keys: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let (mut probes, mut out, mut created) = (Vec::new(), Vec::new(), Vec::new());
+        table.resolve(&keys, &mut probes, &mut out, Some(&mut created));
+        assert_eq!(created.len(), half);
+        assert_eq!(out[..half], out[half..]);
+        assert_eq!(table.slab.key(out[half + 1]), keys[1]);
+        let mut again = Vec::new();
+        table.resolve(&keys[half..], &mut probes, &mut again, None);
+        assert_eq!(again, out[..half]);
+    }
 
     #[test]
     fn resolve_finds_creates_and_misses() {
