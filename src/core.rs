@@ -356,6 +356,11 @@ impl<M: Copy + Default> Core<M> {
     ) -> Result<(), StoreError> {
         self.keys.resolve(retain_keys, &mut s.probes, &mut s.retains, Some(&mut s.created));
         self.keys.resolve(release_keys, &mut s.probes, &mut s.releases, Some(&mut s.created));
+        // A key whose last reference goes joins the LRU, which writes its links (apart from its
+        // entry): start those misses now, under the rest of the call's resolving.
+        for &idx in &s.releases {
+            self.keys.slab.prefetch_links(idx);
+        }
         if let Err(error) = self.keys.validate_references(&s.retains, &s.releases) {
             self.keys.forget_orphans(&s.created);
             return Err(error);
