@@ -146,9 +146,16 @@ pub(crate) fn format_holds_objects(format: &[u8]) -> bool {
     false
 }
 
-/// A capacity hint from `len()`, capped: a lying `__len__` must not allocate (or overflow).
+/// A capacity hint from `len()`. A list's or tuple's (exactly those types) is its item count, so
+/// a call of thousands of keys (W3's first puts) reserves once instead of growing by copies;
+/// anything else's is capped: a lying `__len__` must not allocate (or overflow).
 pub(crate) fn size_hint(value: &Bound<'_, PyAny>) -> usize {
-    value.len().unwrap_or(0).min(4_096)
+    let len = value.len().unwrap_or(0);
+    if value.is_exact_instance_of::<PyList>() || value.is_exact_instance_of::<PyTuple>() {
+        len
+    } else {
+        len.min(4_096)
+    }
 }
 
 pub(crate) fn collect_keys<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
