@@ -163,6 +163,9 @@ pub(crate) struct Scratch {
     pub created: Vec<u32>,
     /// (entry, what its eviction frees).
     pub victims: Vec<(u32, usize)>,
+    /// The index hashes of the first victims, as `take_victims` computed them to prefetch their
+    /// buckets, so that evicting them does not decode and hash their keys again.
+    pub victim_hashes: Vec<u32>,
     /// Profile `grow`: batch keys stored and unreferenced when the call started, whose bytes
     /// are replaced in place once the put is sure to succeed.
     pub replaced: Vec<(u32, usize)>,
@@ -181,6 +184,7 @@ impl Scratch {
         self.orphans.clear();
         self.created.clear();
         self.victims.clear();
+        self.victim_hashes.clear();
         self.replaced.clear();
         self.undo.clear();
     }
@@ -518,8 +522,10 @@ impl<M: Copy + Default> Core<M> {
         for &(victim, _) in &s.victims {
             self.keys.slab.prefetch(victim);
         }
-        for &(victim, _) in &s.victims {
-            self.keys.index.prefetch(self.keys.slab.hash(victim));
+        for &(victim, _) in &s.victims[s.victim_hashes.len()..] {
+            let hash = self.keys.slab.hash(victim);
+            self.keys.index.prefetch(hash);
+            s.victim_hashes.push(hash);
         }
         freed >= need
     }
@@ -623,6 +629,7 @@ impl<M: Copy + Default> Core<M> {
     /// forget (a policy may still need their keys).
     pub fn roll_back<const UNDO: bool>(&mut self, s: &mut Scratch, referenced_before: usize) {
         s.victims.clear();
+        s.victim_hashes.clear();
         if !UNDO {
             for &(idx, _) in &s.batch {
                 let entry = &mut self.keys.slab[idx];
@@ -706,7 +713,10 @@ impl<M: Copy + Default> Core<M> {
         mut free: impl FnMut(u32, M),
     ) -> Vec<String> {
         let mut removed = Vec::new();
-        for &(idx, _) in &s.victims {
+        for (i, &(idx, _)) in s.victims.iter().enumerate() {
+            // Hashed by `take_victims`; a policy's victims are hashed here.
+            let hash = s.victim_hashes.get(i).copied().unwrap_or_else(|| self.keys.slab.hash(idx));
+            debug_assert_eq!(hash, self.keys.slab.hash(idx));
             let entry = &self.keys.slab[idx];
             debug_assert!(entry.is_evictable());
             if keep_keys {
@@ -716,7 +726,7 @@ impl<M: Copy + Default> Core<M> {
             self.keys.slab.unlink(idx);
             self.keys.slab[idx].slot = NO_SLOT;
             self.counters.evictions += 1;
-            self.keys.forget(idx);
+            self.keys.forget_hashed(idx, hash);
             if slot != PENDING_SLOT {
                 self.stored -= 1;
                 self.ledger.evicted_stored += 1;

@@ -230,7 +230,12 @@ impl<M: Copy + Default> KeyTable<M> {
 
     /// Frees an entry that is neither stored nor referenced (and so not in the LRU).
     pub fn forget(&mut self, idx: u32) {
-        self.index.remove(self.slab.hash(idx), idx);
+        self.forget_hashed(idx, self.slab.hash(idx));
+    }
+
+    /// `forget`, for a caller that has the key's hash already.
+    pub fn forget_hashed(&mut self, idx: u32, hash: u32) {
+        self.index.remove(hash, idx);
         self.slab.remove(idx);
     }
 
