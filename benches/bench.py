@@ -450,10 +450,12 @@ def worst_put(result: ReplayResult, steps: list[Step]) -> dict[str, Any]:
         "releases": len(step.release),
         "second_us": result.put_ns[order[1]] / 1e3 if len(order) > 1 else 0.0,
         "cpu_us": cpu[order[0]] / 1e3 if cpu else None,
+        "faults": result.faults[order[0]] if result.faults else None,
         "busiest": {
             "index": busiest,
             "wall_us": result.put_ns[busiest] / 1e3,
             "cpu_us": cpu[busiest] / 1e3 if cpu else None,
+            "faults": result.faults[busiest] if result.faults else None,
             "objects": len(steps[busiest].publish),
             "retains": len(steps[busiest].retain),
             "releases": len(steps[busiest].release),
@@ -987,9 +989,9 @@ def t8_w3_rows(w: dict[str, Any], refs: References) -> list[Target]:
     if shape and shape.get("cpu_us") is not None:
         busy = shape["busiest"]
         which += (
-            f", {shape['cpu_us'] / 1e3:.2f} ms of it on the CPU; the longest on the CPU: put "
-            f"{busy['index']:,} ({busy['objects']:,} objects, {busy['retains']:,} retains), "
-            f"{busy['cpu_us'] / 1e3:.2f} ms"
+            f", {shape['cpu_us'] / 1e3:.2f} ms of it on the CPU with {shape['faults']} page "
+            f"faults; the longest on the CPU: put {busy['index']:,} ({busy['objects']:,} "
+            f"objects, {busy['retains']:,} retains), {busy['cpu_us'] / 1e3:.2f} ms"
         )
     largest = w.get("largest_put")
     bound = (

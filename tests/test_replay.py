@@ -91,9 +91,11 @@ def test_the_budget_moves_work_in_time_but_keeps_it(budget: int) -> None:
 
 
 def test_the_replay_tells_a_put_off_the_cpu_from_the_store_s_work() -> None:
-    """``run`` reads each put's CPU time beside its wall time, so a stall of the machine (the
-    thread off its CPU) shows as a put far above its CPU time. The stall is a sleep inside one
-    put of a real store: the machine's stalls cannot be made on purpose."""
+    """``run`` reads each put's CPU time and page faults beside its wall time, so a stall of the
+    machine (the thread off its CPU) shows as a put far above its CPU time, and memory committed
+    inside a put as its faults. The stall is a sleep inside one put of a real store, the faults
+    the first writes to a new mapping in the next: the machine's cannot be made on purpose."""
+    import mmap
     import time
 
     from aostore import BlockObjectStore
@@ -114,6 +116,11 @@ def test_the_replay_tells_a_put_off_the_cpu_from_the_store_s_work() -> None:
         def put(self, batch: list[object], **references: list[str]) -> None:
             if self.puts == stalled:
                 time.sleep(0.02)
+            if self.puts == stalled + 1:
+                fresh = mmap.mmap(-1, 1 << 22)
+                for offset in range(0, len(fresh), mmap.PAGESIZE):
+                    fresh[offset] = 1
+                fresh.close()
             self.puts += 1
             self.store.put(batch, **references)
 
@@ -121,7 +128,9 @@ def test_the_replay_tells_a_put_off_the_cpu_from_the_store_s_work() -> None:
             return self.store.get_concatenated(keys)
 
     result = replay.run("stalling", Stalling(), steps, rows, as_bytes=True)
-    assert len(result.cpu_ns) == len(result.put_ns) == len(steps)
+    assert len(result.cpu_ns) == len(result.put_ns) == len(result.faults) == len(steps)
+    assert result.faults[stalled + 1] > 0
+    assert all(count >= 0 for count in result.faults)
     assert result.put_ns[stalled] >= 20_000_000
     assert result.cpu_ns[stalled] < result.put_ns[stalled] / 2
     assert max(range(len(steps)), key=result.put_ns.__getitem__) == stalled

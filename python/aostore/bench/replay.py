@@ -33,6 +33,7 @@ import heapq
 import importlib
 import mmap
 import random
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -368,6 +369,9 @@ class ReplayResult:
     # just outside its wall-time window. A put whose wall time is far above it was off the CPU:
     # descheduled, or its virtual CPU taken by the host, which no store causes.
     cpu_ns: list[int] = field(default_factory=list)
+    # Each put's page faults on the calling thread, read as ``cpu_ns`` is: a put that ran long on
+    # the CPU with faults was committing memory (a huge page is zeroed, maybe compacted, first).
+    faults: list[int] = field(default_factory=list)
 
     def percentile_us(self, q: float) -> float:
         return float(np.percentile(np.asarray(self.put_ns), q)) / 1e3
@@ -409,21 +413,27 @@ def run(
 
     put_ns: list[int] = []
     cpu_ns: list[int] = []
+    faults: list[int] = []
     objects = 0
     read_ns = 0
     objects_read = 0
     clock = time.perf_counter_ns
     cpu_clock = time.thread_time_ns
+    usage = resource.getrusage
+    thread = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
     width = rows.shape[1]
     for i, step in enumerate(steps):
         batch = [block_object(key(b), payloads[b % POOL_ROWS]) for b in step.publish]
         retains = [key(b) for b in step.retain]
         releases = [key(b) for b in step.release]
+        f0 = usage(thread)
         c0 = cpu_clock()
         t0 = clock()
         store.put(batch, retain_keys=retains, release_keys=releases)
         t1 = clock()
         cpu_ns.append(cpu_clock() - c0)
+        f1 = usage(thread)
+        faults.append(f1.ru_minflt - f0.ru_minflt + f1.ru_majflt - f0.ru_majflt)
         put_ns.append(t1 - t0)
         objects += len(batch)
         for b in step.release:
@@ -451,6 +461,7 @@ def run(
         evictions=int(stats.get("evictions", -1)),
         label=label or name,
         cpu_ns=cpu_ns,
+        faults=faults,
     )
 
 
