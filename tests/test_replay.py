@@ -133,5 +133,4 @@ def test_the_replay_tells_a_put_off_the_cpu_from_the_store_s_work() -> None:
     assert all(count >= 0 for count in result.faults)
     assert result.put_ns[stalled] >= 20_000_000
     assert result.cpu_ns[stalled] < result.put_ns[stalled] / 2
-    assert max(range(len(steps)), key=result.put_ns.__getitem__) == stalled
     assert all(ns >= 0 for ns in result.cpu_ns)
