@@ -134,3 +134,30 @@ def test_the_replay_tells_a_put_off_the_cpu_from_the_store_s_work() -> None:
     assert result.put_ns[stalled] >= 20_000_000
     assert result.cpu_ns[stalled] < result.put_ns[stalled] / 2
     assert all(ns >= 0 for ns in result.cpu_ns)
+
+
+def test_the_replay_table_gives_the_worst_put_on_the_cpu_beside_the_worst_put() -> None:
+    """``python -m aostore``'s table: a put stalled 9 ms off the CPU is the worst put, while the
+    row of time on the CPU shows the store's worst work (50 µs here), with its ratio."""
+    from aostore import __main__ as cli
+
+    def result(name: str, scale: int) -> replay.ReplayResult:
+        return replay.ReplayResult(
+            name=name,
+            puts=2,
+            objects=2,
+            writer_seconds=0.009,
+            put_ns=[1_000 * scale, 9_000_000 * scale],
+            read_seconds=0.0,
+            objects_read=0,
+            evictions=0,
+            label=name,
+            cpu_ns=[1_000 * scale, 50_000 * scale],
+            faults=[0, 0],
+        )
+
+    table = cli._replay_table([result("aostore", 1), result("replica", 3)], "")
+    worst = next(line for line in table.splitlines() if line.startswith("worst put"))
+    on_cpu = next(line for line in table.splitlines() if line.startswith("worst on CPU"))
+    assert "9,000.000 us" in worst
+    assert on_cpu.split()[3:] == ["50.000", "us", "150.000", "us", "3.0x"]

@@ -151,6 +151,7 @@ def replay(args: argparse.Namespace) -> int:
                 "p50_us": r.percentile_us(50),
                 "p99_us": r.percentile_us(99),
                 "worst_us": r.worst_us,
+                "worst_cpu_us": r.worst_cpu_us,
             }
             for r in results
         }
@@ -174,6 +175,7 @@ def _replay_table(results: Sequence[Any], vllm_missing: str) -> str:
         ("put p50", "us", lambda r: r.percentile_us(50)),
         ("put p99", "us", lambda r: r.percentile_us(99)),
         ("worst put", "us", lambda r: r.worst_us),
+        ("worst on CPU", "us", lambda r: r.worst_cpu_us),
         ("read time", "s", lambda r: r.read_seconds),
     ]
     columns = [r.label for r in results]

@@ -381,6 +381,12 @@ class ReplayResult:
         """The slowest single put."""
         return max(self.put_ns, default=0) / 1e3
 
+    @property
+    def worst_cpu_us(self) -> float:
+        """The put that ran longest on the thread's CPU: the store's worst work, with the
+        machine's stalls (the thread off its CPU) left out."""
+        return max(self.cpu_ns, default=0) / 1e3
+
 
 def pool(object_nbytes: int, seed: int = 0) -> np.ndarray:
     """Payload rows: random routed-expert-like bytes."""
