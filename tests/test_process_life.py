@@ -286,3 +286,95 @@ def test_an_abandoned_writer_at_interpreter_exit_exits_cleanly():
             """
         )
         assert "end" in out
+
+
+# Many writers finishing jobs all the time: at any fork, one of them likely holds its state lock
+# or is between its exit-gate check and `Py_AddPendingCall`, and the interpreter likely has
+# one of their release calls queued, which CPython 3.11 copies into the child and runs there.
+FORK_WHILE_WRITERS_FINISH = """
+import select
+import signal
+
+stores = [BlockObjectStore(max_bytes=64 * 4096, object_nbytes=4096) for _ in range(24)]
+writers = [BackgroundBlockObjectStore(s, max_pending_batches=4) for s in stores]
+payloads = [bytes([i]) * 4096 for i in range(8)]
+stop = threading.Event()
+
+def feed():
+    i = 0
+    while not stop.is_set():
+        for w in writers:
+            w.put([BlockObject(f"k{i}-{j}", p) for j, p in enumerate(payloads)])
+        i += 1
+
+feeder = threading.Thread(target=feed, daemon=True)
+feeder.start()
+time.sleep(0.2)
+hung = 0
+for trial in range(TRIALS):
+    time.sleep(0.003 * (trial % 7))
+    pid = os.fork()
+    if pid == 0:
+        # Python code runs the queued pending calls; a normal exit runs the atexit hook.
+        total = sum(range(20_000))
+        sys.exit(0 if total else 1)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, status
+            break
+        time.sleep(0.005)
+    else:
+        hung += 1
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+stop.set()
+feeder.join()
+for w in writers:
+    w.close()
+print("hung", hung)
+"""
+
+
+def test_forked_children_never_hang_on_the_parents_writers() -> None:
+    # Two hangs with one cause, a lock taken in the child that a parent thread held at fork:
+    # the queued release of finished jobs locked the writer's state (14 of 80 children hung),
+    # and the exit hook waited on a read lock a writer thread held across the fork.
+    out = run_script("TRIALS = 120\n" + FORK_WHILE_WRITERS_FINISH, timeout=240)
+    assert out.split()[-2:] == ["hung", "0"], out
+
+
+def test_a_subinterpreter_cannot_import_aostore_or_stop_payload_release() -> None:
+    # Loaded in a subinterpreter, the module registered its exit hook there too; ending that
+    # interpreter ran it, and from then on no writer in the process released payloads.
+    out = run_script(
+        """
+        import _xxsubinterpreters as interpreters
+
+        sub = interpreters.create()
+        try:
+            interpreters.run_string(sub, "import aostore")
+        except interpreters.RunFailedError as error:
+            print("refused:", error)
+        interpreters.destroy(sub)
+
+        store = BlockObjectStore(max_bytes=4 * 64, object_nbytes=64)
+        writer = BackgroundBlockObjectStore(store, max_pending_batches=2)
+        payload = bytearray(64)
+        writer.put([BlockObject("k", payload)])
+        # The writer's pending call releases the export once the batch is applied; no call
+        # into the writer does it here.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                payload.extend(b"x")
+                break
+            except BufferError:
+                time.sleep(0.01)
+        print("released", len(payload) == 65)
+        writer.close()
+        """
+    )
+    assert "aostore cannot be imported in a subinterpreter" in out, out
+    assert "released True" in out, out

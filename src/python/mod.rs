@@ -190,6 +190,7 @@ static AT_FORK: Once = Once::new();
 
 extern "C" fn after_fork_in_child() {
     FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
+    writer::forget_scheduling_threads();
 }
 
 /// Bumped in a child process after each `fork()`: objects created before it refuse to work.
@@ -651,10 +652,27 @@ pub(crate) fn log_growth(py: Python<'_>, num_slots: usize) {
     }
 }
 
+/// The module's state is process-wide (its classes, the fork generation, the exit hook that
+/// stops writer threads from scheduling calls), and `Py_AddPendingCall` always reaches the
+/// main interpreter: loaded in a subinterpreter, ending that interpreter would stop payload
+/// release for the whole process. So it loads in the main interpreter (id 0) only.
+fn refuse_subinterpreters() -> PyResult<()> {
+    // SAFETY: called during import, with the GIL held and a current interpreter.
+    let id = unsafe { ffi::PyInterpreterState_GetID(ffi::PyInterpreterState_Get()) };
+    if id == 0 {
+        return Ok(());
+    }
+    Err(pyo3::exceptions::PyImportError::new_err(format!(
+        "aostore cannot be imported in a subinterpreter (interpreter {id}); import it in the \
+         main interpreter"
+    )))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    refuse_subinterpreters()?;
     AT_FORK.call_once(|| {
-        // SAFETY: registers a handler that only bumps an atomic, which is async-signal-safe as
+        // SAFETY: registers a handler that only writes atomics, which is async-signal-safe as
         // a child-after-fork handler must be.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
     });

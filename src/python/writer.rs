@@ -17,8 +17,8 @@ use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::os::raw::c_int;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -82,6 +82,9 @@ struct Shared {
     capacity: usize,
     /// A pending call that drops `done` is scheduled and has not run yet.
     release_scheduled: AtomicBool,
+    /// `fork_generation()` when the writer was made: a child runs the parent's queued pending
+    /// calls, and there the state's lock may be held for ever by a thread that does not exist.
+    generation: u64,
 }
 
 impl Shared {
@@ -240,19 +243,31 @@ fn apply(core: &Core, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
     core.put(&blocks, &retains, &releases)
 }
 
-/// Whether the interpreter may still be asked for a pending call. `interpreter_exiting`, an
-/// `atexit` callback, clears it under the write lock at the start of `Py_FinalizeEx`; a writer
-/// thread holds the read lock from its check until `Py_AddPendingCall` returns. So once the
-/// callback returns, no writer thread is inside the interpreter and none will enter it, however
-/// long the process lives on (`Py_IsFinalizing()` alone is racy: it can turn true between the
-/// check and the call). A writer held by a daemon thread outlives finalization; its finished
-/// jobs are then kept until the process exits.
-static INTERPRETER_ALIVE: RwLock<bool> = RwLock::new(true);
+/// Whether the interpreter may still be asked for a pending call, and how many writer threads
+/// are between checking that and `Py_AddPendingCall` returning. `interpreter_exiting`, an
+/// `atexit` callback, closes the gate at the start of `Py_FinalizeEx` and waits until none is
+/// inside; both sides use sequentially consistent order, so a thread either sees the gate
+/// closed or is counted before the callback looks. So once the callback returns, no writer
+/// thread is inside the interpreter and none will enter it, however long the process lives on
+/// (`Py_IsFinalizing()` alone is racy). No lock is held across the call: a child forked while
+/// a thread was inside would inherit that lock held for ever; the count is reset in the child
+/// instead (`after_fork_in_child`), where those threads do not exist.
+static INTERPRETER_ALIVE: AtomicBool = AtomicBool::new(true);
+static SCHEDULING: AtomicUsize = AtomicUsize::new(0);
 
 /// Registered with `atexit` when the module loads: no pending call is scheduled after it ran.
 #[pyfunction]
 pub(crate) fn interpreter_exiting() {
-    *INTERPRETER_ALIVE.write().unwrap_or_else(PoisonError::into_inner) = false;
+    INTERPRETER_ALIVE.store(false, Ordering::SeqCst);
+    // A thread inside holds no lock the interpreter's main thread needs: it returns promptly.
+    while SCHEDULING.load(Ordering::SeqCst) != 0 {
+        std::thread::yield_now();
+    }
+}
+
+/// In a forked child: no writer thread exists, so none is inside.
+pub(crate) fn forget_scheduling_threads() {
+    SCHEDULING.store(0, Ordering::SeqCst);
 }
 
 /// Asks the interpreter to drop finished jobs on its main thread soon (`Py_AddPendingCall`
@@ -260,15 +275,18 @@ pub(crate) fn interpreter_exiting() {
 /// and not at the next call. At most one such call is outstanding; if the interpreter refuses
 /// (its queue is full) or is exiting, the next call from Python, if any, collects instead.
 fn schedule_release(shared: &Arc<Shared>) {
-    let alive = INTERPRETER_ALIVE.read().unwrap_or_else(PoisonError::into_inner);
-    if !*alive || shared.release_scheduled.swap(true, Ordering::AcqRel) {
+    SCHEDULING.fetch_add(1, Ordering::SeqCst);
+    if !INTERPRETER_ALIVE.load(Ordering::SeqCst)
+        || shared.release_scheduled.swap(true, Ordering::AcqRel)
+    {
+        SCHEDULING.fetch_sub(1, Ordering::SeqCst);
         return;
     }
     let arg = Arc::into_raw(Arc::clone(shared)).cast_mut().cast::<c_void>();
     // SAFETY: `release_done` takes back the reference passed as `arg` exactly once; the
-    // interpreter exists, as `alive` (held until this returns) proves.
+    // interpreter exists: `interpreter_exiting` waits while this thread is counted.
     let status = unsafe { ffi::Py_AddPendingCall(Some(release_done), arg) };
-    drop(alive);
+    SCHEDULING.fetch_sub(1, Ordering::SeqCst);
     if status != 0 {
         shared.release_scheduled.store(false, Ordering::Release);
         // SAFETY: the interpreter did not take `arg`; take back the reference made above (not
@@ -281,6 +299,12 @@ fn schedule_release(shared: &Arc<Shared>) {
 extern "C" fn release_done(arg: *mut c_void) -> c_int {
     // SAFETY: `arg` is the reference `schedule_release` made with `Arc::into_raw`.
     let shared = unsafe { Arc::from_raw(arg.cast_const().cast::<Shared>()) };
+    if shared.generation != fork_generation() {
+        // The parent's call, run in a forked child: lock nothing and drop nothing (the jobs'
+        // owners are the parent's); leak this reference instead.
+        std::mem::forget(shared);
+        return 0;
+    }
     shared.release_scheduled.store(false, Ordering::Release);
     let (done, growths) = shared.take_done();
     drop(done);
@@ -513,6 +537,7 @@ impl NativeWriter {
             finished: Condvar::new(),
             capacity: max_pending_batches,
             release_scheduled: AtomicBool::new(false),
+            generation: fork_generation(),
         });
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
