@@ -5,12 +5,16 @@
 //! an entry and its key fit one cache line. Other keys are kept as text: short ones inside the
 //! entry, long ones on the heap.
 //!
-//! A key's form is a function of the key and of the prefixes interned so far, and a prefix, once
-//! interned, stays for the table's life. So a key looked up always takes the form it was stored
-//! in: a key is stored as text with a digest-shaped tail only when its prefix could not be
-//! interned (too long, or the table full), and then it never will be.
+//! vLLM's prefix carries a generation that each prefix-cache reset (each RL weight sync) bumps,
+//! so prefixes come and go: each counts the entries that hold it and is recycled when none does,
+//! and a table of live prefixes is found by hash. A key looked up always takes the form it was
+//! stored in: a prefix is interned only while no stored key of that prefix is text, which holds
+//! because a digest-shaped key is kept as text only when its prefix cannot be interned (too
+//! long, or the table full of live prefixes), and while any such key lives, no new prefix is
+//! interned.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
@@ -18,9 +22,9 @@ use foldhash::fast::FixedState;
 /// Bytes of a digest held in binary.
 pub const DIGEST_BYTES: usize = 32;
 const HEX_DIGITS: usize = 2 * DIGEST_BYTES;
-/// Prefixes a table interns; keys with further prefixes stay text. Few: vLLM has one per
-/// namespace, and a lookup scans them.
-const MAX_PREFIXES: usize = 64;
+/// Live prefixes a table holds at once (every number but `TEXT`); keys with further prefixes
+/// stay text.
+const MAX_PREFIXES: usize = TEXT as usize;
 /// Longer prefixes are not interned.
 const MAX_PREFIX_BYTES: usize = 256;
 /// Text keys up to this many bytes stay inside the entry; longer ones go to the heap.
@@ -85,14 +89,33 @@ pub struct Probe {
     /// The 32-bit hash the index files the key under.
     pub hash: u32,
     prefix: u16,
+    /// Text only because the prefix table was full (see `KeyCodec::overflowed`).
+    overflowed: bool,
     tail: Tail,
     digest: [u8; DIGEST_BYTES],
+}
+
+/// An interned prefix and the number of entries that hold it.
+#[derive(Debug)]
+struct Prefix {
+    text: Box<str>,
+    holders: u32,
 }
 
 /// The interned prefixes, and the hasher every key's hash comes from.
 #[derive(Debug)]
 pub struct KeyCodec {
-    prefixes: Vec<Box<str>>,
+    /// By number; a recycled number's text is empty until it is reused.
+    prefixes: Vec<Prefix>,
+    numbers: HashMap<Box<[u8]>, u16, FixedState>,
+    /// Recycled numbers.
+    free: Vec<u16>,
+    /// The prefix interned last (or `TEXT`): vLLM's keys are nearly all of the current
+    /// generation, so a lookup compares against it before it hashes the prefix.
+    newest: u16,
+    /// Entries held as text only because the table was full when they came. While there are
+    /// any, no prefix is interned: it could be theirs, and they would no longer be found.
+    overflowed: usize,
     hasher: FixedState,
     /// Constants a digest's words are mixed with, drawn from `hasher`.
     keys: [u64; 6],
@@ -103,7 +126,15 @@ impl Default for KeyCodec {
         let hasher = FixedState::default();
         // Odd, so no constant multiplies a word away.
         let keys = std::array::from_fn(|i| hasher.hash_one(i) | 1);
-        Self { prefixes: Vec::new(), hasher, keys }
+        Self {
+            prefixes: Vec::new(),
+            numbers: HashMap::with_hasher(FixedState::default()),
+            free: Vec::new(),
+            newest: TEXT,
+            overflowed: 0,
+            hasher,
+            keys,
+        }
     }
 }
 
@@ -124,13 +155,90 @@ impl KeyCodec {
     #[inline]
     pub fn probe_for_insert(&mut self, key: &str) -> Probe {
         match split(key) {
-            Some((prefix, digest, tail)) => match self.find(prefix).or_else(|| self.intern(prefix))
-            {
+            Some((prefix, digest, tail)) => match self.find(prefix) {
                 Some(number) => self.digest_probe(number, digest, tail),
-                None => self.text_probe(key),
+                None => match self.intern(prefix) {
+                    Ok(number) => self.digest_probe(number, digest, tail),
+                    Err(full) => Probe { overflowed: full, ..self.text_probe(key) },
+                },
             },
             None => self.text_probe(key),
         }
+    }
+
+    /// Counts an entry that now holds `key` (stored from `probe`).
+    #[inline]
+    pub fn hold(&mut self, key: &StoredKey, probe: &Probe) {
+        match key {
+            StoredKey::Digest { prefix, .. } => self.prefixes[usize::from(*prefix)].holders += 1,
+            _ if probe.overflowed => self.overflowed += 1,
+            _ => {}
+        }
+    }
+
+    /// Uncounts an entry that held `key`; a prefix no entry holds is recycled.
+    #[inline]
+    pub fn release(&mut self, key: &StoredKey) {
+        match key {
+            StoredKey::Digest { prefix, .. } => {
+                let entry = &mut self.prefixes[usize::from(*prefix)];
+                entry.holders -= 1;
+                if entry.holders == 0 {
+                    self.recycle(*prefix);
+                }
+            }
+            _ if self.overflowed > 0 && self.is_overflow(key) => self.overflowed -= 1,
+            _ => {}
+        }
+    }
+
+    /// Whether a text key could have been a digest but for a full table.
+    fn is_overflow(&self, key: &StoredKey) -> bool {
+        split(&self.text(key)).is_some_and(|(prefix, _, _)| internable(prefix).is_some())
+    }
+
+    #[cold]
+    fn recycle(&mut self, number: u16) {
+        let text = std::mem::take(&mut self.prefixes[usize::from(number)].text);
+        self.numbers.remove(text.as_bytes());
+        self.free.push(number);
+        if self.newest == number {
+            self.newest = TEXT;
+        }
+    }
+
+    /// Live prefixes, and entries held as text because the table was full (for tests).
+    pub fn live_prefixes(&self) -> usize {
+        self.numbers.len()
+    }
+
+    /// Checks each prefix's count of holders against the entries' keys.
+    pub fn validate<'a>(&self, keys: impl Iterator<Item = &'a StoredKey>) -> Result<(), String> {
+        let mut holders = vec![0u32; self.prefixes.len()];
+        let mut overflowed = 0;
+        for key in keys {
+            match key {
+                StoredKey::Digest { prefix, .. } => holders[usize::from(*prefix)] += 1,
+                _ if self.is_overflow(key) => overflowed += 1,
+                _ => {}
+            }
+        }
+        for (number, (prefix, &counted)) in self.prefixes.iter().zip(&holders).enumerate() {
+            let interned = self.numbers.get(prefix.text.as_bytes()) == Some(&(number as u16));
+            if prefix.holders != counted || (counted > 0 && !interned) {
+                return Err(format!(
+                    "every prefix counts its keys: {:?} counts {}, holds {counted}",
+                    prefix.text, prefix.holders
+                ));
+            }
+        }
+        if overflowed != self.overflowed {
+            return Err(format!(
+                "every key has one form: {overflowed} text keys overflowed, {} counted",
+                self.overflowed
+            ));
+        }
+        Ok(())
     }
 
     /// How an entry holds `key`, probed as `probe`.
@@ -152,7 +260,7 @@ impl KeyCodec {
     pub fn text<'a>(&'a self, key: &'a StoredKey) -> Cow<'a, str> {
         match key {
             StoredKey::Digest { prefix, tail, digest } => {
-                let prefix = &self.prefixes[usize::from(*prefix)];
+                let prefix = &self.prefixes[usize::from(*prefix)].text;
                 let tail = &tail.bytes[..usize::from(tail.len)];
                 let mut text = Vec::with_capacity(prefix.len() + HEX_DIGITS + tail.len());
                 text.extend_from_slice(prefix.as_bytes());
@@ -171,18 +279,35 @@ impl KeyCodec {
         }
     }
 
+    #[inline]
     fn find(&self, prefix: &[u8]) -> Option<u16> {
-        self.prefixes.iter().position(|p| p.as_bytes() == prefix).map(|i| i as u16)
+        match self.prefixes.get(usize::from(self.newest)) {
+            Some(newest) if newest.text.as_bytes() == prefix => Some(self.newest),
+            _ if self.numbers.is_empty() => None,
+            _ => self.numbers.get(prefix).copied(),
+        }
     }
 
-    fn intern(&mut self, prefix: &[u8]) -> Option<u16> {
-        if self.prefixes.len() >= MAX_PREFIXES || prefix.len() > MAX_PREFIX_BYTES {
-            return None;
+    /// A new prefix's number; `Err(true)` when the table is full (or must stay so), `Err(false)`
+    /// when the prefix is never interned.
+    fn intern(&mut self, prefix: &[u8]) -> Result<u16, bool> {
+        let text = internable(prefix).ok_or(false)?;
+        if self.overflowed > 0 || (self.free.is_empty() && self.prefixes.len() >= MAX_PREFIXES) {
+            return Err(true);
         }
-        // The prefix ends before an ASCII digit of the key, so it is a whole UTF-8 string.
-        let text = std::str::from_utf8(prefix).ok()?;
-        self.prefixes.push(text.into());
-        Some((self.prefixes.len() - 1) as u16)
+        let number = match self.free.pop() {
+            Some(number) => {
+                self.prefixes[usize::from(number)].text = text.into();
+                number
+            }
+            None => {
+                self.prefixes.push(Prefix { text: text.into(), holders: 0 });
+                (self.prefixes.len() - 1) as u16
+            }
+        };
+        self.numbers.insert(prefix.into(), number);
+        self.newest = number;
+        Ok(number)
     }
 
     /// The hash of a stored key, the one its probe had: from the digest's words alone for a
@@ -216,13 +341,15 @@ impl KeyCodec {
 
     #[inline]
     fn digest_probe(&self, prefix: u16, digest: [u8; DIGEST_BYTES], tail: Tail) -> Probe {
-        Probe { hash: self.digest_hash(prefix, &digest, &tail), prefix, tail, digest }
+        let hash = self.digest_hash(prefix, &digest, &tail);
+        Probe { hash, prefix, overflowed: false, tail, digest }
     }
 
     #[inline]
     fn text_probe(&self, key: &str) -> Probe {
         let hash = self.text_hash(key);
-        Probe { hash, prefix: TEXT, tail: Tail::default(), digest: [0; DIGEST_BYTES] }
+        let (tail, digest) = (Tail::default(), [0; DIGEST_BYTES]);
+        Probe { hash, prefix: TEXT, overflowed: false, tail, digest }
     }
 }
 
@@ -236,6 +363,12 @@ fn mix(a: u64, b: u64) -> u64 {
 #[inline]
 fn fold(full: u64) -> u32 {
     (full ^ (full >> 32)) as u32
+}
+
+/// A prefix's text, if it may be interned: short enough, and whole UTF-8 (it ends before an
+/// ASCII digit of the key, so it is unless the key's text splits a character there).
+fn internable(prefix: &[u8]) -> Option<&str> {
+    (prefix.len() <= MAX_PREFIX_BYTES).then(|| std::str::from_utf8(prefix).ok()).flatten()
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -354,6 +487,7 @@ mod tests {
     fn round_trip(codec: &mut KeyCodec, key: &str) -> StoredKey {
         let probe = codec.probe_for_insert(key);
         let stored = KeyCodec::store(key, &probe);
+        codec.hold(&stored, &probe);
         assert_eq!(codec.text(&stored), key);
         let again = codec.probe(key);
         assert_eq!(again.hash, probe.hash, "{key:?}");
@@ -378,7 +512,7 @@ mod tests {
         for key in &keys {
             assert!(matches!(round_trip(&mut codec, key), StoredKey::Digest { .. }), "{key}");
         }
-        assert_eq!(codec.prefixes.len(), 5);
+        assert_eq!(codec.live_prefixes(), 5);
         // Same prefix and digest, other tails: other keys.
         let (a, b) = (codec.probe(&keys[3]), codec.probe(&keys[4]));
         assert!(!KeyCodec::store(&keys[4], &b).matches(&keys[3], &a));
@@ -417,7 +551,7 @@ mod tests {
             assert!(!matches!(stored, StoredKey::Digest { .. }), "{key:?}");
         }
         assert!(matches!(round_trip(&mut codec, &long), StoredKey::Heap(_)));
-        assert!(codec.prefixes.is_empty());
+        assert_eq!(codec.live_prefixes(), 0);
         // A multi-byte character right before the digits is a whole prefix.
         let accented = format!("é{}", "ab".repeat(32));
         assert!(matches!(round_trip(&mut codec, &accented), StoredKey::Digest { .. }));
@@ -437,6 +571,83 @@ mod tests {
         let long_prefix = format!("{}{hex}", "x".repeat(MAX_PREFIX_BYTES + 1));
         let mut fresh = KeyCodec::default();
         assert!(matches!(round_trip(&mut fresh, &long_prefix), StoredKey::Heap(_)));
+    }
+
+    /// Holds `key` as an entry would; returns its stored form.
+    fn hold(codec: &mut KeyCodec, key: &str) -> StoredKey {
+        let probe = codec.probe_for_insert(key);
+        let stored = KeyCodec::store(key, &probe);
+        codec.hold(&stored, &probe);
+        stored
+    }
+
+    #[test]
+    fn prefixes_no_key_holds_are_recycled_over_ten_thousand_generations() {
+        let mut codec = KeyCodec::default();
+        let hex = "cd".repeat(32);
+        let mut previous: Vec<StoredKey> = Vec::new();
+        for generation in 0..=10_000 {
+            let keys: Vec<String> =
+                (0..3).map(|i| format!("vllm-artifact/{generation}/{i}{}", &hex[1..])).collect();
+            let held: Vec<StoredKey> = keys.iter().map(|k| hold(&mut codec, k)).collect();
+            for (key, stored) in keys.iter().zip(&held) {
+                assert!(matches!(stored, StoredKey::Digest { .. }), "{key}");
+                assert_eq!(codec.text(stored), key.as_str());
+                assert!(stored.matches(key, &codec.probe(key)));
+            }
+            // The previous generation's keys go (evicted); this one's stay.
+            for stored in previous.drain(..) {
+                codec.release(&stored);
+            }
+            previous = held;
+            assert!(codec.live_prefixes() <= 2 && codec.prefixes.len() <= 2, "{generation}");
+        }
+        codec.validate(previous.iter()).unwrap();
+    }
+
+    #[test]
+    fn keys_of_hundreds_of_live_generations_are_all_digests() {
+        let mut codec = KeyCodec::default();
+        let hex = "ef".repeat(32);
+        let held: Vec<(String, StoredKey)> = (0..700)
+            .map(|generation| {
+                let key = format!("vllm-artifact/{generation}/{hex}");
+                let stored = hold(&mut codec, &key);
+                (key, stored)
+            })
+            .collect();
+        for (key, stored) in &held {
+            assert!(matches!(stored, StoredKey::Digest { .. }), "{key}");
+            assert!(stored.matches(key, &codec.probe(key)), "{key}");
+            assert_eq!(codec.hash_of(stored), codec.probe(key).hash);
+        }
+        assert_eq!(codec.live_prefixes(), 700);
+        codec.validate(held.iter().map(|(_, stored)| stored)).unwrap();
+    }
+
+    #[test]
+    fn a_full_table_keeps_new_prefixes_text_until_its_overflow_is_gone() {
+        let mut codec = KeyCodec::default();
+        let hex = "12".repeat(32);
+        let mut held: Vec<StoredKey> =
+            (0..MAX_PREFIXES).map(|i| hold(&mut codec, &format!("p{i}/{hex}"))).collect();
+        let overflow = format!("full/{hex}");
+        let stored = hold(&mut codec, &overflow);
+        assert!(matches!(stored, StoredKey::Heap(_)));
+        // A prefix is freed, but `full/` may not take it while its text key lives: that key
+        // would no longer be found, and neither may any other new prefix.
+        codec.release(&held.swap_remove(0));
+        let other = hold(&mut codec, &format!("other/{hex}"));
+        assert!(matches!(other, StoredKey::Heap(_)));
+        let probe = codec.probe(&overflow);
+        assert!(stored.matches(&overflow, &probe));
+        assert_eq!(codec.hash_of(&stored), probe.hash);
+        codec.validate(held.iter().chain([&stored, &other])).unwrap();
+        codec.validate(held.iter().chain([&stored])).unwrap_err();
+        codec.release(&stored);
+        codec.release(&other);
+        codec.validate(held.iter()).unwrap();
+        assert!(matches!(hold(&mut codec, &overflow), StoredKey::Digest { .. }));
     }
 
     #[test]

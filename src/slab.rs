@@ -252,6 +252,7 @@ impl<M: Copy + Default> Slab<M> {
     /// and returns its index.
     pub fn insert(&mut self, key: &str, probe: &Probe) -> u32 {
         let stored = KeyCodec::store(key, probe);
+        self.codec.hold(&stored, probe);
         self.live += 1;
         let unlinked = Link { prev: NIL, next: NIL };
         if self.free_head == NIL {
@@ -282,7 +283,7 @@ impl<M: Copy + Default> Slab<M> {
         debug_assert_ne!(self.links[i].prev, VACANT, "double free of entry {idx}");
         let entry = &mut self.entries[i];
         debug_assert!(!entry.is_evictable(), "removing entry {idx} while in the LRU");
-        entry.key = StoredKey::EMPTY;
+        self.codec.release(&std::mem::replace(&mut entry.key, StoredKey::EMPTY));
         entry.slot = NO_SLOT;
         entry.refs = 0;
         self.links[i] = Link { prev: VACANT, next: self.free_head };
@@ -458,7 +459,7 @@ impl<M: Copy + Default> Slab<M> {
                  the LRU"
             ));
         }
-        Ok(())
+        self.codec.validate(self.live_indices().map(|idx| &self.entries[idx as usize].key))
     }
 }
 
