@@ -372,6 +372,11 @@ class ReplayResult:
     # Each put's page faults on the calling thread, read as ``cpu_ns`` is: a put that ran long on
     # the CPU with faults was committing memory (a huge page is zeroed, maybe compacted, first).
     faults: list[int] = field(default_factory=list)
+    # Each put's context switches on the calling thread, read as ``faults`` is: voluntary (the
+    # thread waited in the kernel) and involuntary (another task took its CPU). A put off its
+    # CPU with neither lost its virtual CPU to the host (steal), which the guest cannot see.
+    voluntary: list[int] = field(default_factory=list)
+    involuntary: list[int] = field(default_factory=list)
 
     def percentile_us(self, q: float) -> float:
         return float(np.percentile(np.asarray(self.put_ns), q)) / 1e3
@@ -386,6 +391,71 @@ class ReplayResult:
         """The put that ran longest on the thread's CPU: the store's worst work, with the
         machine's stalls (the thread off its CPU) left out."""
         return max(self.cpu_ns, default=0) / 1e3
+
+    def stalled(self, i: int) -> bool:
+        """Whether put ``i`` was stalled by the machine: see :func:`is_stall`."""
+        return bool(self.cpu_ns) and is_stall(self.put_ns[i], self.cpu_ns[i])
+
+    @property
+    def stalls(self) -> list[int]:
+        """The puts the machine stalled, in order."""
+        return [i for i in range(len(self.cpu_ns)) if self.stalled(i)]
+
+    @property
+    def store_ns(self) -> list[int]:
+        """What the store did in each put: its wall time, or its time on the CPU where the
+        machine stalled it (a stalled put's CPU time still holds its page faults)."""
+        if not self.cpu_ns:
+            return list(self.put_ns)
+        return [
+            cpu if is_stall(wall, cpu) else wall
+            for wall, cpu in zip(self.put_ns, self.cpu_ns, strict=True)
+        ]
+
+    @property
+    def worst_index(self) -> int:
+        """The slowest put, by wall time."""
+        return max(range(len(self.put_ns)), key=self.put_ns.__getitem__, default=0)
+
+    @property
+    def worst_store_index(self) -> int:
+        """The slowest put by what the store did (:attr:`store_ns`)."""
+        done = self.store_ns
+        return max(range(len(done)), key=done.__getitem__, default=0)
+
+    @property
+    def worst_store_us(self) -> float:
+        """The slowest put with the machine's stalls left out (:attr:`store_ns`)."""
+        return max(self.store_ns, default=0) / 1e3
+
+    @property
+    def writer_store_seconds(self) -> float:
+        """Writer time with the machine's stalls left out: the sum of :attr:`store_ns`."""
+        return sum(self.store_ns) / 1e9
+
+    def stall_cause(self, i: int) -> str:
+        """Why put ``i`` was off its CPU, from its context switches."""
+        if not self.involuntary or not self.voluntary:
+            return "off its CPU"
+        if self.involuntary[i]:
+            return f"descheduled: {self.involuntary[i]} involuntary context switch(es)"
+        if self.voluntary[i]:
+            return f"waiting in the kernel: {self.voluntary[i]} voluntary context switch(es)"
+        return "its virtual CPU taken by the host: no context switch"
+
+
+STALL_MIN_NS = 100_000
+"""A put with less than this much time off its CPU is never called stalled."""
+
+
+def is_stall(wall_ns: int, cpu_ns: int) -> bool:
+    """A put the machine stalled: at least a third of its wall time, and at least 0.1 ms, off
+    the calling thread's CPU. The replay runs one thread and a store's put does its work on it,
+    so that time is not the store's work: the thread was descheduled (another task had the
+    CPU), its virtual CPU was taken by the host, or it waited in the kernel
+    (:meth:`ReplayResult.stall_cause` tells which from its context switches)."""
+    off = wall_ns - cpu_ns
+    return off >= STALL_MIN_NS and 3 * off >= wall_ns
 
 
 def pool(object_nbytes: int, seed: int = 0) -> np.ndarray:
@@ -420,6 +490,8 @@ def run(
     put_ns: list[int] = []
     cpu_ns: list[int] = []
     faults: list[int] = []
+    voluntary: list[int] = []
+    involuntary: list[int] = []
     objects = 0
     read_ns = 0
     objects_read = 0
@@ -440,6 +512,8 @@ def run(
         cpu_ns.append(cpu_clock() - c0)
         f1 = usage(thread)
         faults.append(f1.ru_minflt - f0.ru_minflt + f1.ru_majflt - f0.ru_majflt)
+        voluntary.append(f1.ru_nvcsw - f0.ru_nvcsw)
+        involuntary.append(f1.ru_nivcsw - f0.ru_nivcsw)
         put_ns.append(t1 - t0)
         objects += len(batch)
         for b in step.release:
@@ -468,6 +542,8 @@ def run(
         label=label or name,
         cpu_ns=cpu_ns,
         faults=faults,
+        voluntary=voluntary,
+        involuntary=involuntary,
     )
 
 
@@ -508,3 +584,54 @@ def compare(
         finally:
             store.close()
     return results
+
+
+def writer_floor(
+    shape: RolloutShape, steps: Sequence[Step], rows: np.ndarray, prefault: bool
+) -> float:
+    """T5's memcpy floor, in seconds: numpy copying each step's published objects into an mmap
+    arena of the store's size (fresh, or committed as ``prefault=True`` commits a store's),
+    slot after slot and round again. Each step's batch is gathered untimed. (The same
+    measurement as ``benches/bench.py``'s W3 floor.)"""
+    slots, nbytes = shape.store_slots, shape.object_nbytes
+    raw = mmap.mmap(-1, slots * nbytes)
+    if prefault:
+        commit_pages(raw)
+    arena = np.frombuffer(raw, dtype=np.uint8).reshape(slots, nbytes)
+    position = 0
+    total = 0
+    clock = time.perf_counter_ns
+    for step in steps:
+        if not step.publish:
+            continue
+        batch = rows[[b % POOL_ROWS for b in step.publish]]
+        t0 = clock()
+        done = 0
+        while done < len(batch):
+            n = min(len(batch) - done, slots - position)
+            arena[position : position + n] = batch[done : done + n]
+            done += n
+            position = (position + n) % slots
+        total += clock() - t0
+    del arena
+    raw.close()
+    return total / 1e9
+
+
+def put_floor_us(step: Step, rows: np.ndarray) -> float:
+    """The memcpy floor of one put's objects, in µs: numpy copying them into the start of a
+    committed arena, best of five. No store can put those bytes faster."""
+    if not step.publish:
+        return 0.0
+    batch = rows[[b % POOL_ROWS for b in step.publish]]
+    raw = mmap.mmap(-1, batch.nbytes)
+    commit_pages(raw)
+    arena = np.frombuffer(raw, dtype=np.uint8).reshape(batch.shape)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        arena[:] = batch
+        best = min(best, (time.perf_counter_ns() - t0) / 1e3)
+    del arena
+    raw.close()
+    return best
