@@ -238,3 +238,30 @@ def test_the_replay_reports_progress_to_a_log(capsys: pytest.CaptureFixture[str]
     assert lines[0] == f"aostore: 1/{len(steps):,} (0%)"
     assert lines[-1] == f"aostore: {len(steps):,}/{len(steps):,} (100%)"
     assert "\r" not in stream.getvalue()
+
+
+def test_bench_quick_judges_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``benches/bench.py --quick`` (``make bench-smoke``) runs tiny sizes: its table says "not
+    judged" where a full run says yes or NO, and says why under the table."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benches" / "bench.py"
+    spec = importlib.util.spec_from_file_location("aostore_bench_script", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    rows = [
+        bench.Target("T1", "W1 put", 1.5, "1.50", "<= 1.2", False, "1.0", "1.1"),
+        bench.Target("T6", "bytes per key", 90.0, "90 B", "<= 100 B", True, "280 B", "269 B"),
+        bench.Target("T9", "variable store", None, "see", "<= 1.5", None, "-", "-"),
+    ]
+    stores = [replay.aostore_contender(), replay.replica_contender()]
+    full = bench.table(rows, stores, "")
+    assert "| NO |" in full and "| yes |" in full and "not judged" not in full
+    quick = bench.table(rows, stores, "", quick=True)
+    assert "| NO |" not in quick and "| yes |" not in quick
+    assert quick.count("| not judged |") == 2 and "| - |" in quick
+    assert "--quick: tiny sizes" in quick and "no row is judged" in quick
