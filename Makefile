@@ -45,7 +45,7 @@ test-rust:
 
 # Runs from tests/ so `import aostore` finds the installed wheel, never python/.
 test-python: install test-venv
-	cd tests && ../$(PY) -m pytest -q -p no:cacheprovider .
+	cd tests && ../$(PY) -m pytest -q -rs -p no:cacheprovider .
 
 test: test-rust test-python
 
@@ -86,7 +86,7 @@ engine-install: build engine-venv
 test-engine: engine-install
 	cd tests/vllm_engine && AOSTORE_REQUIRE_ENGINE=1 \
 		AOSTORE_ENGINE_SUMMARY=$(CURDIR)/target/engine-test/summary.json \
-		../../$(ENGINE_PY) -m pytest -q -s -p no:cacheprovider --confcutdir=. .
+		../../$(ENGINE_PY) -m pytest -q -rs -s -p no:cacheprovider --confcutdir=. .
 
 lint: install test-venv
 	cargo fmt --check
