@@ -101,29 +101,126 @@ _WRAPPER_EXTRAS = """
         pass
 """
 
+# The fixed store, written from vLLM's behaviour (the plugin's behavioural differential runs it
+# against aostore's): with ``grows`` vLLM 0.33.0's (one LRU of unreferenced keys, a re-put of
+# a stored unreferenced key replaces it, a batch that cannot be held grows the arena), else
+# vLLM 0.32.0's (one LRU of every key, a batch that cannot be held is refused).
 _FIXED = """
 class {name}:
+    _UNALLOCATED_SLOT = -1
+
     def __init__(self, {params}{keywords}):
         if {broken}:
             raise TypeError("this store needs arguments the probe does not know")
+        if object_nbytes <= 0:
+            raise ValueError("auxiliary output object size must be positive")
+        if max_bytes < object_nbytes:
+            raise ValueError("auxiliary output store must fit at least one object")
         self.object_nbytes = object_nbytes
         self.num_slots = max_bytes // object_nbytes
-        self._objects = {{}}
+        self._slots = {{}}
+        self._lru = {{}}
+        self._references = {{}}
+        self._free_slots = []
+        self._next_slot = 0
+        self._arena = bytearray(self.num_slots * object_nbytes)
+
+    def _tail(self, key):
+        self._lru.pop(key, None)
+        self._lru[key] = None
+
+    def _evict_to_fit(self, protected):
+        excess = len(self._slots) - self.num_slots
+        if excess <= 0:
+            return
+        victims = [k for k in self._lru if k not in self._references and k not in protected]
+        if len(victims) < excess and not {grows}:
+            raise BlockObjectStoreError(
+                "auxiliary output store cannot retain the requested batch: "
+                f"limit={{self.num_slots}} objects"
+            )
+        for victim in victims[:excess]:
+            del self._lru[victim]
+            slot = self._slots.pop(victim)
+            if slot != self._UNALLOCATED_SLOT:
+                self._free_slots.append(slot)
+
+    def _allocate_slot(self):
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._next_slot += 1
+        return self._next_slot - 1
 
     def put(self, objects, *, retain_keys=(), release_keys=()):
-        objects = list(objects)
-        if len(objects) > self.num_slots:
-            if not {grows}:
-                raise BlockObjectStoreError("cannot retain the requested batch")
-            logger.warning("fake vLLM store grows")
-            self.num_slots = max(len(objects), 2 * self.num_slots)
-        self._objects.update((obj.key, obj.payload) for obj in objects)
+        if self._arena is None:
+            raise RuntimeError("auxiliary output store is closed")
+        unique = {{obj.key: obj for obj in objects}}
+        if {grows}:
+            for key in unique.keys() & self._lru.keys():
+                del self._lru[key]
+                slot = self._slots.pop(key)
+                if slot != self._UNALLOCATED_SLOT:
+                    self._free_slots.append(slot)
+        for key in retain_keys:
+            count = self._references.get(key, 0)
+            if not count and {grows}:
+                self._lru.pop(key, None)
+            self._references[key] = count + 1
+        released = []
+        for key in release_keys:
+            count = self._references[key] - 1
+            if count:
+                self._references[key] = count
+                continue
+            del self._references[key]
+            if key in self._slots and {grows}:
+                self._lru[key] = None
+            released.append(key)
+        for key in unique:
+            self._slots.setdefault(key, self._UNALLOCATED_SLOT)
+            if not {grows} or key not in self._references:
+                self._tail(key)
+        for key in released:
+            if key in self._lru:
+                self._tail(key)
+        try:
+            self._evict_to_fit(set(unique) - set(released))
+        except BlockObjectStoreError:
+            for key in unique:
+                if self._slots.get(key) == self._UNALLOCATED_SLOT:
+                    del self._slots[key]
+                    self._lru.pop(key, None)
+            raise
+        size = self.object_nbytes
+        if len(self._slots) * size > len(self._arena):
+            nbytes = max(len(self._slots) * size, 2 * len(self._arena))
+            logger.warning("fake vLLM store grows to %d bytes", nbytes)
+            self._arena += bytearray(nbytes - len(self._arena))
+            self.num_slots = nbytes // size
+        for key, obj in unique.items():
+            if self._slots.get(key) == self._UNALLOCATED_SLOT:
+                slot = self._allocate_slot()
+                self._arena[slot * size : (slot + 1) * size] = obj.payload
+                self._slots[key] = slot
 
     def get_concatenated(self, keys):
-        return b"".join(self._objects[key] for key in keys)
+        if self._arena is None:
+            raise RuntimeError("auxiliary output store is closed")
+        try:
+            slots = [self._slots[key] for key in keys]
+        except KeyError as error:
+            raise BlockObjectStoreError(
+                "auxiliary output object does not exist; the object may have been evicted"
+            ) from error
+        size = self.object_nbytes
+        data = b"".join(bytes(self._arena[s * size : (s + 1) * size]) for s in slots)
+        for key in keys:
+            if key in self._lru:
+                self._tail(key)
+        return data
 
     def close(self):
-        pass
+        self._arena = None
 """
 
 _VARIABLE = """
@@ -869,13 +966,30 @@ def test_failure_with_an_unprintable_exception_still_says_why(
 def test_probe_that_cannot_tell_falls_back_to_fail_closed(
     make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = make_tree("broken")
+    fake = make_tree("broken", known=True)
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     store = fake.modules[STORE].BlockObjectStore(max_bytes=8, object_nbytes=4)
     assert store.profile == "fail-closed"
     store.close()
     assert any(r.levelno == logging.WARNING for r in plugin_records(caplog))
+
+
+def test_store_the_differential_cannot_build_stays_vllms(
+    make_tree: TreeMaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # On a vLLM checked class by class, a store the differential cannot run is not proven.
+    fake = make_tree("broken")
+    with caplog.at_level(logging.INFO):
+        vllm_plugin.register()  # never raises
+    assert fake.modules[STORE].BlockObjectStore is fake.originals["BlockObjectStore"]
+    (record,) = plugin_records(caplog)
+    assert record.levelno == logging.WARNING
+    assert (
+        "kept vLLM's BlockObjectStore: behaviour not proven: the scripted differential could "
+        "not run (cannot build vLLM's BlockObjectStore(max_bytes=16, object_nbytes=4): "
+        "TypeError: this store needs arguments the probe does not know)"
+    ) in record.getMessage()
 
 
 def test_vllm_without_the_store_module_is_left_alone(make_tree: TreeMaker) -> None:
@@ -1637,7 +1751,7 @@ DEFECT_TREES: dict[str, dict[str, str]] = {
         "store_extra": """
     @property
     def stats(self):
-        return {"stored": len(self._objects)}
+        return {"stored": len(self._slots)}
 """,
         "worker_extra": """
             def run():

@@ -593,31 +593,50 @@ def _vllm_modules() -> Iterator[tuple[str, types.ModuleType]]:
             yield name, module
 
 
-def usage(store_module: Any, class_names: Iterable[str]) -> Usage:
-    """What vLLM code uses: the package directory's files, and every imported ``vllm`` module
-    whose source names the package or one of ``class_names``.
+def usage(
+    store_module: Any,
+    class_names: Iterable[str],
+    sources: Sources | None = None,
+    *,
+    inside: bool = True,
+) -> Usage:
+    """What vLLM code uses: the package directory's files, every imported ``vllm`` module whose
+    source names the package or one of ``class_names``, and the files of ``sources`` (the
+    installed ``vllm`` package on disk, :func:`vllm_sources`) that do. ``inside=False``: only
+    the files outside the package directory.
 
     An object of these classes reaches other code only through code that names its class or
-    its package, so modules that do neither are not parsed (it keeps start-up cheap).
+    its package, so files that do neither are not parsed (it keeps start-up cheap).
     """
     found = Usage()
+    names = list(class_names)
     paths: dict[Path, str] = {}
     directory = _package_directory(store_module)
-    if directory is not None:
+    if directory is not None and inside:
         for path in sorted(directory.rglob("*.py")):
             paths[path] = path.name
     for name, module in _vllm_modules():
         file = getattr(module, "__file__", None)
         if isinstance(file, str) and file.endswith(".py"):
             paths.setdefault(Path(file), name)
-    words = [PACKAGE, *class_names]
+    texts: dict[Path, str] = {}
+    if sources is not None:
+        texts.update(sources.files)
+        for path in sources.files:
+            paths.setdefault(path, _shown(path, sources.root))
+        found.unreadable.extend(sources.unreadable)
+    words = [PACKAGE, *names]
     for path, name in paths.items():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            found.unreadable.append(name)
-            continue
         in_package = directory is not None and path.is_relative_to(directory)
+        if in_package and not inside:
+            continue
+        text = texts.get(path)
+        if text is None:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                found.unreadable.append(name)
+                continue
         if not in_package and not any(word in text for word in words):
             continue
         try:
@@ -628,6 +647,249 @@ def usage(store_module: Any, class_names: Iterable[str]) -> Usage:
         _scan(tree, found)
         found.sources.append(str(path))
     return found
+
+
+# -- vLLM's sources on disk --------------------------------------------------------------------
+
+# Functions that need a dataclass instance (aostore's BlockObject is a native class, not one).
+_DATACLASS_FUNCTIONS = frozenset({"replace", "fields", "asdict", "astuple"})
+_DATACLASS_ATTRIBUTES = frozenset(
+    {"__dataclass_fields__", "__dataclass_params__", "__match_args__"}
+)
+
+
+@dataclasses.dataclass
+class Sources:
+    """The ``.py`` files of the installed ``vllm`` package that name the package or one of the
+    classes the plan looks at: read from disk, so the decision does not depend on which modules
+    this process has imported yet (in a worker the plugin runs before the model runner and the
+    worker modules are imported)."""
+
+    root: Path | None = None
+    """The ``vllm`` package's directory; ``None``: not found (no scan)."""
+    files: dict[Path, str] = dataclasses.field(default_factory=dict)
+    """Path -> text of each file that names the package or a class."""
+    unreadable: list[str] = dataclasses.field(default_factory=list)
+    """Files that name them but could not be read or decoded."""
+    scanned: int = 0
+    """How many ``.py`` files were looked at."""
+
+
+def _vllm_root(store_module: Any) -> Path | None:
+    top = sys.modules.get("vllm")
+    file = getattr(top, "__file__", None)
+    if isinstance(file, str):
+        return Path(file).parent
+    directory = _package_directory(store_module)
+    # vllm/distributed/aux_output_connector/store.py: the package directory's grandparent.
+    if (
+        directory is not None
+        and len(directory.parents) >= 2
+        and directory.parents[1].name == "vllm"
+    ):
+        return directory.parents[1]
+    return None
+
+
+def _python_files(root: Path) -> Iterator[Path]:
+    stack = [root]
+    while stack:
+        directory = stack.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name != "__pycache__":
+                        stack.append(Path(entry.path))
+                elif entry.name.endswith(".py"):
+                    yield Path(entry.path)
+            except OSError:
+                continue
+
+
+def vllm_sources(store_module: Any, class_names: Iterable[str]) -> Sources:
+    """The installed ``vllm`` package's files that name :data:`PACKAGE` or one of
+    ``class_names`` (a substring test on the bytes; only those are decoded and parsed later)."""
+    found = Sources(root=_vllm_root(store_module))
+    if found.root is None:
+        return found
+    words = [word.encode() for word in (PACKAGE, *class_names)]
+    for path in _python_files(found.root):
+        found.scanned += 1
+        try:
+            data = path.read_bytes()
+        except OSError:
+            found.unreadable.append(str(path))
+            continue
+        if any(word in data for word in words):
+            try:
+                found.files[path] = data.decode("utf-8")
+            except UnicodeDecodeError:
+                found.unreadable.append(str(path))
+    return found
+
+
+def _shown(path: Path, root: Path | None) -> str:
+    if root is not None and path.is_relative_to(root.parent):
+        return path.relative_to(root.parent).as_posix()
+    return str(path)
+
+
+class _Hazards(ast.NodeVisitor):
+    """What one file does with the classes that aostore's could not serve after the swap."""
+
+    def __init__(self, names: Iterable[str], where: str, *, except_tuples: bool) -> None:
+        self.names = set(names)
+        self.where = where
+        self.except_tuples = except_tuples
+        self.found: dict[str, list[str]] = {}
+        self.aliases: dict[str, str] = {}  # local name -> class name
+        self.dataclass_names: set[str] = set()  # names bound to dataclasses' functions
+        self.dataclass_modules = {"dataclasses", "copy"}  # and to those modules
+        self.depth = 0  # inside a function body: evaluated when called, not at import
+
+    def _add(self, name: str, node: ast.AST, what: str) -> None:
+        line = getattr(node, "lineno", 0)
+        self.found.setdefault(name, []).append(f"{self.where}:{line} {what}")
+
+    def _named(self, node: ast.AST) -> str | None:
+        if isinstance(node, ast.Name):
+            return self.aliases.get(node.id)
+        if isinstance(node, ast.Attribute) and node.attr in self.names:
+            return node.attr
+        return None
+
+    def _held(self, node: ast.AST | None) -> set[str]:
+        """Classes that the display ``node`` (a tuple, list, set or dict) holds."""
+        if node is None:
+            return set()
+        held: set[str] = set()
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Tuple | ast.List | ast.Set | ast.Dict):
+                parts = [*inner.keys, *inner.values] if isinstance(inner, ast.Dict) else inner.elts
+                held |= {name for part in parts if part and (name := self._named(part))}
+        return held
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.name in ("dataclasses", "copy") and alias.asname:
+                self.dataclass_modules.add(alias.asname)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for alias in node.names:
+            if alias.name in self.names:
+                self.aliases[alias.asname or alias.name] = alias.name
+            elif node.module in ("dataclasses", "copy") and alias.name in _DATACLASS_FUNCTIONS:
+                self.dataclass_names.add(alias.asname or alias.name)
+
+    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
+        defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+        for default in defaults:
+            held = {self._named(default)} | self._held(default)
+            for name in held - {None}:
+                self._add(cast(str, name), default, "holds it as a default argument")
+        for decorator in getattr(node, "decorator_list", []):
+            self.visit(decorator)
+        self.depth += 1
+        for child in node.body if isinstance(node.body, list) else [node.body]:
+            self.visit(child)
+        self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        for base in node.bases:
+            name = self._named(base)
+            if name:
+                self._add(name, base, f"subclasses it ({node.name})")
+        for statement in node.body:
+            value = getattr(statement, "value", None)
+            if isinstance(statement, ast.Assign | ast.AnnAssign) and value is not None:
+                name = self._named(value)
+                if name and self.depth == 0:
+                    self._add(name, statement, f"holds it as a class attribute of {node.name}")
+        self.generic_visit(node)
+
+    def visit_Tuple(self, node: ast.expr) -> None:
+        if self.depth == 0:
+            for name in self._held(node):
+                self._add(name, node, "holds it in a container at import")
+        else:
+            self.generic_visit(node)
+
+    visit_List = visit_Set = visit_Dict = visit_Tuple
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        if self.except_tuples and isinstance(node.type, ast.Tuple):
+            for name in self._held(node.type):
+                self._add(name, node, "holds it in an except tuple")
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        called = (
+            func.attr
+            if isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id in self.dataclass_modules
+            else func.id
+            if isinstance(func, ast.Name) and func.id in self.dataclass_names
+            else ""
+        )
+        if called in _DATACLASS_FUNCTIONS or called == "is_dataclass":
+            self._add(OBJECT, node, f"calls {called}() (needs a dataclass)")
+        self.generic_visit(node)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr in _DATACLASS_ATTRIBUTES:
+            self._add(OBJECT, node, f"reads {node.attr} (a dataclass attribute)")
+        self.generic_visit(node)
+
+    def visit_MatchClass(self, node: ast.MatchClass) -> None:
+        if self._named(node.cls) == OBJECT and node.patterns:
+            self._add(OBJECT, node, "matches it with positional patterns (__match_args__)")
+        self.generic_visit(node)
+
+
+def source_hazards(
+    sources: Sources, class_names: Iterable[str], *, package: Path | None, inside: bool
+) -> tuple[dict[str, list[str]], list[str]]:
+    """What vLLM's files on disk do with ``class_names`` that a swap breaks, by class name:
+    subclassing one; holding one where the swap cannot rebind it (a tuple, list, set or dict
+    built at import, a default argument, a class attribute; outside the package an ``except``
+    tuple too); and, for ``BlockObject``, what needs vLLM's dataclass (``dataclasses.replace``,
+    ``fields``, ``asdict``, ``astuple``, ``is_dataclass``, ``copy.replace``, the dataclass
+    attributes, positional class patterns) in a file that names it. ``inside``: also the files
+    of the package ``package`` (on a release CI proves, CI ran those). Also returns the files
+    that could not be parsed."""
+    names = set(class_names)
+    found: dict[str, list[str]] = {}
+    unreadable: list[str] = []
+    for path, text in sources.files.items():
+        in_package = package is not None and path.is_relative_to(package)
+        if in_package and not inside:
+            continue
+        if not any(name in text for name in names):
+            continue
+        where = _shown(path, sources.root)
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            unreadable.append(where)
+            continue
+        visitor = _Hazards(names, where, except_tuples=not in_package)
+        visitor.visit(tree)
+        if OBJECT in visitor.found and OBJECT not in visitor.aliases.values():
+            # No file names it: its dataclass uses are of other classes.
+            if not any(isinstance(n, ast.Attribute) and n.attr == OBJECT for n in ast.walk(tree)):
+                del visitor.found[OBJECT]
+        for name, where_list in visitor.found.items():
+            if name in names:
+                found.setdefault(name, []).extend(where_list)
+    return found, unreadable
 
 
 # -- References the swap cannot update ---------------------------------------------------------
@@ -701,7 +963,11 @@ def hidden_references(originals: Mapping[str, type]) -> dict[str, list[str]]:
                         if entry in _SKIPPED_CLASS_ENTRIES:
                             continue
                         name = targets.get(id(member))
-                        members.append((entry, {name} if name else _holds(member, targets)))
+                        hits = {name} if name else _holds(member, targets)
+                        # A class's own methods that hold the class itself (a frozen
+                        # dataclass's __setattr__) are replaced along with it.
+                        hits.discard(targets.get(id(value), ""))
+                        members.append((entry, hits))
             except Exception:  # a container subclass that cannot be iterated: not ours to judge
                 continue
             for entry, hits in members:
@@ -1027,6 +1293,12 @@ class Plan:
     mooncake_said: str = ""
     """What the start-up line says about the tier: on (and where the master is), ignored and
     why, or ``""`` when the setting is unset."""
+    profile_choice: tuple[str, str, bool] | None = None
+    """The fixed store's profile, why, and whether that deserves a warning, once chosen (the
+    differential chooses it first on a vLLM it checks class by class; :func:`register` reuses
+    it)."""
+    differentials: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """vLLM store name -> the ``aostore._vllm_differential.Verdict`` of its differential."""
 
 
 def _module_classes(module: Any) -> dict[str, type]:
@@ -1124,7 +1396,8 @@ def _stores(classes: Mapping[str, type]) -> list[str]:
 def _keep_dependents(result: Plan, covered: dict[str, type], *, strict: bool) -> None:
     """Moves to ``keep`` what depends on a kept class; the rest of ``covered`` is replaced."""
     stores = _stores(result.vllm)
-    error_kept = strict and ERROR in result.vllm and ERROR not in covered
+    # A kept error class keeps the stores on any vLLM: vLLM code catches vLLM's class.
+    error_kept = ERROR in result.vllm and ERROR not in covered and ERROR in result.keep
     if error_kept:
         why = f"aostore's stores raise aostore's {ERROR}, and vLLM's stays ({result.keep[ERROR]})"
         for store in stores:
@@ -1146,26 +1419,95 @@ def _keep_dependents(result: Plan, covered: dict[str, type], *, strict: bool) ->
             result.replace[name] = replacement
 
 
+def _private_gap(theirs: type, ours: type, used: Usage) -> str | None:
+    """The private names of vLLM's ``theirs`` that vLLM code outside its package uses and
+    aostore's ``ours`` lacks (or has read-only where that code assigns them)."""
+    lacking, read_only = [], []
+    for attribute, _ in sorted(_vllm_names(theirs).items()):
+        if not attribute.startswith("_") or _is_special(attribute):
+            continue
+        if attribute not in used.read and attribute not in used.written:
+            continue
+        found = _our_kind(ours, attribute)
+        if found is None:
+            lacking.append(attribute)
+        elif attribute in used.written and not _writable(*found):
+            read_only.append(attribute)
+    if lacking:
+        return f"vLLM code outside {PACKAGE} uses {', '.join(lacking)}, which aostore's lacks"
+    if read_only:
+        return f"vLLM code outside {PACKAGE} assigns {', '.join(read_only)}, read-only in aostore's"
+    return None
+
+
+def _quiet(*names: str) -> list[logging.Logger]:
+    loggers = [logging.getLogger(name) for name in names]
+    for one in loggers:
+        one.addFilter(_drop)
+    return loggers
+
+
+def _behaviour_gap(result: Plan, name: str) -> str | None:
+    """Runs the scripted differential (``aostore._vllm_differential``) between vLLM's store
+    ``name`` and the class the plugin would install for it; why it stays vLLM's, or ``None``."""
+    from aostore import _vllm_differential
+
+    theirs = result.vllm[name]
+    object_cls = result.vllm.get(OBJECT)
+    if object_cls is None:
+        return f"behaviour not proven: the differential needs vLLM's {OBJECT}"
+    if name == FIXED_STORE:
+        if result.profile_choice is None:
+            result.profile_choice = _choose_profile(dict(result.vllm))
+        profile = result.profile_choice[0]
+
+        def ours(**sizes: Any) -> Any:
+            return EngineBlockObjectStore(profile=profile, prefault=False, **sizes)
+
+        installed = f"aostore's {FIXED_STORE} (profile {profile!r})"
+    else:
+
+        def ours(**sizes: Any) -> Any:
+            return EngineShmBlockObjectStore(prefault=False, **sizes)
+
+        installed = f"aostore's {name}"
+    errors = {result.vllm[ERROR]: aostore.BlockObjectStoreError} if ERROR in result.vllm else {}
+    # Growth warnings of either store are the differential's, not the user's.
+    quiet = _quiet(theirs.__module__, STORE_MODULE, _log.logger.name)
+    try:
+        verdict = _vllm_differential.differential(
+            theirs, ours, make_object=object_cls, errors=errors,
+            names=(f"vLLM's {name}", installed),
+        )  # fmt: skip
+    finally:
+        for one in quiet:
+            one.removeFilter(_drop)
+    result.differentials[name] = verdict
+    if verdict.failed:
+        return f"behaviour not proven: the scripted differential could not run ({verdict.failed})"
+    if verdict.difference:
+        return f"behaves unlike {installed} in the scripted differential: {verdict.difference}"
+    return None
+
+
 def plan(module: Any) -> Plan:
     """Decides which of ``module``'s classes aostore replaces (see the module docstring)."""
     result = Plan(_layout_classes(module), release=recognize(module))
     ours = aostore_classes(result.vllm)
     covered: dict[str, type] = {}
     strict = result.release is None
-    used = usage(module, result.vllm) if strict else Usage()
-    hidden = hidden_references(result.vllm) if strict else {}
+    directory = _package_directory(module)
+    # vLLM's files on disk, whatever this process has imported; on a release CI proves, the
+    # package's own files are CI's and only the code outside it is looked at.
+    sources = vllm_sources(module, result.vllm)
+    hazards, unparsed = source_hazards(sources, result.vllm, package=directory, inside=strict)
+    used = usage(module, result.vllm, sources, inside=strict)
+    hidden = hidden_references(result.vllm)
     for name, cls in result.vllm.items():
         if name not in ours:
             result.keep[name] = f"aostore has no {name}"
             continue
-        if not strict:
-            missing = surface(cls) - surface(ours[name])
-            if missing:
-                result.keep[name] = f"aostore's {name} lacks {', '.join(sorted(missing))}"
-            else:
-                covered[name] = ours[name]
-            continue
-        if name == OBJECT:
+        if strict and name == OBJECT:
             result.keep[name] = (
                 "not replaced on a vLLM that CI does not prove: aostore's stores take vLLM's "
                 "(any object with .key and .payload)"
@@ -1175,16 +1517,40 @@ def plan(module: Any) -> Plan:
             where = ", ".join(sorted(hidden[name]))
             result.keep[name] = f"vLLM's {name} is also held where the swap cannot reach ({where})"
             continue
+        hazard = None
+        if name in hazards:
+            hazard = f"vLLM code that aostore's {name} cannot serve: {'; '.join(hazards[name])}"
+        if not strict and hazard:
+            result.keep[name] = hazard
+            continue
+        if not strict:
+            missing = surface(cls) - surface(ours[name])
+            gap = f"aostore's {name} lacks {', '.join(sorted(missing))}" if missing else None
+            if gap is None:
+                gap = _private_gap(cls, ours[name], used)
+            if gap is None and (used.unreadable or unparsed):
+                unread = sorted({*used.unreadable, *unparsed})
+                gap = f"cannot read the source of {', '.join(unread)}"
+            if gap:
+                result.keep[name] = gap
+            else:
+                covered[name] = ours[name]
+            continue
         # The fixed stores are compared as the plugin installs them (same names, own defaults).
         installed = {FIXED_STORE: EngineBlockObjectStore, SHM_STORE: EngineShmBlockObjectStore}
         gap = compare(cls, installed.get(name, ours[name]), used)
-        if gap is None and used.unreadable:
-            gap = f"cannot read the source of {', '.join(sorted(used.unreadable))}"
+        if gap is None:
+            gap = hazard  # what vLLM's files on disk do, imported or not
+        if gap is None and (used.unreadable or unparsed):
+            gap = f"cannot read the source of {', '.join(sorted({*used.unreadable, *unparsed}))}"
         if gap is None and name == SHM_STORE:
             # aostore's is fail-closed: vLLM's must be too (run once on a one-slot arena).
             grows = _original_grows(result.vllm, SHM_STORE)
             if grows is not False:
                 gap = f"vLLM's {SHM_STORE} " + ("grows" if grows else "could not be probed")
+        if gap is None and name in (FIXED_STORE, SHM_STORE):
+            # Same names and signatures; now the same behaviour (SPEC section 11).
+            gap = _behaviour_gap(result, name)
         if gap:
             result.keep[name] = gap
         else:
@@ -1340,7 +1706,8 @@ def _decide(store_module: Any) -> tuple[Plan, str, str, bool]:
     warn = False
     tier, said = mooncake_setting()
     if FIXED_STORE in decision.replace:
-        profile, reason, warn = _choose_profile(dict(decision.vllm))
+        choice = decision.profile_choice or _choose_profile(dict(decision.vllm))
+        profile, reason, warn = choice
         if tier is not None:
             classes: tuple[type, type] = (TieredGrowBlockObjectStore, TieredEngineBlockObjectStore)
             said = tier.describe()
