@@ -563,13 +563,39 @@ def tree_sources(
     store_extra: str = "",
     wrapper_extra: str = "",
     worker_extra: str = "",
+    store_edits: tuple[tuple[str, str], ...] = (),
+    extra_files: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The files of a fake ``vllm`` package of one layout, relative to its parent directory.
 
     ``store_params``/``store_keywords``/``store_extra`` change the fixed store's constructor
     and add to its body, ``wrapper_extra`` adds to the background wrapper's body, and
     ``worker_extra`` is appended to ``worker.py`` (a "worker" that uses vLLM's classes).
+    ``store_edits`` are ``(old, new)`` replacements in the fixed store's source (each must
+    match: a store that behaves differently), ``extra_files`` more files by path (written,
+    not imported).
     """
+    files = _tree_files(
+        kind, store_keywords, store_params, store_extra, wrapper_extra, worker_extra
+    )
+    fixed = "vllm/distributed/aux_output_connector/" + (
+        "shm.py" if kind in ("shm", "shm_grows") else "store.py"
+    )
+    for old, new in store_edits:
+        assert old in files[fixed], old
+        files[fixed] = files[fixed].replace(old, new)
+    files.update(extra_files or {})
+    return files
+
+
+def _tree_files(
+    kind: str,
+    store_keywords: str,
+    store_params: str,
+    store_extra: str,
+    wrapper_extra: str,
+    worker_extra: str,
+) -> dict[str, str]:
     base = "vllm/distributed/aux_output_connector/"
     wrapper = _WRAPPER + (_WRAPPER_EXTRAS if kind == "variable" else "") + wrapper_extra
     fixed = _fixed(kind, keywords=store_keywords, params=store_params) + store_extra
@@ -618,7 +644,7 @@ class TreeMaker:
     root: Path
     monkeypatch: pytest.MonkeyPatch
 
-    def __call__(self, kind: str, *, known: bool = False, **options: str) -> FakeTree:
+    def __call__(self, kind: str, *, known: bool = False, **options: Any) -> FakeTree:
         """Writes a fake vLLM of layout ``kind`` and imports it as vLLM would be imported.
 
         ``known``: the plugin recognizes its files as a release CI proves (as it does vLLM
