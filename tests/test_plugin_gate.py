@@ -73,16 +73,22 @@ def _kept(fake: FakeTree, *names: str) -> None:
             assert getattr(fake.modules["worker"], name) is fake.originals[name], name
 
 
+@pytest.fixture
+def trees(make_tree: TreeMaker) -> TreeMaker:  # noqa: F811  (test_plugin's fixture)
+    """test_plugin's fake vLLM trees."""
+    return make_tree
+
+
 # -- Item 4: the behavioural differential --------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_store_that_ignores_a_release_of_an_unreferenced_key_stays_vllms(
-    make_tree: TreeMaker,
+    trees: TreeMaker,
     caplog: pytest.LogCaptureFixture,
-    kind: str,  # noqa: F811
+    kind: str,
 ) -> None:
-    fake = make_tree(kind, store_edits=IGNORES_UNREFERENCED_RELEASE)
+    fake = trees(kind, store_edits=IGNORES_UNREFERENCED_RELEASE)
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     _kept(fake, *STORES)
@@ -103,11 +109,11 @@ def test_store_that_ignores_a_release_of_an_unreferenced_key_stays_vllms(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_store_that_evicts_in_another_order_stays_vllms(
-    make_tree: TreeMaker,
+    trees: TreeMaker,
     caplog: pytest.LogCaptureFixture,
-    kind: str,  # noqa: F811
+    kind: str,
 ) -> None:
-    fake = make_tree(kind, store_edits=EVICTS_NEWEST_FIRST)
+    fake = trees(kind, store_edits=EVICTS_NEWEST_FIRST)
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     _kept(fake, *STORES)
@@ -118,11 +124,11 @@ def test_store_that_evicts_in_another_order_stays_vllms(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_store_that_raises_another_error_class_stays_vllms(
-    make_tree: TreeMaker,
+    trees: TreeMaker,
     caplog: pytest.LogCaptureFixture,
-    kind: str,  # noqa: F811
+    kind: str,
 ) -> None:
-    fake = make_tree(kind, store_edits=MISSING_READ_RAISES_KEY_ERROR)
+    fake = trees(kind, store_edits=MISSING_READ_RAISES_KEY_ERROR)
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     _kept(fake, *STORES)
@@ -134,10 +140,10 @@ def test_store_that_raises_another_error_class_stays_vllms(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_store_that_behaves_as_aostores_is_replaced_after_the_differential(
-    make_tree: TreeMaker,
-    kind: str,  # noqa: F811
+    trees: TreeMaker,
+    kind: str,
 ) -> None:
-    fake = make_tree(kind)
+    fake = trees(kind)
     decision = vllm_plugin.plan(fake.modules[STORE])
     assert decision.release is None
     assert set(STORES) <= set(decision.replace)
@@ -148,13 +154,13 @@ def test_store_that_behaves_as_aostores_is_replaced_after_the_differential(
 
 
 def test_forced_profile_unlike_vllms_store_keeps_it_on_an_unknown_vllm(
-    make_tree: TreeMaker,
+    trees: TreeMaker,
     monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # The differential compares the store the plugin would install: a forced profile that
     # behaves unlike vLLM's store is not a drop-in there (a recognized release honours it).
-    fake = make_tree("fail-closed")
+    fake = trees("fail-closed")
     monkeypatch.setenv(vllm_plugin.ENV_PROFILE, "grow")
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
@@ -168,8 +174,8 @@ def test_forced_profile_unlike_vllms_store_keeps_it_on_an_unknown_vllm(
 
 
 def test_branch_shm_store_that_ignores_a_release_stays_vllms(
-    make_tree: TreeMaker,
-    caplog: pytest.LogCaptureFixture,  # noqa: F811
+    trees: TreeMaker,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     edits = (
         (
@@ -179,7 +185,7 @@ def test_branch_shm_store_that_ignores_a_release_stays_vllms(
             "            count = self._references[key] - 1\n",
         ),
     )
-    fake = make_tree("shm", store_edits=edits)
+    fake = trees("shm", store_edits=edits)
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     shm = fake.modules["shm"]
@@ -193,8 +199,8 @@ def test_branch_shm_store_that_ignores_a_release_stays_vllms(
 
 
 def test_a_store_that_breaks_the_differential_stays_vllms(
-    make_tree: TreeMaker,
-    caplog: pytest.LogCaptureFixture,  # noqa: F811
+    trees: TreeMaker,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A store whose behaviour changes from one instance to the next: the replays disagree.
     edits = (
@@ -206,7 +212,7 @@ def test_a_store_that_breaks_the_differential_stays_vllms(
             "            self.put = None\n",
         ),
     )
-    fake = make_tree("grow", store_edits=edits)
+    fake = trees("grow", store_edits=edits)
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()  # never raises
     _kept(fake, *STORES)
@@ -216,11 +222,11 @@ def test_a_store_that_breaks_the_differential_stays_vllms(
 
 
 def test_a_failure_inside_the_differential_keeps_vllms_classes(
-    make_tree: TreeMaker,
+    trees: TreeMaker,
     monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fake = make_tree("grow")
+    fake = trees("grow")
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected in the differential")
@@ -296,11 +302,11 @@ def depth(store: BlockObjectStore) -> int:
 
 @pytest.mark.parametrize("source", [_ERROR_IN_A_TUPLE, _ERROR_IN_AN_EXCEPT_TUPLE])
 def test_recognized_release_keeps_the_error_class_held_outside_the_package(
-    make_tree: TreeMaker,
+    trees: TreeMaker,
     caplog: pytest.LogCaptureFixture,
-    source: str,  # noqa: F811
+    source: str,
 ) -> None:
-    fake = make_tree("grow", known=True, extra_files={_OUTSIDE: source})
+    fake = trees("grow", known=True, extra_files={_OUTSIDE: source})
     assert "vllm.v1.patched_worker" not in sys.modules  # on disk only
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
@@ -316,10 +322,10 @@ def test_recognized_release_keeps_the_error_class_held_outside_the_package(
 
 
 def test_recognized_release_keeps_block_object_when_code_outside_needs_a_dataclass(
-    make_tree: TreeMaker,
-    caplog: pytest.LogCaptureFixture,  # noqa: F811
+    trees: TreeMaker,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fake = make_tree("grow", known=True, extra_files={_OUTSIDE: _DATACLASS_REPLACE})
+    fake = trees("grow", known=True, extra_files={_OUTSIDE: _DATACLASS_REPLACE})
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     _kept(fake, "BlockObject")
@@ -339,17 +345,17 @@ def test_recognized_release_keeps_block_object_when_code_outside_needs_a_datacla
 
 
 def test_recognized_release_keeps_a_store_whose_private_names_code_outside_reads(
-    make_tree: TreeMaker,  # noqa: F811
+    trees: TreeMaker,
 ) -> None:
-    fake = make_tree("grow", known=True, extra_files={_OUTSIDE: _PRIVATE_NAMES})
+    fake = trees("grow", known=True, extra_files={_OUTSIDE: _PRIVATE_NAMES})
     decision = vllm_plugin.plan(fake.modules[STORE])
     assert decision.keep["BlockObjectStore"] == (
         f"vLLM code outside {PACKAGE} uses _lru, which aostore's lacks"
     )
 
 
-def test_recognized_release_keeps_a_class_an_imported_module_holds(make_tree: TreeMaker) -> None:  # noqa: F811
-    fake = make_tree("grow", known=True, extra_files={_OUTSIDE: _ERROR_IN_A_TUPLE})
+def test_recognized_release_keeps_a_class_an_imported_module_holds(trees: TreeMaker) -> None:
+    fake = trees("grow", known=True, extra_files={_OUTSIDE: _ERROR_IN_A_TUPLE})
     __import__("vllm.v1.patched_worker")
     decision = vllm_plugin.plan(fake.modules[STORE])
     assert decision.keep["BlockObjectStoreError"] == (
@@ -358,7 +364,7 @@ def test_recognized_release_keeps_a_class_an_imported_module_holds(make_tree: Tr
     )
 
 
-def test_recognized_release_with_nothing_outside_is_replaced_in_full(make_tree: TreeMaker) -> None:  # noqa: F811
+def test_recognized_release_with_nothing_outside_is_replaced_in_full(trees: TreeMaker) -> None:
     # Code outside the package that uses only what aostore's classes serve changes nothing.
     harmless = f"""
 from {STORE} import BlockObject, BlockObjectStoreError
@@ -370,13 +376,13 @@ def publish(store, key, payload):
     except BlockObjectStoreError:
         raise
 """
-    fake = make_tree("grow", known=True, extra_files={_OUTSIDE: harmless})
+    fake = trees("grow", known=True, extra_files={_OUTSIDE: harmless})
     decision = vllm_plugin.plan(fake.modules[STORE])
     assert decision.keep == {}
     assert sorted(decision.replace) == sorted([*STORES, "BlockObject"])
 
 
-def test_unknown_vllm_reads_files_on_disk_too(make_tree: TreeMaker) -> None:  # noqa: F811
-    fake = make_tree("grow", extra_files={_OUTSIDE: _PRIVATE_NAMES})
+def test_unknown_vllm_reads_files_on_disk_too(trees: TreeMaker) -> None:
+    fake = trees("grow", extra_files={_OUTSIDE: _PRIVATE_NAMES})
     decision = vllm_plugin.plan(fake.modules[STORE])
     assert decision.keep["BlockObjectStore"] == "aostore's BlockObjectStore lacks _lru"
