@@ -389,11 +389,13 @@ def _replay_table(
         if ours.cpu_ns and ours.faults
         else ""
     )
-    stalled = (
-        f" (the slowest by wall time, put {ours.worst_index:,}, was a stall of the machine: *)"
-        if ours.stalled(ours.worst_index)
-        else ""
-    )
+    stalled = ""
+    if ours.stalled(ours.worst_index):
+        which = "its" if ours.worst_index == w else f"put {ours.worst_index:,}'s"
+        stalled = (
+            f" ({which} {ours.put_ns[ours.worst_index] / 1e6:.2f} ms of wall time, the slowest, "
+            "was a stall of the machine: *)"
+        )
     notes.append(
         _wrap(
             f"T8: the slowest single put <= {T8_TARGET_MS:g} ms: put {w:,}{shape(w)}: "
