@@ -47,7 +47,19 @@ one start-up line. What it does:
      ``shm.py`` and ``mooncake.py`` define (:data:`PEER_MODULES`, imported when the package
      has them), replaces ``ShmBlockObjectStore`` with :class:`EngineShmBlockObjectStore` when
      it passes the check and vLLM's fails closed (run once on a one-slot arena), and keeps the
-     Mooncake store and publisher, which aostore has no class for;
+     Mooncake store and publisher, which aostore has no class for. A fixed store that passes
+     by names and signatures then runs a short scripted differential against the class the
+     plugin would install, profile included (``aostore._vllm_differential``: results,
+     exceptions and state by behaviour, milliseconds); any difference, or a differential that
+     cannot run, keeps vLLM's store;
+   - on both paths, vLLM's files on disk (every ``.py`` file of the installed ``vllm``
+     package that names the package or a class, imported or not: :func:`vllm_sources`) are
+     searched for what aostore's classes cannot serve (:func:`source_hazards`: a subclass, a
+     class held in a display built at import, an ``except`` tuple outside the package, a
+     default argument or a class attribute; ``dataclasses`` functions on ``BlockObject``),
+     and for private names of vLLM's classes that code outside the package uses; imported
+     ``vllm`` modules for references the swap cannot rebind (:func:`hidden_references`). On
+     a recognized release only the code outside the package counts (CI ran the package's);
 2. replaces, in every module under ``vllm`` that is already imported, each global that *is* a
    replaced original, whatever its name there (modules imported later get aostore's from the
    store module); other globals are left alone. The swap is undone if it fails half-way;
@@ -125,6 +137,7 @@ __all__ = [
     "GrowBlockObjectStore",
     "MooncakeTier",
     "Plan",
+    "Sources",
     "TieredEngineBlockObjectStore",
     "TieredGrowBlockObjectStore",
     "Usage",
@@ -139,8 +152,10 @@ __all__ = [
     "recognize",
     "register",
     "signature_gap",
+    "source_hazards",
     "surface",
     "usage",
+    "vllm_sources",
 ]
 
 STORE_MODULE = "vllm.distributed.aux_output_connector.store"
