@@ -173,6 +173,38 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
+    /// Room for a put of `objects` objects, `retains` retains and `releases` releases, taken
+    /// before the put changes anything, so that a refusal of memory refuses the put whole.
+    /// Victims past the batch's count (the variable store's, for a large object) still grow
+    /// their vector as they come.
+    fn reserve(
+        &mut self,
+        objects: usize,
+        retains: usize,
+        releases: usize,
+    ) -> Result<(), StoreError> {
+        fn room<T>(v: &mut Vec<T>, n: usize) -> Result<(), StoreError> {
+            v.try_reserve(n).map_err(|_| StoreError::OutOfMemory {
+                what: "put's scratch",
+                bytes: n.saturating_mul(std::mem::size_of::<T>()),
+            })
+        }
+        let keys = objects + retains + releases;
+        room(&mut self.probes, keys.min(crate::keys::RESOLVE_CHUNK))?;
+        room(&mut self.entries, objects)?;
+        room(&mut self.batch, objects)?;
+        room(&mut self.charges, objects)?;
+        room(&mut self.retains, retains)?;
+        room(&mut self.releases, releases)?;
+        room(&mut self.released, releases)?;
+        room(&mut self.orphans, releases)?;
+        room(&mut self.created, keys)?;
+        room(&mut self.victims, objects)?;
+        room(&mut self.victim_hashes, objects)?;
+        room(&mut self.replaced, objects)?;
+        room(&mut self.undo, 2 * keys)
+    }
+
     pub fn clear(&mut self) {
         self.probes.clear();
         self.entries.clear();
@@ -330,7 +362,7 @@ impl<M: Copy + Default> Core<M> {
 
     /// Frees every key (the store was closed).
     pub fn clear(&mut self) {
-        self.keys = KeyTable::with_capacity(0);
+        self.keys = KeyTable::with_capacity(0).expect("an empty key table's 16 buckets");
         self.scratch = Scratch::default();
         self.stored = 0;
         self.referenced = 0;
@@ -358,6 +390,8 @@ impl<M: Copy + Default> Core<M> {
         retain_keys: &[&str],
         release_keys: &[&str],
     ) -> Result<(), StoreError> {
+        s.reserve(objects.len(), retain_keys.len(), release_keys.len())?;
+        self.keys.reserve(objects.len() + retain_keys.len() + release_keys.len())?;
         self.keys.resolve(retain_keys, &mut s.probes, &mut s.retains, Some(&mut s.created));
         self.keys.resolve(release_keys, &mut s.probes, &mut s.releases, Some(&mut s.created));
         // A key whose last reference goes joins the LRU, which writes its links (apart from its

@@ -35,6 +35,9 @@ pub enum StoreError {
     MissingObject { key: String, used: usize, limit: usize },
     /// A constructor argument out of range (Python: `ValueError`).
     InvalidArgument(String),
+    /// The allocator refused memory for the store's bookkeeping (Python: `MemoryError`). At
+    /// construction nothing was built; a put that gets this changed nothing.
+    OutOfMemory { what: &'static str, bytes: usize },
 }
 
 impl fmt::Display for StoreError {
@@ -55,6 +58,10 @@ impl fmt::Display for StoreError {
             Self::ArenaUnavailable { bytes, errno } => write!(
                 f,
                 "auxiliary output store could not map an arena of {bytes} bytes (errno {errno})"
+            ),
+            Self::OutOfMemory { what, bytes } => write!(
+                f,
+                "auxiliary output store could not allocate {bytes} bytes for its {what}"
             ),
             Self::PayloadSize { key, expected, actual } => write!(
                 f,

@@ -10,6 +10,8 @@
 //! scaled to the table (`hash * buckets >> 32`). Rounding up to a power of two would cost up to
 //! twice the memory, and rounding down would load the table past where probes stay short.
 
+use crate::error::StoreError;
+
 /// An empty bucket (entry index `u32::MAX` is never used).
 const EMPTY: u64 = u64::MAX;
 
@@ -40,19 +42,41 @@ fn bucket_idx(bucket: u64) -> u32 {
 }
 
 /// `n` empty buckets, on huge pages where the kernel grants them (advised before the first
-/// write, as a page's backing is chosen when it is first touched).
-fn empty_buckets(n: usize) -> Vec<u64> {
-    let mut buckets = Vec::with_capacity(n);
+/// write, as a page's backing is chosen when it is first touched), or an error when the
+/// allocator refuses them.
+fn empty_buckets(n: usize) -> Result<Vec<u64>, StoreError> {
+    let mut buckets = Vec::new();
+    buckets.try_reserve_exact(n).map_err(|_| StoreError::OutOfMemory {
+        what: "key index",
+        bytes: n.saturating_mul(std::mem::size_of::<u64>()),
+    })?;
     crate::arena::advise_huge_pages_for(&buckets);
     buckets.resize(n, EMPTY);
-    buckets
+    Ok(buckets)
 }
 
 impl KeyIndex {
     /// An index that holds `capacity` keys without growing.
-    pub fn with_capacity(capacity: usize) -> Self {
-        let buckets = (capacity * MAX_LOAD_DEN / MAX_LOAD_NUM + 1).max(16);
-        Self { buckets: empty_buckets(buckets), len: 0 }
+    pub fn with_capacity(capacity: usize) -> Result<Self, StoreError> {
+        Ok(Self { buckets: empty_buckets(Self::buckets_for(capacity))?, len: 0 })
+    }
+
+    fn buckets_for(keys: usize) -> usize {
+        (keys.saturating_mul(MAX_LOAD_DEN) / MAX_LOAD_NUM + 1).max(16)
+    }
+
+    /// Makes room for `additional` more keys, so that inserting them never allocates.
+    pub fn reserve(&mut self, additional: usize) -> Result<(), StoreError> {
+        let wanted = self.len.saturating_add(additional);
+        if wanted.saturating_mul(MAX_LOAD_DEN) <= self.buckets.len() * MAX_LOAD_NUM {
+            return Ok(());
+        }
+        let mut buckets = self.buckets.len() * 2;
+        while wanted.saturating_mul(MAX_LOAD_DEN) > buckets.saturating_mul(MAX_LOAD_NUM) {
+            buckets = buckets.saturating_mul(2);
+        }
+        self.rehash_into(empty_buckets(buckets)?);
+        Ok(())
     }
 
     /// Number of keys indexed.
@@ -139,9 +163,18 @@ impl KeyIndex {
         self.buckets[at] = bucket;
     }
 
+    /// Doubles the table; a put reserves first (`reserve`), so this runs only for callers
+    /// that did not, and an allocation failure there aborts as `Vec` growth does.
     fn grow(&mut self) {
-        let doubled = empty_buckets(self.buckets.len() * 2);
-        let old = std::mem::replace(&mut self.buckets, doubled);
+        let n = self.buckets.len() * 2;
+        let doubled = empty_buckets(n).unwrap_or_else(|_| {
+            std::alloc::handle_alloc_error(std::alloc::Layout::array::<u64>(n).expect("size"))
+        });
+        self.rehash_into(doubled);
+    }
+
+    fn rehash_into(&mut self, buckets: Vec<u64>) {
+        let old = std::mem::replace(&mut self.buckets, buckets);
         for bucket in old.into_iter().filter(|&b| b != EMPTY) {
             self.place(bucket);
         }
@@ -189,7 +222,7 @@ mod tests {
 
     #[test]
     fn insert_find_remove_against_a_map() {
-        let mut index = KeyIndex::with_capacity(4);
+        let mut index = KeyIndex::with_capacity(4).unwrap();
         let mut model: HashMap<u32, u32> = HashMap::new();
         let mut state = 12_345u64;
         for step in 0..20_000u32 {
@@ -221,7 +254,7 @@ mod tests {
 
     #[test]
     fn find_skips_rejected_candidates() {
-        let mut index = KeyIndex::with_capacity(8);
+        let mut index = KeyIndex::with_capacity(8).unwrap();
         index.insert(7, 1);
         index.insert(7, 2);
         assert_eq!(index.find(7, |i| i == 2), Some(2));

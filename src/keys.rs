@@ -11,7 +11,7 @@ use crate::index::KeyIndex;
 use crate::slab::{Slab, NIL};
 
 /// Keys `KeyTable::resolve` takes through its passes at a time.
-const RESOLVE_CHUNK: usize = 256;
+pub(crate) const RESOLVE_CHUNK: usize = 256;
 
 /// `Entry::mark` of a key that is not in the current batch (see `KeyTable::dedupe_batch`).
 pub const NOT_IN_BATCH: u32 = u32::MAX;
@@ -40,17 +40,24 @@ pub struct KeyTable<M> {
 
 impl<M: Copy + Default> KeyTable<M> {
     /// A table that holds `capacity` keys without growing.
-    pub fn with_capacity(capacity: usize) -> Self {
-        Self { index: KeyIndex::with_capacity(capacity), slab: Slab::with_room(capacity) }
+    pub fn with_capacity(capacity: usize) -> Result<Self, StoreError> {
+        Self::with_reserve(capacity, capacity)
     }
 
     /// A table whose index holds `index_capacity` keys before it rehashes and whose slab
     /// reserves address space for `slab_reserve` entries (see `Slab::with_reserve`).
-    pub fn with_reserve(index_capacity: usize, slab_reserve: usize) -> Self {
-        Self {
-            index: KeyIndex::with_capacity(index_capacity),
-            slab: Slab::with_reserve(slab_reserve),
-        }
+    pub fn with_reserve(index_capacity: usize, slab_reserve: usize) -> Result<Self, StoreError> {
+        Ok(Self {
+            index: KeyIndex::with_capacity(index_capacity)?,
+            slab: Slab::with_reserve(slab_reserve)?,
+        })
+    }
+
+    /// Makes room for `additional` new keys in the index and the slab, so that a call can be
+    /// refused for want of memory before it changes anything.
+    pub fn reserve(&mut self, additional: usize) -> Result<(), StoreError> {
+        self.index.reserve(additional)?;
+        self.slab.try_reserve(additional)
     }
 
     /// The entry of `key`, prepared as `probe`, if the table knows it.
@@ -271,7 +278,7 @@ mod tests {
 
     #[test]
     fn a_key_repeated_in_a_later_chunk_resolves_to_its_first_entry() {
-        let mut table: KeyTable<u32> = KeyTable::with_capacity(16);
+        let mut table: KeyTable<u32> = KeyTable::with_capacity(16).unwrap();
         let half = RESOLVE_CHUNK + 44;
         let texts: Vec<String> =
             (0..2 * half).map(|i| format!("vllm-artifact/0/{:064x}", (i % half) * 7919)).collect();
@@ -288,7 +295,7 @@ mod tests {
 
     #[test]
     fn resolve_finds_creates_and_misses() {
-        let mut table: KeyTable<u32> = KeyTable::with_capacity(4);
+        let mut table: KeyTable<u32> = KeyTable::with_capacity(4).unwrap();
         let long = "k".repeat(150);
         let digest = format!("vllm-artifact/0/{}", "0a".repeat(32));
         let other = format!("vllm-artifact/1/{}", "0a".repeat(32));

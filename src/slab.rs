@@ -9,6 +9,7 @@
 use std::borrow::Cow;
 
 use crate::digest::{KeyCodec, Probe, StoredKey};
+use crate::error::StoreError;
 
 /// "No entry" in a link field.
 pub const NIL: u32 = u32::MAX;
@@ -115,18 +116,29 @@ impl<M: Copy + Default> Slab<M> {
     }
 
     /// An empty slab that holds `capacity` entries before it reallocates, if the allocator
-    /// grants that much address space; otherwise it reserves what it can and grows later.
-    pub fn with_reserve(capacity: usize) -> Self {
+    /// grants that much address space; otherwise it reserves what it can (up to 2^20 entries)
+    /// and grows later, or fails when even that is refused.
+    pub fn with_reserve(capacity: usize) -> Result<Self, StoreError> {
         let mut slab = Self::with_room(0);
         // Large reservations are fresh anonymous mappings: untouched pages cost nothing.
-        let reserved = slab.entries.try_reserve_exact(capacity).is_ok()
-            && slab.links.try_reserve_exact(capacity).is_ok();
-        if !reserved {
-            let fallback = capacity.min(1 << 20);
-            slab.entries.reserve_exact(fallback.saturating_sub(slab.entries.capacity()));
-            slab.links.reserve_exact(fallback.saturating_sub(slab.links.capacity()));
+        if slab.try_reserve(capacity).is_err() {
+            slab = Self::with_room(0);
+            slab.try_reserve(capacity.min(1 << 20))?;
         }
-        slab
+        Ok(slab)
+    }
+
+    /// Makes room for `additional` more entries, so that inserting them never allocates.
+    pub fn try_reserve(&mut self, additional: usize) -> Result<(), StoreError> {
+        let refused = |what| StoreError::OutOfMemory {
+            what,
+            bytes: additional.saturating_mul(std::mem::size_of::<Entry<M>>()),
+        };
+        // Room in the free list counts: a put's new keys take vacant entries first.
+        let fresh = additional.saturating_sub(self.entries.len() - self.live);
+        self.entries.try_reserve(fresh).map_err(|_| refused("key entries"))?;
+        self.links.try_reserve(fresh).map_err(|_| refused("key links"))?;
+        Ok(())
     }
 
     /// Commits the memory of the first `count` entries (entries and links) now, so that
@@ -491,7 +503,7 @@ mod tests {
 
     #[test]
     fn committed_entries_are_used_as_before() {
-        let mut slab: Slab = Slab::with_reserve(100_000);
+        let mut slab: Slab = Slab::with_reserve(100_000).unwrap();
         let capacity = slab.entries.capacity();
         let first = insert(&mut slab, "before");
         slab.commit(100_000);

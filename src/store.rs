@@ -147,7 +147,7 @@ impl BlockStore {
             });
         }
         let arena = Arena::with_commit(num_slots, object_nbytes, prefault)?;
-        let mut keys = KeyTable::with_reserve(index_reserve(num_slots), slab_reserve(num_slots));
+        let mut keys = KeyTable::with_reserve(index_reserve(num_slots), slab_reserve(num_slots))?;
         if prefault != Prefault::OnWrite {
             // The entries a full store uses, committed now (a few ms at vLLM's size, also for
             // "background"): otherwise the first puts after construction first-touch them,
@@ -221,6 +221,11 @@ impl BlockStore {
         (objects, retain_keys, release_keys): Call<'_>,
         mut policy: Option<&mut dyn VictimPolicy>,
     ) -> Result<PutReport, StoreError> {
+        // Evictions free at most one slot per new key of the batch.
+        self.free_slots.try_reserve(objects.len()).map_err(|_| StoreError::OutOfMemory {
+            what: "free slot list",
+            bytes: objects.len() * std::mem::size_of::<u32>(),
+        })?;
         let core = &mut self.core;
         core.resolve_call(s, objects, retain_keys, release_keys)?;
         if self.profile == Profile::Grow {

@@ -200,7 +200,7 @@ impl VariableStore {
             chunks: Some(chunks),
             chunk_nbytes,
             capacity_chunks,
-            core: Core::new(Keys::with_capacity(reserve)),
+            core: Core::new(Keys::with_capacity(reserve)?),
             stored_bytes: 0,
             used_chunks: 0,
             version: 0,

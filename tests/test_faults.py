@@ -579,3 +579,105 @@ def test_a_raising_log_filter_does_not_fail_a_growing_put(raising_aostore_logger
     store.put([BlockObject("a", fill(1)), BlockObject("b", fill(2))], retain_keys=["a", "b"])
     assert store.get_concatenated(["a", "b"]) == fill(1) + fill(2)
     store.close()
+
+
+MEMORY_LIMIT_SCRIPT = """
+import os
+import resource
+
+from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+
+from aostore import VariableBlockObjectStore
+
+
+def address_space():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def limit(headroom):
+    resource.setrlimit(resource.RLIMIT_AS, (address_space() + headroom, resource.RLIM_INFINITY))
+
+
+def unlimit():
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+MB = 1 << 20
+# Construction: headrooms where the arena maps but the key index or the entries do not.
+for headroom in (8, 64, 96, 128, 192, 400):
+    for build in (
+        lambda: BlockObjectStore(max_bytes=1 << 30, object_nbytes=64),
+        lambda: VariableBlockObjectStore(max_bytes=1 << 30),
+    ):
+        limit((1024 + headroom) * MB)
+        try:
+            build().close()
+            print("built", headroom)
+        except MemoryError as error:
+            print("refused", headroom, error)
+        finally:
+            unlimit()
+
+# A put whose bookkeeping does not fit: refused whole, then accepted with room.
+store = BlockObjectStore(max_bytes=1000 * 64, object_nbytes=64)
+store.put([BlockObject(f"k{i}", bytes([i % 256]) * 64) for i in range(1000)], retain_keys=["k1"])
+keys = [f"vllm-artifact/0/{i:064x}" for i in range(200_000)]
+before = (store.stats(), store.snapshot())
+refusals = 0
+for headroom in (1, 2, 4, 6, 8, 12, 16, 24, 32, 64):
+    limit(headroom * MB)
+    try:
+        store.put([BlockObject("new", b"n" * 64)], retain_keys=keys, release_keys=["k1"])
+    except MemoryError:
+        unlimit()
+        refusals += 1
+        store.check()
+        assert (store.stats(), store.snapshot()) == before
+        continue
+    unlimit()
+    break
+else:
+    raise AssertionError("the put never fitted")
+store.check()
+assert store.get_concatenated(["new"]) == b"n" * 64
+print("put refused", refusals, "times, then accepted")
+
+# Through the Rust writer: refused at hand-over (MemoryError) or latched, never an abort.
+writer = BackgroundBlockObjectStore(
+    BlockObjectStore(max_bytes=1000 * 64, object_nbytes=64), max_pending_batches=4
+)
+limit(2 * MB)
+try:
+    writer.put([BlockObject("w", b"w" * 64)], retain_keys=keys)
+    writer.get_concatenated(["w"])
+    outcome = "applied"
+except MemoryError:
+    outcome = "refused"
+except BlockObjectStoreError as error:
+    outcome = f"latched {type(error.__cause__).__name__}"
+unlimit()
+print("writer", outcome)
+"""
+
+
+def test_a_store_that_cannot_get_memory_raises_and_changes_nothing() -> None:
+    # Under an address-space limit, construction printed "memory allocation of ... failed" and
+    # aborted the interpreter (SIGABRT), and so did a put whose bookkeeping could not grow.
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_LIMIT_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    refused = [line for line in lines if line.startswith("refused")]
+    assert refused and any(line.startswith("built") for line in lines), result.stdout
+    assert all("could not" in line for line in refused), refused
+    put_line = next(line for line in lines if line.startswith("put refused"))
+    assert int(put_line.split()[2]) >= 1, result.stdout
+    writer_line = next(line for line in lines if line.startswith("writer"))
+    assert writer_line in {"writer applied", "writer refused", "writer latched MemoryError"}, (
+        writer_line
+    )

@@ -12,7 +12,8 @@ use pyo3::types::{PyBytes, PyList, PyTuple, PyTupleMethods};
 use pyo3::PyTypeInfo;
 use pyo3::{ffi, intern};
 
-use super::{holds_objects, key_text, size_hint, type_name, BlockObject};
+use super::{holds_objects, key_text, reserve, size_hint, type_name, BlockObject};
+use crate::error::StoreError;
 use crate::store::BlockRef;
 
 /// Bytes owned by a Python object that the same batch keeps alive.
@@ -133,8 +134,8 @@ impl<'py> Gathered<'py> {
         let py = objects.py();
         let block_type = BlockObject::type_object_raw(py);
         let hint = size_hint(objects);
-        self.blocks.reserve(hint);
-        self.objects.reserve(hint);
+        reserve(&mut self.blocks, hint)?;
+        reserve(&mut self.objects, hint)?;
         for_each_item(objects, |item| {
             let block = if is_exactly(&item, block_type) {
                 // SAFETY: its type is exactly `BlockObject`, a final class.
@@ -282,8 +283,9 @@ impl<'py> Gathered<'py> {
     /// Records a sequence of keys (each must be `str`).
     pub(crate) fn keys(&mut self, keys: &Bound<'py, PyAny>) -> PyResult<Vec<RawBytes>> {
         let hint = size_hint(keys);
-        let mut out = Vec::with_capacity(hint);
-        self.objects.reserve(hint);
+        let mut out = Vec::new();
+        reserve(&mut out, hint)?;
+        reserve(&mut self.objects, hint)?;
         for_each_item(keys, |key| {
             out.push(self.key(&key)?);
             self.objects.push(key.unbind());
@@ -372,18 +374,9 @@ impl<'py> Gathered<'py> {
     ///
     /// # Safety
     /// `self` must outlive the returned views (it owns what they point into).
-    pub(crate) unsafe fn views(&self) -> (Vec<BlockRef<'_>>, Vec<&str>, Vec<&str>) {
+    pub(crate) unsafe fn views(&self) -> Result<BatchViews<'_>, StoreError> {
         // SAFETY: every RawBytes was recorded from an owner held by `self`.
-        unsafe {
-            let blocks = self
-                .blocks
-                .iter()
-                .map(|&(key, payload)| BlockRef { key: key.text(), payload: payload.get() })
-                .collect();
-            let retains = self.retains.iter().map(|k| k.text()).collect();
-            let releases = self.releases.iter().map(|k| k.text()).collect();
-            (blocks, retains, releases)
-        }
+        unsafe { batch_views(&self.blocks, &self.retains, &self.releases) }
     }
 
     /// Whether the batch has no object, retain or release.
@@ -396,6 +389,42 @@ impl<'py> Gathered<'py> {
         let owners = Owners { objects: self.objects, buffers: self.buffers };
         (OwnedViews { blocks: self.blocks, retains: self.retains, releases: self.releases }, owners)
     }
+}
+
+/// A batch as the store takes it: objects, retains, releases.
+pub(crate) type BatchViews<'a> = (Vec<BlockRef<'a>>, Vec<&'a str>, Vec<&'a str>);
+
+/// The store's view of recorded keys and payloads. A batch too large for the memory left is
+/// refused (`OutOfMemory`, raised or latched as `MemoryError`) rather than aborting the process.
+///
+/// # Safety
+/// Every `RawBytes` must point into memory that stays alive and unchanged for `'a`.
+pub(crate) unsafe fn batch_views<'a>(
+    blocks: &'a [(RawBytes, RawBytes)],
+    retains: &'a [RawBytes],
+    releases: &'a [RawBytes],
+) -> Result<BatchViews<'a>, StoreError> {
+    fn room<T>(n: usize) -> Result<Vec<T>, StoreError> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(n).map_err(|_| StoreError::OutOfMemory {
+            what: "call's keys",
+            bytes: n.saturating_mul(std::mem::size_of::<T>()),
+        })?;
+        Ok(v)
+    }
+    let (mut block_refs, mut retain_keys, mut release_keys) =
+        (room(blocks.len())?, room(retains.len())?, room(releases.len())?);
+    // SAFETY: the caller's contract: every view stays valid for `'a`.
+    unsafe {
+        block_refs.extend(
+            blocks
+                .iter()
+                .map(|&(key, payload)| BlockRef { key: key.text(), payload: payload.get() }),
+        );
+        retain_keys.extend(retains.iter().map(|k| k.text()));
+        release_keys.extend(releases.iter().map(|k| k.text()));
+    }
+    Ok((block_refs, retain_keys, release_keys))
 }
 
 /// A batch's views without their owners (those travel as `Owners`).

@@ -190,7 +190,7 @@ impl<S: Core> Handle<S> {
     /// exception, and the growth warning.
     pub(crate) fn put_gathered(&self, py: Python<'_>, batch: &Gathered<'_>) -> PyResult<()> {
         // SAFETY: `batch` outlives the views, which are dropped at the end of this call.
-        let (blocks, retains, releases) = unsafe { batch.views() };
+        let (blocks, retains, releases) = unsafe { batch.views() }.map_err(to_py_err)?;
         let policy_object = self.policy_ref(py);
         let mut policy = policy_object.as_ref().map(|policy| PyPolicy {
             policy,
@@ -250,7 +250,7 @@ impl<S: Core> Handle<S> {
     ) -> PyResult<Bound<'py, PyList>> {
         self.ensure_open()?;
         let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
+        let texts = as_texts(&keys)?;
         let found = self.with_store(py, |s| s.contains_many(&texts))?.map_err(to_py_err)?;
         PyList::new(py, found)
     }
@@ -262,7 +262,7 @@ impl<S: Core> Handle<S> {
     ) -> PyResult<Vec<u32>> {
         self.ensure_open()?;
         let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
+        let texts = as_texts(&keys)?;
         self.with_store(py, |s| texts.iter().map(|key| s.reference_count(key)).collect())
     }
 
@@ -354,7 +354,7 @@ macro_rules! store_methods {
             ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
                 self.handle.ensure_open()?;
                 let keys = $crate::python::collect_keys(keys)?;
-                self.concatenated(py, &$crate::python::as_texts(&keys))
+                self.concatenated(py, &$crate::python::as_texts(&keys)?)
             }
 
             /// Whether each key is stored, without reading it or touching LRU order.

@@ -44,7 +44,9 @@ pub(crate) fn to_py_err(error: StoreError) -> PyErr {
         StoreError::CapacityTooLarge { .. } | StoreError::ReferenceOverflow { .. } => {
             PyOverflowError::new_err(message)
         }
-        StoreError::ArenaUnavailable { .. } => PyMemoryError::new_err(message),
+        StoreError::ArenaUnavailable { .. } | StoreError::OutOfMemory { .. } => {
+            PyMemoryError::new_err(message)
+        }
         StoreError::NotReferenced { key } => PyKeyError::new_err(key),
         StoreError::CannotRetain { .. }
         | StoreError::Missing { .. }
@@ -158,8 +160,17 @@ pub(crate) fn size_hint(value: &Bound<'_, PyAny>) -> usize {
     }
 }
 
+/// Room for `additional` more items, or `MemoryError`: a call too large for the memory left is
+/// refused before it changes anything, not an abort of the process.
+pub(crate) fn reserve<T>(v: &mut Vec<T>, additional: usize) -> PyResult<()> {
+    v.try_reserve(additional).map_err(|_| {
+        PyMemoryError::new_err(format!("cannot allocate room for a call of {additional} items"))
+    })
+}
+
 pub(crate) fn collect_keys<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let mut out = Vec::with_capacity(size_hint(keys));
+    let mut out = Vec::new();
+    reserve(&mut out, size_hint(keys))?;
     for key in keys.try_iter()? {
         let key = key?;
         key_text(&key)?;
@@ -168,9 +179,12 @@ pub(crate) fn collect_keys<'py>(keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<
     Ok(out)
 }
 
-pub(crate) fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> Vec<&'a str> {
+pub(crate) fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> PyResult<Vec<&'a str>> {
+    let mut texts = Vec::new();
+    reserve(&mut texts, keys.len())?;
     // key_text already succeeded for every key in `collect_keys`.
-    keys.iter().map(|k| key_text(k).expect("validated key")).collect()
+    texts.extend(keys.iter().map(|k| key_text(k).expect("validated key")));
+    Ok(texts)
 }
 
 /// The store's core behind its lock, shared by the Python object and a writer thread (which
@@ -455,7 +469,7 @@ handle::store_methods!(NativeStore {
     ) -> PyResult<Bound<'py, PyAny>> {
         self.handle.ensure_open()?;
         let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
+        let texts = as_texts(&keys)?;
         let object_nbytes = self.object_nbytes;
         let buffer = PyUntypedBuffer::get(&out)
             .or_else(|_| gather::flat_view(&out).and_then(|view| PyUntypedBuffer::get(&view)))
@@ -517,7 +531,7 @@ handle::store_methods!(NativeStore {
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyList>)> {
         self.handle.ensure_open()?;
         let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
+        let texts = as_texts(&keys)?;
         let len = texts
             .len()
             .checked_mul(self.object_nbytes)

@@ -153,7 +153,7 @@ store_methods!(NativeVariableStore {
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyList>, Bound<'py, PyList>)> {
         self.handle.ensure_open()?;
         let keys = collect_keys(keys)?;
-        let texts = as_texts(&keys);
+        let texts = as_texts(&keys)?;
         let (data, plan) = self.read(py, &texts, false)?;
         let missing = PyList::new(py, plan.missing().iter().map(|&i| &keys[i]))?;
         let offsets = PyList::new(py, plan.offsets())?;

@@ -30,7 +30,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::PyTraverseError;
 
-use super::gather::{Gathered, OwnedViews, Owners};
+use super::gather::{batch_views, Gathered, OwnedViews, Owners};
 use super::variable::NativeVariableStore;
 use super::{
     fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore, SharedCore,
@@ -230,16 +230,8 @@ const POLL_PERIOD: Duration = Duration::from_millis(1);
 fn apply(core: &Core, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
     // SAFETY: every view borrows from the owners of this job, kept in `State::in_flight` until
     // this returns and dropped only later, by a thread holding the GIL.
-    let (blocks, retains, releases) = unsafe {
-        let blocks: Vec<BlockRef<'_>> = views
-            .blocks
-            .iter()
-            .map(|&(key, payload)| BlockRef { key: key.text(), payload: payload.get() })
-            .collect();
-        let retains: Vec<&str> = views.retains.iter().map(|k| k.text()).collect();
-        let releases: Vec<&str> = views.releases.iter().map(|k| k.text()).collect();
-        (blocks, retains, releases)
-    };
+    let (blocks, retains, releases) =
+        unsafe { batch_views(&views.blocks, &views.retains, &views.releases) }?;
     core.put(&blocks, &retains, &releases)
 }
 
