@@ -50,6 +50,7 @@ from aostore.bench.replay import (
     generate,
     plugin_contender,
     pool,
+    writer_floor,
 )
 
 GLM_OBJECT_NBYTES = 5_888  # 46 MoE layers x top-8 x uint8 x 16 tokens
@@ -371,36 +372,8 @@ def w4(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
     return out
 
 
-# W3: the rollout replay, and the memcpy floor of the same objects.
-def w3_floor(shape: RolloutShape, steps: list[Step], rows: np.ndarray, prefault: bool) -> float:
-    """Seconds numpy takes to copy each step's published objects into an mmap arena of the
-    store's size (fresh, or committed as the stores' prefault does), slot after slot and round
-    again: the memcpy floor of the writer's work. Each step's batch is gathered untimed."""
-    slots, nbytes = shape.store_slots, shape.object_nbytes
-    raw = mmap.mmap(-1, slots * nbytes)
-    if prefault:
-        commit_pages(raw)
-    arena = np.frombuffer(raw, dtype=np.uint8).reshape(slots, nbytes)
-    position = 0
-    total = 0
-    clock = time.perf_counter_ns
-    for step in steps:
-        if not step.publish:
-            continue
-        batch = rows[[b % POOL_ROWS for b in step.publish]]
-        t0 = clock()
-        done = 0
-        while done < len(batch):
-            n = min(len(batch) - done, slots - position)
-            arena[position : position + n] = batch[done : done + n]
-            done += n
-            position = (position + n) % slots
-        total += clock() - t0
-    del arena
-    raw.close()
-    return total / 1e9
-
-
+# W3: the rollout replay, and the memcpy floor of the same objects (`writer_floor`, the main
+# job's).
 def largest_put_floor(shape: RolloutShape, steps: list[Step], rows: np.ndarray) -> dict[str, Any]:
     """The memcpy floor of W3's largest put (one of its first: the prefill of a step's prompts):
     numpy copying the same objects into the start of a committed arena, best of five. A single
@@ -484,7 +457,7 @@ def w3(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
         for result in compare(shape, steps, rows, prefault=prefault, stores=built):
             out[f"{result.name}/{arena}"] = replay_figures(result)
             out[f"{result.name}/{arena}"]["worst_put"] = worst_put(result, steps)
-        out[f"floor/{arena}"] = {"writer_s": w3_floor(shape, steps, rows, prefault)}
+        out[f"floor/{arena}"] = {"writer_s": writer_floor(shape, steps, rows, prefault)}
     out["largest_put"] = largest_put_floor(shape, steps, rows)
     return out
 
