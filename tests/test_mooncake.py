@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -243,6 +244,9 @@ class FakeClient:
 
     def health_check(self) -> int:
         return 0
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return 0 if self.data.pop(key, None) is not None else -704
 
     def close(self) -> int:
         return 0
@@ -822,15 +826,17 @@ def test_second_process_reads_what_the_first_published(cluster: mooncake_util.Cl
 
 @pytest.mark.mooncake
 def test_master_stopped_mid_run_fails_clearly(tmp_path: Path) -> None:
-    """The master goes away under running stores: local hits still work; a read miss, a
-    publication and a direct put raise a clear error (the put after Mooncake's own RPC
-    timeout, about 4 s); close returns; connecting again fails within its timeout."""
+    """``on_publish_error="raise"`` (the opt-in fatal mode): the master goes away under
+    running stores: local hits still work; a read miss, a publication and a direct put raise a
+    clear error (the put after Mooncake's own RPC timeout, about 4 s); close returns;
+    connecting again fails within its timeout. (The default mode survives the same fault:
+    tests/test_mooncake_faults.py.)"""
     require_mooncake()
     with mooncake_util.cluster(tmp_path) as own:
         local = BlockObjectStore(max_bytes=8 * NBYTES, object_nbytes=NBYTES)
         remote = MooncakeBlockObjectStore.from_config(own.config(), object_nbytes=NBYTES)
         direct = MooncakeBlockObjectStore.from_config(own.config(), object_nbytes=NBYTES)
-        tiered = TieredBlockObjectStore(local, remote)
+        tiered = TieredBlockObjectStore(local, remote, on_publish_error="raise")
         unreachable = r"Mooncake master at 127\.0\.0\.1:\d+ is unreachable"
         try:
             tiered.put(objects("s", range(4)))
@@ -1166,3 +1172,39 @@ def test_batch_bounds_branch_and_aostore(cluster: mooncake_util.Cluster, client:
     )
     assert small.get_concatenated(keys) == b"".join(values)
     store.close()
+
+
+def test_a_forked_child_gets_a_clear_error_from_the_tier_never_a_hang() -> None:
+    # The child inherits the queued publications but not the publisher: flush() waited for ever.
+    remote, client = fake_store()
+    local = BlockObjectStore(max_bytes=16 * NBYTES, object_nbytes=NBYTES)
+    tiered = TieredBlockObjectStore(local, remote, max_pending_batches=8)
+    client.gate.clear()  # the publisher blocks in its first put, so a batch stays queued
+    try:
+        tiered.put(objects("a", range(2)))
+        tiered.put(objects("b", range(2)))
+        pid = os.fork()
+        if pid == 0:
+            outcome = 0
+            for call in (tiered.flush, lambda: tiered.get_concatenated(["a0"]), tiered.close):
+                try:
+                    call()
+                    outcome |= 1
+                except RuntimeError as error:
+                    outcome |= 0 if "fork()" in str(error) else 2
+            os._exit(outcome)
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the tier")
+        assert os.waitstatus_to_exitcode(status) == 0, "a call in the child did not raise"
+    finally:
+        client.gate.set()
+        tiered.close()
+    assert sorted(client.data) == ["a0", "a1", "b0", "b1"]

@@ -114,6 +114,7 @@ P2P client cannot reach a segment registered over HTTP). A segment holder:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import ipaddress
@@ -125,6 +126,7 @@ import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -160,9 +162,25 @@ _ERROR_NAMES = {
     -706: "OBJECT_HAS_LEASE",
     -800: "TRANSFER_FAIL",
     -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
 }
 _RPC_FAIL = -900
 _PROBE_TIMEOUT_S = 1.0
+# The value of the marker object a tiered store keeps in Mooncake to notice a restarted
+# (emptied) master.
+_MARKER_VALUE = b"aostore tiered store marker"
+
+# Bumped in a forked child: a tiered store's threads (and Mooncake's client threads) exist only
+# in the process that started them.
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -457,6 +475,7 @@ class MooncakeBlockObjectStore:
         self._lock = threading.Lock()
         self._closed = False
         self._master_down = False
+        self._generation = _fork_generation
         self._stats = dict.fromkeys(
             (
                 "puts",
@@ -694,6 +713,59 @@ class MooncakeBlockObjectStore:
         self._stats["bytes_read"] += (len(keys) - len(missing)) * self.object_nbytes
         return missing
 
+    def exists_unique(self, keys: Sequence[str]) -> list[bool]:
+        """Whether Mooncake holds each of the distinct ``keys`` (``batch_is_exist``, no read);
+        raises ``MooncakeError`` when Mooncake cannot answer. For ``TieredBlockObjectStore``."""
+        self._check_open()
+        found: list[bool] = []
+        step = self._batch_objects
+        for start in range(0, len(keys), step):
+            chunk = list(keys[start : start + step])
+            names = [self.key_prefix + key for key in chunk] if self.key_prefix else chunk
+            with self._lock:
+                self._check_open()
+                self._check_reachable()
+                codes = self._client.batch_is_exist(names)
+            for key, code in zip(chunk, codes, strict=True):
+                if code not in (0, 1):
+                    self._raise_for_code(f"batch_is_exist of {key!r}", code)
+            found.extend(code == 1 for code in codes)
+        return found
+
+    def marker_present(self, name: str) -> bool:
+        """Whether Mooncake holds the tier's marker object ``name`` (a key outside the
+        aostore key space); raises ``MooncakeError`` when Mooncake cannot answer."""
+        with self._lock:
+            self._check_open()
+            self._check_reachable()
+            code = self._client.batch_is_exist([self.key_prefix + name])[0]
+        if code not in (0, 1):
+            self._raise_for_code(f"batch_is_exist of the marker {name!r}", code)
+        return bool(code == 1)
+
+    def write_marker(self, name: str) -> None:
+        """Writes the tier's small marker object ``name`` (``put_batch``); raises
+        ``MooncakeError`` as ``put`` does."""
+        with self._lock:
+            self._check_open()
+            self._check_reachable()
+            code = self._client.put_batch([self.key_prefix + name], [_MARKER_VALUE])
+        if code != 0:
+            self._raise_for_code(f"put_batch of the marker {name!r}", code)
+
+    def remove_marker(self, name: str) -> None:
+        """Removes the marker, best effort (never raises)."""
+        remove = getattr(self._client, "remove", None)
+        if remove is None:
+            return
+        try:
+            with self._lock:
+                if self._closed or self._master_down:
+                    return
+                remove(self.key_prefix + name, True)
+        except Exception as error:  # a marker left behind costs a few bytes in Mooncake
+            logger.debug("removing the tier's Mooncake marker failed: %s", error)
+
     def _read_batch(self, chunk: list[str], targets: Sequence[memoryview]) -> list[int]:
         """One ``batch_get_buffer``; copies what came back; the positions that did not."""
         names = [self.key_prefix + key for key in chunk] if self.key_prefix else chunk
@@ -760,7 +832,15 @@ class MooncakeBlockObjectStore:
 
     # -- the rest ------------------------------------------------------------------------
 
+    def _check_process(self) -> None:
+        if self._generation != _fork_generation:
+            raise RuntimeError(
+                "this aostore Mooncake store was created in the parent process before fork(); "
+                "its Mooncake client's threads do not exist here: connect a new store in the child"
+            )
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             raise RuntimeError("auxiliary output store is closed")
 
@@ -828,7 +908,9 @@ class MooncakeBlockObjectStore:
         return {"object_nbytes": self.object_nbytes, **self._stats}
 
     def close(self) -> None:
-        """Closes the Mooncake client (when this store owns it); idempotent."""
+        """Closes the Mooncake client (when this store owns it); idempotent. In a forked child
+        it raises ``RuntimeError`` (the client belongs to the parent)."""
+        self._check_process()
         with self._lock:
             if self._closed:
                 return
@@ -903,38 +985,154 @@ class _Rows(Sequence[memoryview]):
         return self._view[index * self._n : (index + 1) * self._n]
 
 
-# (keys, payloads) for the publisher, or None to stop it.
-_Publication = tuple[list[str], Sequence[Any]] | None
+class _Job:
+    """One call for a :class:`_CallThread`; the caller waits for ``done``."""
+
+    __slots__ = ("abandoned", "done", "error", "fn", "result")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.abandoned = False
+
+
+class _CallThread:
+    """Runs calls into Mooncake one at a time on a daemon thread, so that a caller can give up
+    after a deadline while the call goes on (Mooncake's own timeouts are 30 s per RPC). A call
+    given up on leaves the thread ``stuck`` until it returns: later callers then give up at
+    once instead of queueing behind it. The thread is started on first use; a daemon, so a
+    call that never returns does not keep the interpreter from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._abandoned: _Job | None = None
+
+    @property
+    def stuck(self) -> bool:
+        job = self._abandoned
+        return job is not None and not job.done.is_set()
+
+    def call(self, fn: Any, timeout: float) -> tuple[bool, Any]:
+        """``(True, fn())`` when ``fn`` returned within ``timeout`` seconds (its exception is
+        raised here), ``(False, None)`` when it did not or the thread is stuck."""
+        with self._lock:
+            if self.stuck:
+                return False, None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name=self._name)
+                self._thread.start()
+            job = _Job(fn)
+            self._jobs.put(job)
+        if not job.done.wait(max(0.0, timeout)):
+            with self._lock:
+                job.abandoned = True
+                if not job.done.is_set():
+                    self._abandoned = job
+                    return False, None
+        if job.error is not None:
+            raise job.error
+        return True, job.result
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if not job.abandoned:
+                    job.result = job.fn()
+            except BaseException as error:  # handed to the caller, if it still waits
+                job.error = error
+            finally:
+                job.fn = None
+                job.done.set()
+
+    def stop(self) -> None:
+        """Lets the thread end once its current call returns; does not wait for it."""
+        with self._lock:
+            if self._thread is not None:
+                self._jobs.put(None)
+
+
+_ON_PUBLISH_ERROR = ("retry", "raise")
+_FILTER_BITS = 1 << 20  # keys recorded unpublished beyond the record: 128 KiB of bits
+
+
+class _Item:
+    """A queued publication: keys, their payloads, and the sequence number of the put."""
+
+    __slots__ = ("keys", "payloads", "seq")
+
+    def __init__(self, seq: int, keys: list[str], payloads: Sequence[Any]) -> None:
+        self.seq = seq
+        self.keys = keys
+        self.payloads = payloads
+
+
+def _positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 class TieredBlockObjectStore:
     """The local aostore arena in front of Mooncake.
 
-    ``TieredBlockObjectStore(local, remote, *, max_pending_batches=8, keep_fetched=True)``:
-    ``local`` is a ``BlockObjectStore`` (the hot tier, with its own eviction and reference
-    counts), ``remote`` a ``MooncakeBlockObjectStore`` of the same ``object_nbytes``. The tiered
-    store owns both: ``close`` closes them.
+    ``TieredBlockObjectStore(local, remote, *, max_pending_batches=8, keep_fetched=True,
+    on_publish_error="retry", read_deadline_s=4.0, retry_backoff_s=0.5,
+    retry_backoff_max_s=5.0, check_interval_s=1.0, max_unpublished_keys=65536,
+    close_timeout_s=10.0)``: ``local`` is a ``BlockObjectStore`` (the hot tier, with its own
+    eviction and reference counts), ``remote`` a ``MooncakeBlockObjectStore`` of the same
+    ``object_nbytes``. The tiered store owns both: ``close`` closes them.
 
     - ``put``/``put_blocks`` apply to ``local`` at once (with its semantics and errors,
       retains and releases included), then queue what the local tier wrote for Mooncake. A
-      writer thread publishes queued batches with ``MooncakeBlockObjectStore.publish``
+      publisher thread publishes queued batches with ``MooncakeBlockObjectStore.publish``
       (``upsert_batch`` of what Mooncake lacks or holds with other bytes), joining several
-      into one when they are queued together. The queue holds ``max_pending_batches``; a put
-      waits when it is full. Payloads that are ``bytes`` are published as they are, other
-      buffers are copied once at put time (the caller may reuse them).
-    - A publication error is latched: later publications are skipped and the next ``put``,
-      read, ``flush`` or ``close`` raises ``BlockObjectStoreError`` (``publication failed``)
-      chained from it.
-    - ``get_concatenated``/``get_into``/``get_array`` read ``local``; on a local miss they wait
-      for queued publications, then fetch every key the local store lacks from Mooncake in
-      one batch (bounded in bytes) and, when ``keep_fetched``, put them in ``local`` as far as
-      it has room without growing (free slots plus evictable objects; the rest are counted in
-      ``not_kept_objects``): a read never makes a ``grow`` arena grow. A key in neither tier
-      raises ``BlockObjectStoreError`` (``does not exist``, naming the key).
+      into one when they are queued together. Payloads that are ``bytes`` are published as
+      they are, other buffers are copied once at put time (the caller may reuse them).
+    - Faults, ``on_publish_error="retry"`` (the default): no Mooncake fault reaches the
+      caller. The queue holds ``max_pending_batches``; a put never waits for room: what does
+      not fit (Mooncake down, stalled, or slower than the engine) is recorded as unpublished
+      instead of queued. A failed batch is recorded as unpublished too; the publisher then
+      probes the master with backoff (``retry_backoff_s`` doubling up to
+      ``retry_backoff_max_s``), recording what is queued meanwhile, and once the master
+      answers it republishes every recorded key that the local tier still holds (with the
+      bytes it holds). A key evicted meanwhile stays recorded. ``unpublished_keys()`` lists
+      the record (at most ``max_unpublished_keys``; ``stats()`` counts the keys beyond it).
+      An idle publisher checks the master every ``check_interval_s`` through a marker object
+      of its own: a master that lost it (restarted, so empty) makes the tier republish what
+      it published that the local tier still holds, and record the rest as unpublished. One
+      WARNING per outage, one INFO line when it ends.
+    - ``on_publish_error="raise"``: the first publication error is latched (later
+      publications are recorded as unpublished and skipped) and the next ``put``, read,
+      ``flush`` or ``close`` raises ``BlockObjectStoreError`` (``publication failed``)
+      chained from it; a put waits for room in a full queue; a read that Mooncake fails or
+      does not answer within the deadline raises ``MooncakeError``.
+    - ``get_concatenated``/``get_into``/``get_array`` read ``local``; on a local miss they
+      wait for this process's queued publications of the keys the local tier lacks, then
+      fetch them from Mooncake in one batch (bounded in bytes) into a private buffer, all
+      within ``read_deadline_s``; the bytes reach the caller only when the fetch completed.
+      A key still queued at the deadline, recorded as unpublished, or that Mooncake does not
+      give (absent, down, stalled past the deadline) is a miss: ``BlockObjectStoreError``
+      (``does not exist``, naming the key), as without the tier. When ``keep_fetched``, what
+      was fetched goes into ``local`` as far as it has room without growing (free slots plus
+      evictable objects; the rest are counted in ``not_kept_objects``): a read never makes a
+      ``grow`` arena grow. ``get_many``, ``get_optional`` and ``contains`` are the
+      non-raising forms, as on the local stores.
     - One value per key: the local tier decides and publication overwrites (the module
-      docstring has the rule). Only what a put makes ``local`` write is published, and the
-      publisher makes Mooncake hold those bytes.
-    - ``flush()`` waits until everything queued is in Mooncake.
+      docstring has the rule). No read returns bytes that Mooncake may hold from before a
+      later unpublished write: such keys are misses until republished.
+    - ``flush(timeout=None)`` waits until every queued batch is published or recorded as
+      unpublished, and, while the master answers, until recorded keys that are still local
+      have been republished.
+    - After ``fork()``, every call but ``stats()`` raises ``RuntimeError`` in the child (the
+      publisher exists only in the parent).
     """
 
     def __init__(
@@ -944,11 +1142,26 @@ class TieredBlockObjectStore:
         *,
         max_pending_batches: int = 8,
         keep_fetched: bool = True,
+        on_publish_error: str = "retry",
+        read_deadline_s: float = 4.0,
+        retry_backoff_s: float = 0.5,
+        retry_backoff_max_s: float = 5.0,
+        check_interval_s: float = 1.0,
+        max_unpublished_keys: int = 65_536,
+        close_timeout_s: float = 10.0,
     ) -> None:
         if isinstance(max_pending_batches, bool) or not isinstance(max_pending_batches, int):
             raise TypeError("max_pending_batches must be an int")
         if max_pending_batches < 1:
             raise ValueError("max_pending_batches must be at least 1")
+        if on_publish_error not in _ON_PUBLISH_ERROR:
+            raise ValueError(
+                f"on_publish_error must be one of {_ON_PUBLISH_ERROR}, not {on_publish_error!r}"
+            )
+        if isinstance(max_unpublished_keys, bool) or not isinstance(max_unpublished_keys, int):
+            raise TypeError("max_unpublished_keys must be an int")
+        if max_unpublished_keys < 0:
+            raise ValueError("max_unpublished_keys must not be negative")
         if local.object_nbytes != remote.object_nbytes:
             raise ValueError(
                 f"local object_nbytes={local.object_nbytes} differs from the Mooncake store's "
@@ -958,17 +1171,47 @@ class TieredBlockObjectStore:
         self.remote = remote
         self.object_nbytes: int = local.object_nbytes
         self.keep_fetched = keep_fetched
+        self.on_publish_error = on_publish_error
+        self.read_deadline_s = _positive("read_deadline_s", read_deadline_s)
+        self.retry_backoff_s = _positive("retry_backoff_s", retry_backoff_s)
+        self.retry_backoff_max_s = max(
+            self.retry_backoff_s, _positive("retry_backoff_max_s", retry_backoff_max_s)
+        )
+        self.check_interval_s = _positive("check_interval_s", check_interval_s)
+        self.close_timeout_s = _positive("close_timeout_s", close_timeout_s)
+        self.max_unpublished_keys = max_unpublished_keys
+        self._retry = on_publish_error == "retry"
+        self._max_pending = max_pending_batches
         self._batch_bytes = remote._batch_objects * remote.object_nbytes
-        self._queue: queue.Queue[_Publication] = queue.Queue(maxsize=max_pending_batches)
+        self._generation = _fork_generation
         self._error: BaseException | None = None
         self._closed = False
-        self._close_lock = threading.Lock()
         # Serializes the tier's writes to the local store (puts and kept fetches), so that the
         # publication queue's order is the order of the local writes, and a fetch is kept only
-        # if no put wrote the key while the read was fetching it.
+        # if no put wrote the key while the read was fetching it. Taken before ``_cond``.
         self._write_lock = threading.Lock()
         self._reads_in_flight = 0
         self._written_during_reads: set[str] = set()
+        # The publisher's state, under ``_cond``: the queue, the keys queued or being
+        # published (reads wait for them), the record of unpublished keys (key -> the
+        # sequence number of the write it stands for, and whether the local tier was found
+        # to lack it), the keys published lately (republished after a master restart).
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._pending: dict[str, int] = {}
+        self._busy = False
+        self._stopping = False
+        self._seq = 0
+        self._record: dict[str, list[Any]] = {}
+        self._beyond = 0
+        self._filter = bytearray(_FILTER_BITS // 8)
+        self._backlog = False
+        self._published: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._outage_since: float | None = None
+        self._warned = False
+        self._marker = f"__aostore_tier__/{os.getpid()}-{uuid.uuid4().hex}"
+        self._marker_written = False
+        self._reader = _CallThread("aostore-mooncake-reader")
         self._stats = dict.fromkeys(
             (
                 "puts",
@@ -982,6 +1225,13 @@ class TieredBlockObjectStore:
                 "kept_objects",
                 "not_kept_objects",
                 "keep_failures",
+                "dropped_objects",
+                "publish_failures",
+                "republished_objects",
+                "outages",
+                "master_restarts",
+                "remote_read_failures",
+                "unpublished_not_recorded",
             ),
             0,
         )
@@ -999,10 +1249,13 @@ class TieredBlockObjectStore:
         object_nbytes: int,
         max_pending_batches: int = 8,
         keep_fetched: bool = True,
+        tier_options: Mapping[str, Any] | None = None,
         **local_options: Any,
     ) -> TieredBlockObjectStore:
         """A local ``BlockObjectStore(max_bytes=..., object_nbytes=..., **local_options)`` in
-        front of ``MooncakeBlockObjectStore.from_config(config, object_nbytes=...)``."""
+        front of ``MooncakeBlockObjectStore.from_config(config, object_nbytes=...)``;
+        ``tier_options`` are further keyword arguments of the tier (``on_publish_error``,
+        ``read_deadline_s``, ...). An unreachable master raises ``MooncakeError`` here."""
         from aostore._store import BlockObjectStore
 
         remote = MooncakeBlockObjectStore.from_config(config, object_nbytes=object_nbytes)
@@ -1013,9 +1266,18 @@ class TieredBlockObjectStore:
         except BaseException:
             remote.close()
             raise
-        return cls(
-            local, remote, max_pending_batches=max_pending_batches, keep_fetched=keep_fetched
-        )
+        try:
+            return cls(
+                local,
+                remote,
+                max_pending_batches=max_pending_batches,
+                keep_fetched=keep_fetched,
+                **dict(tier_options or {}),
+            )
+        except BaseException:
+            local.close()
+            remote.close()
+            raise
 
     @property
     def closed(self) -> bool:
@@ -1143,59 +1405,321 @@ class TieredBlockObjectStore:
                 self._enqueue(written, [view[i * n : (i + 1) * n] for i in rows])
 
     def _enqueue(self, keys: list[str], payloads: Sequence[Any]) -> None:
-        # As in BackgroundBlockObjectStore: the closed check and the enqueue are one step under
-        # close()'s lock, so no batch lands behind the stop sentinel (lost, or blocking on a
-        # queue nobody drains).
-        with self._close_lock:
+        """Queues one publication, or records it as unpublished when the queue is full (in
+        ``retry`` mode; ``raise`` mode waits for room). Called under the write lock. The
+        closed check and the enqueue are one step under ``_cond``, which ``close`` takes, so
+        nothing lands behind the publisher's last look at the queue."""
+        with self._cond:
             if self._closed:
                 raise RuntimeError("auxiliary output store is closed")
-            self._queue.put((keys, payloads))
-        self._stats["queued_objects"] += len(keys)
+            self._seq += 1
+            seq = self._seq
+            if len(self._queue) >= self._max_pending:
+                if self._retry or self._error is not None:
+                    self._stats["dropped_objects"] += len(keys)
+                    self._record_keys(keys, seq)
+                    self._warn_once(
+                        "the Mooncake publication queue is full (%d batches; Mooncake is down, "
+                        "stalled or slower than the engine): puts go on locally and what does "
+                        "not fit is recorded as unpublished, to be republished from the local "
+                        "tier when the publisher catches up",
+                        self._max_pending,
+                    )
+                    return
+                while len(self._queue) >= self._max_pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    raise RuntimeError("auxiliary output store is closed")
+            self._queue.append(_Item(seq, keys, payloads))
+            for key in keys:
+                self._pending[key] = self._pending.get(key, 0) + 1
+            self._stats["queued_objects"] += len(keys)
+            self._cond.notify_all()
+
+    # -- the record of unpublished keys (under _cond) -------------------------------------
+
+    def _record_keys(self, keys: Iterable[str], seq: int) -> None:
+        """Records ``keys`` as unpublished as of write ``seq`` (the record keeps the latest)."""
+        record = self._record
+        for key in keys:
+            entry = record.get(key)
+            if entry is not None:
+                if seq > entry[0]:
+                    entry[0] = seq
+                    entry[1] = False  # a newer write: worth republishing again
+            elif len(record) < self.max_unpublished_keys:
+                record[key] = [seq, False]
+            else:
+                bit = hash(key) % _FILTER_BITS
+                self._filter[bit >> 3] |= 1 << (bit & 7)
+                self._stats["unpublished_not_recorded"] += 1
+        if self._retry:
+            self._backlog = True
+
+    def _unsettled(self, key: str) -> bool:
+        """Whether Mooncake may hold other bytes than this process last wrote under ``key``
+        (it is recorded as unpublished, or may be among the keys beyond the record)."""
+        if key in self._record:
+            return True
+        if self._stats["unpublished_not_recorded"]:
+            bit = hash(key) % _FILTER_BITS
+            return bool(self._filter[bit >> 3] & (1 << (bit & 7)))
+        return False
+
+    def _settled(self, keys: Iterable[str], seq: int) -> None:
+        """``keys`` were published with bytes as of write ``seq``: drops their older records."""
+        record = self._record
+        published = self._published
+        bound = max(self.max_unpublished_keys, 1)
+        for key in keys:
+            entry = record.get(key)
+            if entry is not None and entry[0] < seq:
+                del record[key]
+            published[key] = None
+            published.move_to_end(key)
+            if len(published) > bound:
+                published.popitem(last=False)
+
+    def _warn_once(self, message: str, *args: Any) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("aostore Mooncake tier: " + message, *args)
+
+    def unpublished_keys(self) -> list[str]:
+        """The keys recorded as unpublished (at most ``max_unpublished_keys``, oldest first):
+        Mooncake may lack them or hold other bytes; ``stats()["unpublished_not_recorded"]``
+        counts those that did not fit the record. A key leaves the record once published."""
+        with self._cond:
+            return list(self._record)
+
+    # -- the publisher ---------------------------------------------------------------------
+
+    def _take(self) -> list[_Item]:
+        """Up to one batch of bytes from the queue (at least one item). Under ``_cond``."""
+        items = [self._queue.popleft()]
+        count = len(items[0].keys)
+        while self._queue and count * self.object_nbytes < self._batch_bytes:
+            item = self._queue.popleft()
+            items.append(item)
+            count += len(item.keys)
+        return items
+
+    def _release(self, items: list[_Item], published: bool) -> None:
+        """The end of queued items: settled when published, else recorded. Under ``_cond``."""
+        pending = self._pending
+        for item in items:
+            for key in item.keys:
+                left = pending[key] - 1
+                if left:
+                    pending[key] = left
+                else:
+                    del pending[key]
+            if published:
+                self._settled(item.keys, item.seq)
+            else:
+                self._record_keys(item.keys, item.seq)
+        self._cond.notify_all()
 
     def _publish_loop(self) -> None:
+        backoff = self.retry_backoff_s
+        next_probe = 0.0
+        next_check = time.monotonic() + self.check_interval_s
         while True:
-            item = self._queue.get()
-            taken = 1
-            stop = item is None
-            keys: list[str] = []
-            payloads: list[Any] = []
-            if item is not None:
-                keys, payloads = list(item[0]), list(item[1])
-            # Join what else is queued, up to one batch of bytes.
-            while not stop and len(keys) * self.object_nbytes < self._batch_bytes:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                taken += 1
-                if more is None:
-                    stop = True
-                else:
-                    keys.extend(more[0])
-                    payloads.extend(more[1])
-            try:
-                if keys and self._error is None:
-                    # Every queued key was written by the local tier, in the order of the queue
-                    # (puts enqueue under the write lock): the last payload of a key is what
-                    # the local tier holds, and publication overwrites what Mooncake had.
-                    unique = dict(zip(keys, payloads, strict=True))
-                    self.remote.publish(list(unique), list(unique.values()))
-                    self._stats["published_objects"] += len(unique)
-                    self._stats["publish_batches"] += 1
-            except BaseException as error:  # latched; raised on the caller's next call
-                self._error = error
-                logger.error("publishing auxiliary outputs to Mooncake failed: %s", error)
-            finally:
-                for _ in range(taken):
-                    self._queue.task_done()
-            if stop:
-                return
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                while not self._queue and not self._stopping:
+                    if not self._retry:  # raise mode: only the queue wakes the publisher
+                        self._cond.wait()
+                        continue
+                    down = self._outage_since is not None
+                    if self._backlog and not down:
+                        break
+                    now = time.monotonic()
+                    wake = next_probe if down else next_check
+                    if now >= wake:
+                        break
+                    self._cond.wait(wake - now)
+                if not self._queue and self._stopping:
+                    return
+                items = self._take() if self._queue else []
+                down = self._outage_since is not None
+                self._busy = bool(items) or (self._backlog and not down)
+            if self._error is not None:  # raise mode, latched: nothing is published any more
+                with self._cond:
+                    self._release(items, False)
+                continue
+            if down:
+                if self._stopping or time.monotonic() < next_probe:
+                    with self._cond:  # Mooncake is down: recorded, republished when it is back
+                        self._release(items, False)
+                    continue
+                if not self._probe():
+                    backoff = min(backoff * 2, self.retry_backoff_max_s)
+                    next_probe = time.monotonic() + backoff
+                    with self._cond:
+                        self._release(items, False)
+                    continue
+                self._end_outage()
+                backoff = self.retry_backoff_s
+                next_check = time.monotonic() + self.check_interval_s
+                if not items and not self._backlog:
+                    continue
+            if items:
+                if not self._publish_items(items):
+                    next_probe = time.monotonic() + backoff
+                continue
+            if self._backlog:
+                if not self._republish_some():
+                    next_probe = time.monotonic() + backoff
+                continue
+            next_check = time.monotonic() + self.check_interval_s  # idle: is the master there?
+            if not self._probe():
+                next_probe = time.monotonic() + backoff
 
-    def flush(self) -> None:
-        """Waits until every queued batch is in Mooncake; raises a latched error."""
+    def _fault(self, what: str, error: BaseException) -> None:
+        """A publication fault: latched (``raise``) or the start of an outage (``retry``)."""
+        self._stats["publish_failures"] += 1
+        if not self._retry:
+            self._error = error
+            logger.error("publishing auxiliary outputs to Mooncake failed: %s", error)
+            return
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            self._stats["outages"] += 1
+            self._warn_once(
+                "%s failed (%s); inference goes on with the local tier, what cannot be "
+                "published is recorded as unpublished (stats()['unpublished_objects']) and "
+                "republished from the local tier when the master answers again",
+                what,
+                error,
+            )
+
+    def _end_outage(self) -> None:
+        since = self._outage_since
+        self._outage_since = None
+        self._warned = False
+        if since is not None:
+            with self._cond:
+                recorded = len(self._record)
+            logger.info(
+                "aostore Mooncake tier: the master answers again after %.1f s; republishing "
+                "what the local tier still holds of %d unpublished keys",
+                time.monotonic() - since,
+                recorded,
+            )
+
+    def _probe(self) -> bool:
+        """Asks the master for the tier's marker (and writes it when absent). A marker that was
+        written and is gone means a master that lost its data: what this tier published
+        lately is recorded as unpublished, to be republished from the local tier."""
+        try:
+            if not self.remote.marker_present(self._marker):
+                if self._marker_written:
+                    self._stats["master_restarts"] += 1
+                    with self._cond:
+                        lost = list(self._published)
+                        self._published.clear()
+                        self._seq += 1
+                        self._record_keys(lost, self._seq)
+                    logger.warning(
+                        "aostore Mooncake tier: the Mooncake master lost this tier's objects "
+                        "(restarted?); republishing what the local tier still holds of the "
+                        "%d keys published lately",
+                        len(lost),
+                    )
+                self.remote.write_marker(self._marker)
+                self._marker_written = True
+        except Exception as error:
+            self._fault("checking the master", error)
+            return False
+        return True
+
+    def _publish_items(self, items: list[_Item]) -> bool:
+        # Every queued key was written by the local tier, in the order of the queue (puts
+        # enqueue under the write lock): the last payload of a key is what the local tier
+        # holds, and publication overwrites what Mooncake had.
+        unique: dict[str, Any] = {}
+        for item in items:
+            unique.update(zip(item.keys, item.payloads, strict=True))
+        try:
+            self.remote.publish(list(unique), list(unique.values()))
+        except BaseException as error:
+            with self._cond:
+                self._release(items, False)
+            self._fault(f"publishing {len(unique)} objects", error)
+            return False
+        with self._cond:
+            self._release(items, True)
+            self._stats["published_objects"] += len(unique)
+            self._stats["publish_batches"] += 1
+        if self._retry and not self._marker_written:
+            self._probe()
+        return True
+
+    def _republish_some(self) -> bool:
+        """Republishes up to one batch of recorded keys that the local tier holds, with the
+        bytes it holds; marks those it lacks (they stay recorded). False on a fault."""
+        limit = max(1, self._batch_bytes // self.object_nbytes)
+        with self._write_lock:  # no put between the look at the record and the local read
+            with self._cond:
+                keys = [key for key, entry in self._record.items() if not entry[1]][:limit]
+                if not keys:
+                    self._backlog = False
+                    return True
+                self._seq += 1
+                seq = self._seq
+            try:
+                data, missing = self.local.get_many(keys)
+            except Exception as error:  # the local store closed under us
+                logger.debug("reading the local tier to republish failed: %s", error)
+                with self._cond:
+                    self._backlog = False
+                return True
+        absent = set(missing)
+        held = [key for key in keys if key not in absent]
+        n = self.object_nbytes
+        view = memoryview(data)
+        payloads = [view[i * n : (i + 1) * n] for i in range(len(held))]
+        if held:
+            try:
+                self.remote.publish(held, payloads)
+            except BaseException as error:
+                self._fault(f"republishing {len(held)} objects", error)
+                return False
+        with self._cond:
+            for key in absent:
+                entry = self._record.get(key)
+                if entry is not None and entry[0] < seq:
+                    entry[1] = True  # evicted locally: stays recorded, not retried
+            self._settled(held, seq)
+            self._stats["republished_objects"] += len(held)
+            if not self._record:
+                self._warned = False
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every queued batch is published or recorded as unpublished and, while
+        the master answers, recorded keys that the local tier holds are republished; at most
+        ``timeout`` seconds when given. True when that state was reached. Raises a latched
+        error (``raise`` mode)."""
         self._check_open()
-        self._queue.join()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (
+                self._queue
+                or self._busy
+                or (self._backlog and self._outage_since is None and self._error is None)
+            ):
+                if not self._thread.is_alive():
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            done = not self._queue and not self._busy
         self._raise_if_failed()
+        return done
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -1240,6 +1764,70 @@ class TieredBlockObjectStore:
         self.get_into(key_list, out)
         return out.view(np.dtype(dtype)).reshape((-1, *shape_per_token))
 
+    def get_many(self, keys: Iterable[str]) -> tuple[bytes, list[str]]:
+        """Never raises for a missing key: ``(data, missing)``, the payloads of the keys found
+        in either tier concatenated in order, and the keys found in neither, once per
+        occurrence, in order (as ``BlockObjectStore.get_many``). Misses locally are fetched
+        from Mooncake within ``read_deadline_s``, as the raising reads do."""
+        self._check_usable()
+        key_list = list(keys)
+        data, missing = self.local.get_many(key_list)
+        if not missing:
+            self._count_local_hit(len(key_list))
+            return data, missing
+        n = self.object_nbytes
+        self._stats["reads"] += 1
+        absent = list(dict.fromkeys(missing))
+        self._stats["local_hit_objects"] += len(key_list) - len(missing)
+        fetched = self._fetch_remote(absent)
+        if fetched and self.keep_fetched:
+            with self._write_lock:
+                self._keep(list(fetched), list(fetched.values()))
+        gone = set(missing)
+        out = bytearray()
+        local_view = memoryview(data)
+        at = 0
+        still: list[str] = []
+        for key in key_list:
+            if key not in gone:
+                out += local_view[at * n : (at + 1) * n]
+                at += 1
+            elif key in fetched:
+                out += fetched[key]
+            else:
+                still.append(key)
+        if still:
+            self._stats["read_misses"] += 1
+        return bytes(out), still
+
+    def get_optional(self, key: str) -> bytes | None:
+        """The payload of ``key`` from either tier, or ``None`` when neither has it."""
+        data, missing = self.get_many([key])
+        return None if missing else data
+
+    def contains(self, keys: Iterable[str]) -> list[bool]:
+        """Whether each key is in either tier (no read, no LRU move). For keys the local tier
+        lacks, asks Mooncake within ``read_deadline_s``; a key recorded as unpublished, still
+        queued at the deadline, or that Mooncake does not answer for, is ``False``."""
+        self._check_usable()
+        key_list = list(keys)
+        found = self.local.contains(key_list)
+        absent = list(
+            dict.fromkeys(key for key, hit in zip(key_list, found, strict=True) if not hit)
+        )
+        if not absent:
+            return list(found)
+        deadline = time.monotonic() + self.read_deadline_s
+        ask = [key for key in absent if key not in self._wait_unsettled(absent, deadline)]
+        held: set[str] = set()
+        if ask:
+            answer = self._remote_call(
+                lambda: self.remote.exists_unique(ask), deadline, "a Mooncake lookup"
+            )
+            if answer is not None:
+                held = {key for key, there in zip(ask, answer, strict=True) if there}
+        return [hit or key in held for key, hit in zip(key_list, found, strict=True)]
+
     def _count_local_hit(self, count: int) -> None:
         self._stats["reads"] += 1
         self._stats["local_hit_objects"] += count
@@ -1258,10 +1846,33 @@ class TieredBlockObjectStore:
         with self._write_lock:
             self._reads_in_flight += 1
         try:
-            absent, targets = self._fetch_absent(first, view)
-            if absent and self.keep_fetched:
+            absent: list[str] = []
+            for key, index in first.items():
+                try:
+                    self.local.get_into([key], view[index * n : (index + 1) * n])
+                except BlockObjectStoreError as error:
+                    if "does not exist" not in str(error):
+                        raise
+                    absent.append(key)
+            self._stats["local_hit_objects"] += len(first) - len(absent)
+            fetched = self._fetch_remote(absent)
+            missing = [key for key in absent if key not in fetched]
+            if missing:
+                self._stats["read_misses"] += 1
+                raise BlockObjectStoreError(
+                    f'auxiliary output object "{missing[0]}" does not exist in the local store '
+                    f"or in Mooncake"
+                    f"{' (and ' + str(len(missing) - 1) + ' more)' if len(missing) > 1 else ''}; "
+                    f"it was evicted from both, never published, or Mooncake could not give "
+                    f"it within read_deadline_s. Increase aux_output_config.max_bytes or "
+                    f"Mooncake's memory when a KV cache hit needs it."
+                )
+            for key, payload in fetched.items():
+                index = first[key]
+                view[index * n : (index + 1) * n] = payload
+            if fetched and self.keep_fetched:
                 with self._write_lock:
-                    self._keep(absent, targets)
+                    self._keep(list(fetched), list(fetched.values()))
         finally:
             with self._write_lock:
                 self._reads_in_flight -= 1
@@ -1269,38 +1880,75 @@ class TieredBlockObjectStore:
                     self._written_during_reads.clear()
         _copy_duplicates(keys, first, view, n)
 
-    def _fetch_absent(
-        self, first: dict[str, int], view: memoryview
-    ) -> tuple[list[str], list[memoryview]]:
-        """Reads each key locally, the rest from Mooncake; the keys fetched and their views."""
-        n = self.object_nbytes
-        absent: list[str] = []
-        for key, index in first.items():
-            try:
-                self.local.get_into([key], view[index * n : (index + 1) * n])
-            except BlockObjectStoreError as error:
-                if "does not exist" not in str(error):
-                    raise
-                absent.append(key)
-        self._stats["local_hit_objects"] += len(first) - len(absent)
-        # What this process queued but did not publish yet is not in Mooncake: wait for it.
-        self._queue.join()
-        self._raise_if_failed()
-        targets = [view[first[key] * n : (first[key] + 1) * n] for key in absent]
-        missing = self.remote.read_unique(absent, targets)
-        if missing:
-            self._stats["read_misses"] += 1
-            raise BlockObjectStoreError(
-                f'auxiliary output object "{missing[0]}" does not exist in the local store or '
-                f"in Mooncake"
-                f"{' (and ' + str(len(missing) - 1) + ' more)' if len(missing) > 1 else ''}; "
-                f"it was evicted from both or never published. Increase "
-                f"aux_output_config.max_bytes or Mooncake's memory when a KV cache hit needs it."
-            )
-        self._stats["remote_hit_objects"] += len(absent)
-        return absent, targets
+    def _wait_unsettled(self, keys: list[str], deadline: float) -> set[str]:
+        """Waits (until ``deadline``) for this process's queued publications of ``keys``; the
+        keys that Mooncake may not hold with this process's bytes afterwards: still queued,
+        or recorded as unpublished."""
+        with self._cond:
+            while any(key in self._pending for key in keys):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    break
+                self._cond.wait(remaining)
+            self._raise_if_failed()
+            return {key for key in keys if key in self._pending or self._unsettled(key)}
 
-    def _keep(self, absent: list[str], targets: list[memoryview]) -> None:
+    def _remote_call(self, fn: Any, deadline: float, what: str) -> Any:
+        """``fn()`` on the reader thread, waited for until ``deadline``; ``None`` when it
+        failed or did not return in time (``retry`` mode; ``raise`` mode raises)."""
+        try:
+            done, result = self._reader.call(fn, deadline - time.monotonic())
+        except MooncakeError as error:
+            self._stats["remote_read_failures"] += 1
+            if not self._retry:
+                raise
+            self._warn_once("%s failed (%s); served as a miss, as without the tier", what, error)
+            return None
+        if done:
+            if self._warned and self._outage_since is None and not self._record:
+                self._warned = False
+            return result
+        self._stats["remote_read_failures"] += 1
+        if not self._retry:
+            raise MooncakeError(
+                f"{what} did not complete within read_deadline_s={self.read_deadline_s} "
+                f"(the Mooncake master at {self.remote.master_address or '?'} is stalled or "
+                f"a previous call still waits on it)"
+            )
+        self._warn_once(
+            "%s did not complete within read_deadline_s=%s (the master is stalled?); "
+            "served as a miss, as without the tier",
+            what,
+            self.read_deadline_s,
+        )
+        return None
+
+    def _fetch_remote(self, absent: list[str]) -> dict[str, bytes | memoryview]:
+        """Fetches the distinct ``absent`` keys from Mooncake into a private buffer, within
+        ``read_deadline_s`` (the wait for queued publications included): the payloads of the
+        keys fetched. Keys that Mooncake may hold with other bytes are not asked for."""
+        if not absent:
+            return {}
+        deadline = time.monotonic() + self.read_deadline_s
+        unsettled = self._wait_unsettled(absent, deadline)
+        ask = [key for key in absent if key not in unsettled]
+        if not ask:
+            return {}
+        n = self.object_nbytes
+        private = bytearray(len(ask) * n)
+        whole = memoryview(private)
+        targets = [whole[i * n : (i + 1) * n] for i in range(len(ask))]
+        missing = self._remote_call(
+            lambda: self.remote.read_unique(ask, targets), deadline, "a read from Mooncake"
+        )
+        if missing is None:
+            return {}
+        gone = set(missing)
+        fetched = {key: targets[i] for i, key in enumerate(ask) if key not in gone}
+        self._stats["remote_hit_objects"] += len(fetched)
+        return dict(fetched)
+
+    def _keep(self, absent: list[str], targets: Sequence[Any]) -> None:
         """Puts fetched objects in the local tier where it has room without growing: free slots
         plus evictable objects. Skipped: keys stored meanwhile or written by a put while the
         read was fetching (Mooncake may not have had those bytes yet), and whatever does not
@@ -1331,7 +1979,15 @@ class TieredBlockObjectStore:
 
     # -- the rest ------------------------------------------------------------------------
 
+    def _check_process(self) -> None:
+        if self._generation != _fork_generation:
+            raise RuntimeError(
+                "this aostore tiered store was created in the parent process before fork(); "
+                "its publisher thread does not exist here: create a new store in the child"
+            )
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             raise RuntimeError("auxiliary output store is closed")
 
@@ -1350,30 +2006,72 @@ class TieredBlockObjectStore:
 
         Tier counters: puts, queued/published objects, publish batches, pending batches,
         reads (calls), objects served locally and from Mooncake, read misses (calls that
-        raised), objects kept locally after a fetch, fetched objects not kept (no room without
-        growing, or written meanwhile) and the puts that could not keep them.
+        missed some key), objects kept locally after a fetch, fetched objects not kept (no
+        room without growing, or written meanwhile) and the puts that could not keep them.
+        Faults: ``unpublished_objects`` (keys Mooncake may lack or hold with other bytes: the
+        record plus those beyond it), ``unpublished_recorded`` (the record, listed by
+        ``unpublished_keys()``), ``unpublished_not_recorded`` (beyond the record),
+        ``dropped_objects`` (did not fit the queue), ``publish_failures`` (failed
+        publications and checks), ``republished_objects``, ``outages``, ``master_restarts``
+        (a master that lost this tier's objects), ``remote_read_failures`` (reads that
+        Mooncake failed or did not answer in time), ``mooncake_down`` (1 during an outage).
         """
-        out = dict(self._stats)
-        out["pending_batches"] = self._queue.qsize()
+        with self._cond:
+            out = dict(self._stats)
+            out["pending_batches"] = len(self._queue)
+            out["unpublished_recorded"] = len(self._record)
+            out["unpublished_objects"] = len(self._record) + out["unpublished_not_recorded"]
+            out["mooncake_down"] = int(self._outage_since is not None)
         if not self._closed:
             out.update({f"local_{k}": v for k, v in self.local.stats().items()})
         out.update({f"remote_{k}": v for k, v in self.remote.stats().items()})
         return out
 
     def close(self) -> None:
-        """Publishes what is queued, stops the writer, closes both stores, then raises any
-        latched error; idempotent."""
-        with self._close_lock:
+        """Publishes what is queued (within ``close_timeout_s``; the rest is recorded as
+        unpublished), stops the publisher, closes both stores, then raises any latched error
+        (``raise`` mode); idempotent. In a forked child it raises ``RuntimeError``."""
+        self._check_process()
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(self.close_timeout_s)
+        stuck = self._thread.is_alive() or self._reader.stuck
+        if self._thread.is_alive():
+            with self._cond:
+                left = list(self._queue)
+                self._queue.clear()
+                self._release(left, False)
+            logger.warning(
+                "aostore Mooncake tier: Mooncake did not take the queued publications within "
+                "close_timeout_s=%s; %d keys stay unpublished",
+                self.close_timeout_s,
+                len(self._record) + self._stats["unpublished_not_recorded"],
+            )
+        self._reader.stop()
         try:
-            self.local.close()
+            with self._write_lock:
+                self.local.close()
+        finally:
+            if stuck:
+                # A Mooncake call still waits on the master and holds the client: close it
+                # when that call returns, without making this caller wait.
+                threading.Thread(
+                    target=self._close_remote, daemon=True, name="aostore-mooncake-close"
+                ).start()
+            else:
+                self._close_remote()
+        self._raise_if_failed()
+
+    def _close_remote(self) -> None:
+        try:
+            if self._marker_written and self._outage_since is None:
+                self.remote.remove_marker(self._marker)
         finally:
             self.remote.close()
-        self._raise_if_failed()
 
     def __repr__(self) -> str:
         if self._closed:
