@@ -4,7 +4,9 @@
 127.0.0.1, free ports) and, unless told not to, one segment holder (``mooncake_client`` with a
 ``--global_segment_size`` pool), so engine clients can use ``global_segment_size=0`` and what
 they publish outlives them. ``Cluster.stop()`` stops every process it started by PID
-(SIGTERM, then SIGKILL after a bound). Where ``setpriv`` exists the servers also get
+(SIGTERM, then SIGKILL after a bound). For fault tests, ``kill_master``, ``pause_master`` /
+``resume_master`` (SIGSTOP/SIGCONT) and ``restart_master`` (same ports, empty) act on the
+master by PID. Where ``setpriv`` exists the servers also get
 ``--pdeathsig``, so a test run that is killed does not leave them behind.
 
 As a script, the worker for the two-process tests:
@@ -121,6 +123,7 @@ class Server:
         """SIGTERM by PID, SIGKILL if it is still there after ``STOP_TIMEOUT``; idempotent."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)  # a paused server (a fault test) cannot exit
                 os.kill(self.pid, signal.SIGTERM)
             try:
                 self.process.wait(STOP_TIMEOUT)
@@ -213,6 +216,35 @@ class Cluster:
 
     def stop_master(self) -> None:
         self.master.stop()
+
+    def kill_master(self) -> None:
+        """SIGKILL to the master by PID (a crash: nothing is flushed or unregistered)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.master.pid, signal.SIGKILL)
+        self.master.process.wait(STOP_TIMEOUT)
+        self.master.stop()
+
+    def pause_master(self) -> None:
+        """SIGSTOP to the master by PID: its port still accepts connections, nothing answers."""
+        os.kill(self.master.pid, signal.SIGSTOP)
+
+    def resume_master(self) -> None:
+        os.kill(self.master.pid, signal.SIGCONT)
+
+    def restart_master(self) -> None:
+        """A new master on the same ports, after the old one is gone (it starts empty: a
+        Mooncake master keeps its data in memory). The segment holder mounts its segment on
+        it again by itself (about a second)."""
+        assert not self.master.running(), "stop or kill the master first"
+        old = self.master
+        argv = list(old.process.args)  # type: ignore[arg-type]
+        if "--" in argv:  # setpriv --pdeathsig TERM -- mooncake_master ...
+            argv = argv[argv.index("--") + 1 :]
+        self.restarts = getattr(self, "restarts", 0) + 1
+        log = old.log_path.with_name(f"{old.log_path.stem}-restart{self.restarts}.log")
+        self.master = Server("mooncake_master", argv, log, self.rpc_port)
+        self.servers[self.servers.index(old)] = self.master
+        self.master.wait_ready()
 
     def stop(self) -> None:
         """Stops every server this cluster started, by PID, newest first."""

@@ -31,6 +31,26 @@ aostore_bytes_read          counter  payload bytes copied out (bytes)
 aostore_eviction_visits     counter  LRU entries the eviction walk looked at (entries)
 ==========================  =======  =========================================================
 
+A Mooncake tier (``aostore.mooncake.TieredBlockObjectStore``) adds its fault figures:
+
+==================================  =======  =================================================
+metric                              type     meaning (unit)
+==================================  =======  =================================================
+aostore_unpublished_objects         gauge    keys Mooncake may lack or hold stale (keys)
+aostore_unpublished_recorded        gauge    of those, in the tier's record (keys)
+aostore_mooncake_down               gauge    whether the publisher sees an outage (0/1)
+aostore_unpublished_not_recorded    counter  unpublished keys beyond the record (keys)
+aostore_dropped_objects             counter  publications that did not fit the queue (objects)
+aostore_publish_failures            counter  failed publications and master checks (calls)
+aostore_republished_objects         counter  recorded keys republished from local (objects)
+aostore_outages                     counter  outages the publisher saw (events)
+aostore_master_restarts             counter  masters that lost the tier's data (events)
+aostore_remote_read_failures        counter  reads Mooncake failed or did not answer (calls)
+==================================  =======  =================================================
+
+The keys themselves are not exported (one label per key would be unbounded):
+``TieredBlockObjectStore.unpublished_keys()`` lists them.
+
 A key that a later aostore adds to ``stats()`` is exported as a gauge ``aostore_<key>``.
 
 Use::
@@ -63,6 +83,9 @@ GAUGES: dict[str, str] = {
     "referenced": "Keys with a reference count of at least 1 (keys).",
     "evictable": "Stored unreferenced objects, the LRU length (objects).",
     "free_slots": "Slots holding no object (slots).",
+    "unpublished_objects": "Mooncake tier: keys Mooncake may lack or hold stale (keys).",
+    "unpublished_recorded": "Mooncake tier: unpublished keys in the tier's record (keys).",
+    "mooncake_down": "Mooncake tier: whether the publisher sees an outage (0 or 1).",
 }
 """``stats()`` keys exported as gauges, with their help text (unit in parentheses)."""
 
@@ -79,6 +102,13 @@ COUNTERS: dict[str, str] = {
     "bytes_written": "Payload bytes copied into the store (bytes).",
     "bytes_read": "Payload bytes copied out of the store (bytes).",
     "eviction_visits": "LRU entries the eviction walk looked at (entries).",
+    "unpublished_not_recorded": "Mooncake tier: unpublished keys beyond the record (keys).",
+    "dropped_objects": "Mooncake tier: publications that did not fit the queue (objects).",
+    "publish_failures": "Mooncake tier: failed publications and master checks (calls).",
+    "republished_objects": "Mooncake tier: recorded keys republished from local (objects).",
+    "outages": "Mooncake tier: outages the publisher saw (events).",
+    "master_restarts": "Mooncake tier: masters found to have lost the tier's data (events).",
+    "remote_read_failures": "Mooncake tier: reads Mooncake failed or did not answer (calls).",
 }
 """``stats()`` keys exported as counters, with their help text (unit in parentheses)."""
 

@@ -1060,6 +1060,7 @@ class _CallThread:
 
 
 _ON_PUBLISH_ERROR = ("retry", "raise")
+_OVERLOAD_WARNING_INTERVAL_S = 60
 _FILTER_BITS = 1 << 20  # keys recorded unpublished beyond the record: 128 KiB of bits
 
 
@@ -1209,6 +1210,7 @@ class TieredBlockObjectStore:
         self._published: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._outage_since: float | None = None
         self._warned = False
+        self._overload_warned = 0.0
         self._marker = f"__aostore_tier__/{os.getpid()}-{uuid.uuid4().hex}"
         self._marker_written = False
         self._reader = _CallThread("aostore-mooncake-reader")
@@ -1418,12 +1420,19 @@ class TieredBlockObjectStore:
                 if self._retry or self._error is not None:
                     self._stats["dropped_objects"] += len(keys)
                     self._record_keys(keys, seq)
-                    self._warn_once(
-                        "the Mooncake publication queue is full (%d batches; Mooncake is down, "
-                        "stalled or slower than the engine): puts go on locally and what does "
+                    now = time.monotonic()
+                    if self._warned or now < self._overload_warned:
+                        return  # one WARNING per outage or overload
+                    self._warned = True
+                    self._overload_warned = now + _OVERLOAD_WARNING_INTERVAL_S
+                    logger.warning(
+                        "aostore Mooncake tier: the Mooncake publication queue is full (%d "
+                        "batches; Mooncake is down, stalled or slower than the engine): puts go "
+                        "on locally and what does "
                         "not fit is recorded as unpublished, to be republished from the local "
-                        "tier when the publisher catches up",
+                        "tier when the publisher catches up (logged at most every %d s)",
                         self._max_pending,
+                        _OVERLOAD_WARNING_INTERVAL_S,
                     )
                     return
                 while len(self._queue) >= self._max_pending and not self._closed:
@@ -1628,6 +1637,7 @@ class TieredBlockObjectStore:
                         "%d keys published lately",
                         len(lost),
                     )
+                    self._marker_written = False  # once per loss, even if the write fails
                 self.remote.write_marker(self._marker)
                 self._marker_written = True
         except Exception as error:
@@ -1694,8 +1704,6 @@ class TieredBlockObjectStore:
                     entry[1] = True  # evicted locally: stays recorded, not retried
             self._settled(held, seq)
             self._stats["republished_objects"] += len(held)
-            if not self._record:
-                self._warned = False
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
