@@ -56,6 +56,17 @@ is_exist 0 or no buffer during the write) and fails closed with ``does not exist
 re-put with different bytes are overwritten, so a shared block that engines recompute with
 the same bytes never opens that window.
 
+Faults (``on_publish_error="retry"``, the default): once a tier runs, no Mooncake fault reaches
+its caller. Publications that fail or do not fit the bounded queue are recorded as unpublished
+(``unpublished_keys()``, ``stats()``), the publisher probes the master with backoff and
+republishes what the local tier still holds; a restarted (empty) master is noticed through a
+marker object and what the tier published lately is republished or recorded. A read that
+misses locally waits at most ``read_deadline_s`` (queued publications included), fetches on a
+helper thread into a private buffer, and is otherwise a miss; a key that Mooncake may hold
+with older bytes (recorded, or still queued) is never read from it. ``"raise"`` is the old
+fatal mode. ``docs/mooncake.md`` has the promises and the figures measured against a real
+master.
+
 The Mooncake API used, as found in ``mooncake-transfer-engine-non-cuda==0.3.13.post1``
 (``mooncake.store.MooncakeDistributedStore``; the calls below release the GIL while they
 wait, except ``close``):
@@ -77,6 +88,10 @@ wait, except ``close``):
   while a key is rewritten, ``batch_get_buffer`` gives ``None`` and ``is_exist`` can say 0;
   no torn bytes were seen. About as fast as ``put_batch`` for new keys. ``upsert`` is the
   single-key form.
+- A SIGSTOP'ed master (its port still accepts connections) makes every RPC wait 30 s, then
+  fail with -901 (``RPC_TIMEOUT``); after SIGCONT pending calls complete. A master restarted
+  on the same ports starts empty; a segment holder mounts its segment on it again within about
+  a second (``put_batch``/``upsert_batch`` give -200 until then), and clients reconnect.
 - ``batch_get_buffer(keys: list[str]) -> list[BufferHandle | None]``: one handle per key
   (``ptr()``, ``size()``, buffer protocol; the memory sits in the local buffer until the handle
   is freed). ``None`` for a missing key, and also for a key that did not fit in the local
