@@ -6,7 +6,7 @@ evicting put never rescans the keys that running requests hold.
 """
 
 from aostore._background import BackgroundBlockObjectStore
-from aostore._native import BlockObject, BlockObjectStoreError
+from aostore._native import BlockObject, BlockObjectStoreError, ObjectMissingError
 from aostore._shm import ShmBlockObjectStore
 from aostore._store import BlockObjectStore
 from aostore._variable import VariableBlockObjectStore
@@ -16,6 +16,7 @@ __all__ = [
     "BlockObject",
     "BlockObjectStore",
     "BlockObjectStoreError",
+    "ObjectMissingError",
     "ShmBlockObjectStore",
     "VariableBlockObjectStore",
 ]

@@ -13,6 +13,7 @@ __all__ = [
     "BlockObject",
     "BlockObjectStoreError",
     "NativeStore",
+    "ObjectMissingError",
     "NativeVariableStore",
     "NativeWriter",
     "VictimCandidates",
@@ -20,6 +21,9 @@ __all__ = [
 
 class BlockObjectStoreError(RuntimeError):
     """Auxiliary-output storage or retrieval failed."""
+
+class ObjectMissingError(BlockObjectStoreError):
+    """A requested auxiliary-output object is not stored (never put, or evicted)."""
 
 @final
 class BlockObject:

@@ -33,6 +33,13 @@ pyo3::create_exception!(
     "Auxiliary-output storage or retrieval failed."
 );
 
+pyo3::create_exception!(
+    aostore,
+    ObjectMissingError,
+    BlockObjectStoreError,
+    "A requested auxiliary-output object is not stored (never put, or evicted)."
+);
+
 pub(crate) fn to_py_err(error: StoreError) -> PyErr {
     let message = error.to_string();
     match error {
@@ -48,11 +55,12 @@ pub(crate) fn to_py_err(error: StoreError) -> PyErr {
             PyMemoryError::new_err(message)
         }
         StoreError::NotReferenced { key } => PyKeyError::new_err(key),
+        StoreError::Missing { .. } | StoreError::MissingObject { .. } => {
+            ObjectMissingError::new_err(message)
+        }
         StoreError::CannotRetain { .. }
-        | StoreError::Missing { .. }
         | StoreError::Policy(_)
-        | StoreError::CannotRetainBytes { .. }
-        | StoreError::MissingObject { .. } => BlockObjectStoreError::new_err(message),
+        | StoreError::CannotRetainBytes { .. } => BlockObjectStoreError::new_err(message),
     }
 }
 
@@ -700,6 +708,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CandidateKeys>()?;
     m.add_class::<writer::NativeWriter>()?;
     m.add("BlockObjectStoreError", m.py().get_type::<BlockObjectStoreError>())?;
+    m.add("ObjectMissingError", m.py().get_type::<ObjectMissingError>())?;
     variable::register(m)?;
     Ok(())
 }
