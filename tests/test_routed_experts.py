@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore, BlockObjectStoreError
+from aostore import (
+    BackgroundBlockObjectStore,
+    BlockObject,
+    BlockObjectStore,
+    BlockObjectStoreError,
+    ObjectMissingError,
+)
 from aostore._native import NativeStore
 from aostore.routed_experts import (
     materialize_routed_experts,
@@ -160,6 +166,15 @@ def store_pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
 # --------------------------------------------------------------------------- scenarios
 
 
+def error_kind(error: BaseException) -> str:
+    """The error's class name, aostore's typed miss read as the ``BlockObjectStoreError`` it
+    subclasses (what vLLM's store raises, and what every ``except`` of vLLM catches)."""
+    if isinstance(error, ObjectMissingError):
+        assert isinstance(error, BlockObjectStoreError)
+        return "BlockObjectStoreError"
+    return type(error).__name__
+
+
 def outcome(call: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, ...]:
     try:
         result = call(*args, **kwargs)
@@ -167,7 +182,7 @@ def outcome(call: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, .
         cause = error.__cause__
         # A background writer wraps the store's error; its message depends on the store path.
         detail = str(error) if cause is None else None
-        return ("error", type(error).__name__, detail, type(cause).__name__ if cause else None)
+        return ("error", error_kind(error), detail, type(cause).__name__ if cause else None)
     if result is None:
         return ("ok",)
     return ("array", result.dtype.str, result.shape, result.tobytes())

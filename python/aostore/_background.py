@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import inspect
-import os
-import queue
-import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from aostore import _tensors
-from aostore._native import BlockObjectStoreError, NativeStore, NativeVariableStore, NativeWriter
+from aostore import _buffers
+from aostore._native import NativeStore, NativeVariableStore, NativeWriter
+from aostore._reads import BufferReads
 from aostore._store import BlockObjectStore
 from aostore._variable import VariableBlockObjectStore
-
-# Bumped in a forked child: a Python writer's thread does not exist there.
-_fork_generation = 0
-
-
-def _after_fork_in_child() -> None:
-    global _fork_generation
-    _fork_generation += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+from aostore._worker import QueueWorker
+from aostore.errors import is_missing
 
 
 class _Store(Protocol):
@@ -45,68 +34,28 @@ _Update = tuple[str, tuple[Any, ...], tuple[str, ...], tuple[str, ...]]
 
 
 class _PythonWriter:
-    """A Python writer thread, for stores that the Rust writer cannot drive."""
+    """A Python writer thread, for stores that the Rust writer cannot drive: a ``QueueWorker``
+    that applies one update at a time and latches the first error."""
 
     def __init__(self, store: _Store, max_pending_batches: int) -> None:
         self._store = store
-        self._queue: queue.Queue[_Update | None] = queue.Queue(maxsize=max_pending_batches)
-        self._error: BaseException | None = None
-        self._closed = False
-        self._close_lock = threading.Lock()
-        # Set once close() has finished, so a second closer waits for the first.
-        self._close_done = threading.Event()
-        self._closer: int | None = None
-        self._generation = _fork_generation
-        self._thread = threading.Thread(target=self._run, daemon=True, name="aostore-writer")
-        self._thread.start()
+        self._worker: QueueWorker[_Update] = QueueWorker(
+            self._apply, max_pending=max_pending_batches, name="aostore-writer",
+            what="background writer",
+        )
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._worker.closed
 
-    def _check_process(self) -> None:
-        if self._generation != _fork_generation:
-            raise RuntimeError(
-                "this aostore background writer was created in the parent process before "
-                "fork(); its thread does not exist here: create a new store and writer in the child"
-            )
-
-    def _run(self) -> None:
-        while True:
-            update = self._queue.get()
-            try:
-                if update is None:
-                    return
-                if self._error is None:
-                    method, args, retains, releases = update
-                    getattr(self._store, method)(*args, retain_keys=retains, release_keys=releases)
-            except BaseException as error:  # latched and re-raised on the caller's thread
-                self._error = error
-            finally:
-                # The update's payloads are not needed any more: release them now, not when the
-                # next update replaces this frame's variable.
-                update = None
-                self._queue.task_done()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise BlockObjectStoreError("auxiliary output publication failed") from self._error
-
-    def _enqueue(self, update: _Update) -> None:
-        self._check_process()
-        # The closed check and the enqueue are one step under the lock that close() takes, so
-        # no update can land behind the stop sentinel (lost, with later calls blocked forever).
-        with self._close_lock:
-            if self._closed:
-                raise RuntimeError("auxiliary output store is closed")
-            self._raise_if_failed()
-            self._queue.put(update)
-        self._raise_if_failed()
+    def _apply(self, updates: list[_Update]) -> None:
+        for method, args, retains, releases in updates:
+            getattr(self._store, method)(*args, retain_keys=retains, release_keys=releases)
 
     def put(
         self, objects: list[Any], *, retain_keys: tuple[str, ...], release_keys: tuple[str, ...]
     ) -> None:
-        self._enqueue(("put", (objects,), retain_keys, release_keys))
+        self._worker.submit(("put", (objects,), retain_keys, release_keys))
 
     def put_blocks(
         self,
@@ -116,39 +65,13 @@ class _PythonWriter:
         retain_keys: tuple[str, ...],
         release_keys: tuple[str, ...],
     ) -> None:
-        self._enqueue(("put_blocks", (keys, blocks), retain_keys, release_keys))
+        self._worker.submit(("put_blocks", (keys, blocks), retain_keys, release_keys))
 
     def wait(self) -> None:
-        self._check_process()
-        self._queue.join()
-        self._raise_if_failed()
+        self._worker.wait()
 
     def close(self) -> None:
-        """A caller that arrives while another close runs returns once the store is closed and
-        raises the latched error too; a close after a finished one, or from inside the first
-        one (the store's ``close`` calling back), returns at once."""
-        self._check_process()
-        me = threading.get_ident()
-        with self._close_lock:
-            first = not self._closed
-            self._closed = True
-            if first:
-                self._closer = me
-        if not first:
-            # A close in progress on another thread: wait for it and raise what it raises. A
-            # finished one (idempotent, as vLLM's) or our own, re-entered: return at once.
-            if self._closer != me and not self._close_done.is_set():
-                self._close_done.wait()
-                self._raise_if_failed()
-            return
-        try:
-            self._queue.join()
-            self._queue.put(None)
-            self._thread.join()
-            self._store.close()
-        finally:
-            self._close_done.set()
-        self._raise_if_failed()
+        self._worker.close(finish=self._store.close)
 
 
 # The methods the Rust writer calls in the core directly, per native store class; any other
@@ -181,7 +104,7 @@ def _native_eligible(store: object) -> bool:
     return all(inspect.getattr_static(type(store), name) in own[name] for name in own)
 
 
-class BackgroundBlockObjectStore:
+class BackgroundBlockObjectStore(BufferReads):
     """Applies ``put`` calls to ``store`` on one background thread, in call order.
 
     ``put`` queues the update (blocking while ``max_pending_batches`` are queued) and returns.
@@ -280,7 +203,7 @@ class BackgroundBlockObjectStore:
             # tensor is copied to the host once, on the caller's thread). The numpy view's base
             # is a tensor of its own over the same storage, so ``set_()`` on the caller's
             # tensor leaves the memory the writer reads alive.
-            blocks = _tensors.host_rows(blocks, len(key_list), object_nbytes)
+            blocks = _buffers.host_rows(blocks, len(key_list), object_nbytes)
         self._writer.put_blocks(key_list, blocks, retain_keys=retains, release_keys=releases)
 
     def get_concatenated(self, keys: Sequence[str]) -> bytes:
@@ -288,21 +211,26 @@ class BackgroundBlockObjectStore:
         self._writer.wait()
         return self._store.get_concatenated(keys)
 
-    def get_into(self, keys: Sequence[str], out: Any) -> Any:
-        """Waits for queued puts, then ``store.get_into(keys, out)``."""
+    def _check_readable(self) -> None:
+        """Waits for queued puts (raising a latched error)."""
         self._writer.wait()
-        return self._store.get_into(keys, out)  # type: ignore[attr-defined]
 
-    def get_array(self, keys: Sequence[str], *, dtype: Any, shape_per_token: Sequence[int]) -> Any:
-        """Waits for queued puts, then the payloads as one numpy array."""
-        self._writer.wait()
-        get_array = getattr(self._store, "get_array", None)
-        if get_array is not None:
-            return get_array(keys, dtype=dtype, shape_per_token=shape_per_token)
-        import numpy as np
+    def _read_into(self, keys: list[str], host: Any) -> None:
+        get_into = getattr(self._store, "get_into", None)
+        if get_into is not None:
+            get_into(keys, host)
+            return
+        data = self._store.get_concatenated(keys)
+        view = _buffers.writable_view(host)
+        if view.nbytes != len(data):
+            raise ValueError(f"out holds {view.nbytes} bytes, the payloads {len(data)}")
+        view[:] = data
 
-        payload = self._store.get_concatenated(keys)
-        return np.frombuffer(payload, dtype=dtype).reshape((-1, *shape_per_token))
+    def _array_nbytes(self, count: int) -> int | None:
+        nbytes = getattr(self._store, "object_nbytes", None)
+        if nbytes is None or not hasattr(self._store, "get_into"):
+            return None  # objects of any size, or a store that reads only whole bytes
+        return count * int(nbytes)
 
     def flush(self) -> None:
         """Waits until every queued update is applied; raises a latched error, if any."""
@@ -325,9 +253,9 @@ class BackgroundBlockObjectStore:
         try:
             return bytes(store.get_concatenated([key]))
         except Exception as error:
-            # A store without non-raising reads (vLLM's, a test double): its own
-            # BlockObjectStoreError for a missing key means None; anything else propagates.
-            if type(error).__name__ == "BlockObjectStoreError" and "does not exist" in str(error):
+            # A store without non-raising reads (vLLM's, a test double): its miss means None;
+            # anything else propagates.
+            if is_missing(error):
                 return None
             raise
 

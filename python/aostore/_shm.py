@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, Self, cast
 
-from aostore._native import BlockObjectStoreError
 from aostore._store import BlockObjectStore
+from aostore.errors import ObjectMissingError
 
 __all__ = ["ShmBlockObjectStore"]
 
@@ -46,7 +46,7 @@ class ShmBlockObjectStore(BlockObjectStore):
       looks at referenced keys (the branch's walks all of them);
     - ``get_concatenated(keys)`` returns the payloads in order and moves the keys it read to
       the LRU tail (the branch's does; vLLM 0.33.0's store does not). A key that is not stored
-      raises ``BlockObjectStoreError`` with the branch's message ("auxiliary output object
+      raises ``ObjectMissingError`` (a ``BlockObjectStoreError``) with the branch's message ("auxiliary output object
       does not exist; the object may have been evicted (used=N, limit=M objects). Increase
       aux_output_config.max_bytes when a KV cache hit requires it."), chained from
       ``KeyError(key)`` for the first key that is missing;
@@ -90,11 +90,9 @@ class ShmBlockObjectStore(BlockObjectStore):
         wanted = keys if isinstance(keys, list | tuple) else list(keys)
         try:
             return super().get_concatenated(wanted)
-        except BlockObjectStoreError as error:
-            if "does not exist" not in str(error):
-                raise
+        except ObjectMissingError:
             present = self.contains(wanted)
             first = next(key for key, found in zip(wanted, present, strict=True) if not found)
             stored = self.stats()["stored"]
             cause = KeyError(first)
-            raise BlockObjectStoreError(_missing(stored, self.num_slots)) from cause
+            raise ObjectMissingError(_missing(stored, self.num_slots)) from cause

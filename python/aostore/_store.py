@@ -7,11 +7,12 @@ import types
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from aostore import _tensors
+from aostore import _buffers
 from aostore._native import NativeStore
+from aostore._reads import BufferReads
 
 
-class BlockObjectStore(NativeStore):
+class BlockObjectStore(BufferReads, NativeStore):
     """A bounded store of fixed-size objects keyed by string, with reference counts.
 
     ``BlockObjectStore(*, max_bytes, object_nbytes, policy=None, profile="fail-closed",
@@ -130,32 +131,14 @@ class BlockObjectStore(NativeStore):
         """
         self._ensure_open()
         keys = list(keys)
-        data = _tensors.host_rows(blocks, len(keys), self.object_nbytes)
+        data = _buffers.host_rows(blocks, len(keys), self.object_nbytes)
         super().put_blocks(keys, data, retain_keys=retain_keys, release_keys=release_keys)
 
-    def get_into(self, keys: Iterable[str], out: Any) -> Any:
-        """Writes the payloads of ``keys``, concatenated, into ``out`` and returns ``out``.
-
-        ``out`` is a writable buffer, numpy array or torch tensor (CPU, or CUDA through one
-        host-to-device copy) of exactly ``len(keys) * object_nbytes`` bytes.
-        """
+    def _check_readable(self) -> None:
         self._ensure_open()
-        host, pending = _tensors.writable_host_bytes(out)
-        super().get_into(keys, host)
-        _tensors.finish_device_copy(pending)
-        return out
 
-    def get_array(self, keys: Sequence[str], *, dtype: Any, shape_per_token: Sequence[int]) -> Any:
-        """A new numpy array of the payloads of ``keys``, shape ``(-1, *shape_per_token)``."""
-        import numpy as np
-
-        self._ensure_open()
-        keys = list(keys)
-        out = np.empty(len(keys) * self.object_nbytes, dtype=np.uint8)
-        # Shape the result first: a bad dtype or shape fails before the read touches the LRU.
-        result = out.view(np.dtype(dtype)).reshape((-1, *shape_per_token))
-        super().get_into(keys, out)
-        return result
+    def _read_into(self, keys: list[str], host: Any) -> None:
+        NativeStore.get_into(self, keys, host)
 
     def get_tensor(
         self,
@@ -178,7 +161,7 @@ class BlockObjectStore(NativeStore):
         # Shape the result first: a bad dtype, shape or device fails before the read.
         tensor = host.view(dtype).reshape(-1, *shape_per_token)
         target = torch.device(device)
-        super().get_into(keys, host.numpy())
+        self._read_into(keys, host.numpy())
         return tensor if target.type == "cpu" else tensor.to(target)
 
     def __repr__(self) -> str:

@@ -146,7 +146,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
-from aostore import _tensors
+from aostore import _buffers as _tensors
 from aostore._native import BlockObject, BlockObjectStoreError
 
 __all__ = [
@@ -427,7 +427,7 @@ def _payload_view(key: str, payload: object, object_nbytes: int) -> memoryview:
         raise TypeError(
             f"payload of {key!r} must be a C-contiguous buffer, not {type(payload).__name__}"
         ) from None
-    _tensors._refuse_object_references(view, f"payload of {key!r}")
+    _tensors.refuse_object_references(view, f"payload of {key!r}")
     if not view.c_contiguous:
         raise TypeError(f"payload of {key!r} must be a C-contiguous buffer")
     if view.nbytes != object_nbytes:

@@ -15,6 +15,7 @@ import numpy as np
 from aostore._background import BackgroundBlockObjectStore
 from aostore._native import BlockObject
 from aostore._store import BlockObjectStore
+from aostore.errors import is_missing
 
 
 def routed_experts_keys(block_hashes: Iterable[bytes], aux_output_namespace: str) -> list[str]:
@@ -129,7 +130,8 @@ def materialize_available_routed_experts(
 
     Block ``i`` covers tokens ``first_token + i * block_size`` up to the next block. With an
     aostore store this is one ``get_many`` call (one copy into the result); with any other
-    store, one ``get_concatenated`` per key, treating ``does not exist`` as missing.
+    store, one ``get_concatenated`` per key, treating a miss (``aostore.errors.is_missing``) as
+    missing.
     """
     keys = list(aux_output_keys)
     dtype = np.dtype(dtype)
@@ -156,7 +158,7 @@ def materialize_available_routed_experts(
             try:
                 payload = store.get_concatenated([key])
             except RuntimeError as error:  # BlockObjectStoreError, vLLM's or aostore's
-                if "does not exist" not in str(error):
+                if not is_missing(error):
                     raise
                 present.append(False)
                 continue

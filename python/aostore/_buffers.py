@@ -1,4 +1,5 @@
-"""numpy and torch payloads as plain bytes, without importing torch unless it is in use.
+"""Payloads and outputs as plain bytes: numpy and torch (without importing torch unless it is
+in use), byte views, rows of one buffer, private copies.
 
 A tensor is reinterpreted as bytes (``.view(torch.uint8)``), never converted element by element,
 so any dtype (bf16 included) round-trips bit-exactly. CUDA tensors cross to the host once.
@@ -8,13 +9,14 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
 # Field names in a struct format string ("T{<i:name:}"), which may contain any letter.
 _FIELD_NAMES = re.compile(r":[^:]*:")
 
 
-def _refuse_object_references(view: memoryview, what: str) -> None:
+def refuse_object_references(view: memoryview, what: str) -> None:
     """Raises for buffers of Python object references (numpy ``dtype=object``): their bytes are
     pointers, and writing bytes into them corrupts the interpreter's heap."""
     if "O" in view.format and "O" in _FIELD_NAMES.sub("", view.format):
@@ -73,7 +75,7 @@ def block_bytes(blocks: Any, count: int, object_nbytes: int) -> Any:
             f"blocks must be a numpy array, a torch tensor or a buffer, not {type(blocks).__name__}"
         ) from None
     with view:
-        _refuse_object_references(view, "blocks")
+        refuse_object_references(view, "blocks")
         if not view.c_contiguous:
             raise ValueError("blocks must be C-contiguous (use numpy.ascontiguousarray)")
         flat_bytes = view.ndim == 1 and view.itemsize == 1
@@ -106,7 +108,7 @@ def writable_host_bytes(out: Any) -> tuple[Any, Any]:
         except TypeError:
             return out, None  # the store raises its own TypeError for a non-buffer
         with view:
-            _refuse_object_references(view, "out")
+            refuse_object_references(view, "out")
         return out, None
     import torch
 
@@ -124,3 +126,104 @@ def finish_device_copy(pending: Any) -> None:
     if pending is not None:
         flat, staging = pending
         flat.copy_(staging)
+
+
+def byte_view(view: memoryview) -> memoryview:
+    """``view`` as a flat view of unsigned bytes (itself when it already is one)."""
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def payload_view(key: str, payload: object, object_nbytes: int) -> memoryview:
+    """A flat byte view of one object's ``payload``, for stores that are not native; raises the
+    native stores' ``TypeError``/``ValueError``."""
+    if is_tensor(payload):
+        payload = block_bytes(payload.reshape(1, -1), 1, object_nbytes)  # type: ignore[attr-defined]
+    try:
+        view = memoryview(payload)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"payload of {key!r} must be a C-contiguous buffer, not {type(payload).__name__}"
+        ) from None
+    refuse_object_references(view, f"payload of {key!r}")
+    if not view.c_contiguous:
+        raise TypeError(f"payload of {key!r} must be a C-contiguous buffer")
+    if view.nbytes != object_nbytes:
+        raise ValueError(
+            f"payload of {key!r} holds {view.nbytes} bytes, expected object_nbytes={object_nbytes}"
+        )
+    return byte_view(view)
+
+
+def writable_view(host: Any) -> memoryview:
+    """A flat writable byte view of a host buffer (from ``writable_host_bytes``)."""
+    try:
+        view = memoryview(host)
+    except TypeError:
+        raise TypeError(
+            f"out must be a writable buffer, numpy array or tensor, not {type(host).__name__}"
+        ) from None
+    if view.readonly:
+        raise TypeError("out must be writable")
+    if not view.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    return byte_view(view)
+
+
+def same_bytes(held: Any, payload: Any) -> bool:
+    """Whether the buffer ``held`` holds exactly the bytes of ``payload``."""
+    with memoryview(held) as a, memoryview(payload) as b:
+        # Compared as bytes: memoryview's own == walks item by item (about 25x slower).
+        return a.nbytes == b.nbytes and byte_view(a).tobytes() == (
+            payload if type(payload) is bytes else byte_view(b).tobytes()
+        )
+
+
+def snapshot(payload: Any) -> bytes:
+    """A private copy of a buffer's (or a tensor's) bytes: the caller may reuse the buffer."""
+    if is_tensor(payload):
+        payload = block_bytes(payload.reshape(1, -1), 1, payload.nbytes)
+    with memoryview(payload) as view:
+        return view.tobytes()
+
+
+def first_positions(keys: Sequence[str]) -> dict[str, int]:
+    """Each distinct key and the position of its first occurrence, in order."""
+    first: dict[str, int] = {}
+    for index, key in enumerate(keys):
+        first.setdefault(key, index)
+    return first
+
+
+def copy_duplicates(keys: Sequence[str], first: dict[str, int], view: memoryview, n: int) -> None:
+    """Fills each repeated key's row of ``view`` (rows of ``n`` bytes) from its first one."""
+    if len(first) == len(keys):
+        return
+    for index, key in enumerate(keys):
+        source = first[key]
+        if source != index:
+            view[index * n : (index + 1) * n] = view[source * n : (source + 1) * n]
+
+
+class Rows(Sequence[memoryview]):
+    """The rows of one flat buffer as a sequence of views, sliced when read (by the thread
+    that reads them, not the caller's)."""
+
+    def __init__(self, data: bytes, row_nbytes: int, count: int) -> None:
+        self._view = memoryview(data)
+        self._n = row_nbytes
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[memoryview]: ...
+    def __getitem__(self, index: int | slice) -> memoryview | Sequence[memoryview]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if not -self._count <= index < self._count:
+            raise IndexError(index)
+        index %= self._count
+        return self._view[index * self._n : (index + 1) * self._n]
