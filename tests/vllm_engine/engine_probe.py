@@ -13,11 +13,29 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 _TIMED = ("execute_model", "sample_tokens")
+# The tier counters sampled by ``aostore_probe_watch_tier``, in each sample's order after the time.
+TIER_SAMPLED = (
+    "mooncake_down",
+    "unpublished_objects",
+    "pending_batches",
+    "queued_objects",
+    "published_objects",
+    "republished_objects",
+    "dropped_objects",
+    "publish_failures",
+    "outages",
+    "master_restarts",
+)
+# Store calls timed by ``aostore_probe_watch_tier``: the engine thread's, on the background
+# store, and the background writer's, on the tier.
+_ENGINE_CALLS = ("put", "put_blocks", "get_concatenated", "get_into", "get_array")
+_WRITER_CALLS = ("put", "put_blocks")
 
 
 def _qualname(obj: object) -> str:
@@ -56,6 +74,75 @@ def _timed(method: Callable[..., Any], out: list[float]) -> Callable[..., Any]:
             out.append(time.perf_counter() - start)
 
     return timed
+
+
+class _CallWatch:
+    """Count, worst and total seconds of one store method, and every exception it raised."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.worst_s = 0.0
+        self.total_s = 0.0
+        self.errors: list[str] = []
+
+    def wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return method(*args, **kwargs)
+            except BaseException as error:
+                self.errors.append(repr(error))
+                raise
+            finally:
+                took = time.monotonic() - start
+                self.count += 1
+                self.total_s += took
+                self.worst_s = max(self.worst_s, took)
+
+        return watched
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "worst_s": self.worst_s,
+            "total_s": self.total_s,
+            "errors": list(self.errors),
+        }
+
+
+class _TierWatch:
+    """A thread that samples the tier's counters (``time.monotonic()`` first: one clock for
+    every process of the machine) until stopped, and the watched store calls."""
+
+    def __init__(self, tier: Any, interval_s: float) -> None:
+        self.tier = tier
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, ...]] = []
+        self.sample_errors: list[str] = []
+        self.calls: dict[str, _CallWatch] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="aostore-probe-watch")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                stats = self.tier.stats()
+            except Exception as error:  # a probe must not stop the engine
+                self.sample_errors.append(repr(error))
+            else:
+                self.samples.append((time.monotonic(), *(stats[k] for k in TIER_SAMPLED)))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(10.0)
+        return {
+            "fields": ["t", *TIER_SAMPLED],
+            "samples": list(self.samples),
+            "sample_errors": list(self.sample_errors),
+            "calls": {name: watch.report() for name, watch in self.calls.items()},
+        }
 
 
 class StoreProbe:
@@ -107,13 +194,24 @@ class StoreProbe:
             contents["stats"] = {}
         return contents
 
-    def aostore_probe_tier(self) -> dict[str, Any]:
+    def aostore_probe_tier(self, timeout_s: float | None = None) -> dict[str, Any]:
         """With ``AOSTORE_VLLM_MOONCAKE``: the tiered store's parts, what its local tier holds
-        (keys and bytes), and its counters, once everything queued is in Mooncake."""
+        (keys and bytes), its counters and its record of unpublished keys, once everything
+        queued is in Mooncake or recorded. With ``timeout_s``, at most that long: first for a
+        Mooncake outage to end, then for the flush (``flushed`` says whether it finished)."""
         background = self._aostore_probe_connector()._store
         background.get_concatenated([])  # the writer has applied every queued put
         tier = background._store
-        tier.flush()  # and the tier's publisher has put every one of them into Mooncake
+        started = time.monotonic()
+        if timeout_s is None:
+            flushed = tier.flush()  # the publisher has put every queued object into Mooncake
+        else:
+            deadline = started + timeout_s
+            while tier.stats()["mooncake_down"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            flushed = tier.flush(timeout=max(0.0, deadline - time.monotonic()))
+        flush_s = time.monotonic() - started
+        writer_error = getattr(getattr(background, "_writer", None), "_error", None)
         local = tier.local
         return {
             "tier": _qualname(tier),
@@ -124,7 +222,36 @@ class StoreProbe:
             "key_prefix": tier.remote.key_prefix,
             "objects": dict(local.snapshot()["objects"]),
             "stats": dict(tier.stats()),
+            "read_deadline_s": getattr(tier, "read_deadline_s", None),
+            "unpublished": list(tier.unpublished_keys()),
+            "flushed": bool(flushed),
+            "flush_s": flush_s,
+            "settled_at": time.monotonic(),
+            "writer_error": None if writer_error is None else repr(writer_error),
         }
+
+    def aostore_probe_watch_tier(self, interval_s: float = 0.02) -> None:
+        """From now on, sample the tier's counters every ``interval_s`` and time (and catch
+        the exceptions of) the store calls of the engine thread and of the background writer.
+        """
+        background = self._aostore_probe_connector()._store
+        tier = background._store
+        watch = _TierWatch(tier, interval_s)
+        self._aostore_probe_watch = watch  # type: ignore[attr-defined]
+        for prefix, target, names in (
+            ("engine", background, _ENGINE_CALLS),
+            ("writer", tier, _WRITER_CALLS),
+        ):
+            for name in names:
+                method = getattr(target, name, None)
+                if method is not None:
+                    watch.calls[f"{prefix}.{name}"] = call = _CallWatch()
+                    setattr(target, name, call.wrap(method))
+
+    def aostore_probe_tier_watch(self) -> dict[str, Any] | None:
+        """Stops the sampling; the samples (``fields`` names their columns) and call figures."""
+        watch: _TierWatch | None = getattr(self, "_aostore_probe_watch", None)
+        return None if watch is None else watch.stop()
 
     def aostore_probe_record_calls(self) -> None:
         """Record every call the worker makes on its store from now on, in call order.

@@ -20,12 +20,20 @@ folder goes on ``PYTHONPATH`` so Triton finds a "cpu" backend (see
 Writes a pickle: the requests (prompt, generated token ids, routed-experts array, cached
 token count), per-step times, the worker's store classes and, with ``--probe``, the store's
 final contents; with ``--record``, every call the worker made on its store; with ``--tier``
-(and ``AOSTORE_VLLM_MOONCAKE`` set), the Mooncake tier's local contents and counters.
+(and ``AOSTORE_VLLM_MOONCAKE`` set), the Mooncake tier's local contents and counters; with
+``--watch-tier``, the tier's counters sampled through the run and the worker's store calls
+timed.
+
+``--milestones 30,42 --milestone-dir DIR`` lets another process act at known points of the
+generation (a fault test stops or kills the Mooncake master there): after engine step 30 this
+process writes ``DIR/milestone-0`` and waits for ``DIR/milestone-0.ack`` before step 31, and so
+on. The wait is outside every timed step.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
@@ -37,6 +45,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
 PROBE = "engine_probe.StoreProbe"
+MILESTONE_ACK_TIMEOUT_S = 120.0  # only reached when the other process is gone
 
 
 def setup_environment() -> str:
@@ -93,6 +102,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Whoever polls for ``path`` sees it whole or not at all."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def reach_milestone(directory: Path, index: int, step: int) -> dict[str, Any]:
+    """Says milestone ``index`` (after engine step ``step``) is reached; waits for the ack."""
+    reached = time.monotonic()
+    write_atomically(directory / f"milestone-{index}", json.dumps({"step": step, "t": reached}))
+    ack = directory / f"milestone-{index}.ack"
+    while not ack.exists():
+        if time.monotonic() - reached > MILESTONE_ACK_TIMEOUT_S:
+            raise RuntimeError(f"no {ack} within {MILESTONE_ACK_TIMEOUT_S} s")
+        time.sleep(0.002)
+    return {"step": step, "t": reached, "waited_s": time.monotonic() - reached}
+
+
+def step_list(text: str) -> list[int]:
+    steps = [int(part) for part in text.split(",") if part.strip()]
+    if any(b <= a for a, b in itertools.pairwise(steps)) or min(steps, default=1) < 1:
+        raise argparse.ArgumentTypeError(f"milestones must be increasing steps >= 1: {text!r}")
+    return steps
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="tiny_moe.py's output")
@@ -115,6 +150,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tier", action="store_true", help="dump the Mooncake tier (AOSTORE_VLLM_MOONCAKE)"
     )
+    parser.add_argument(
+        "--tier-timeout-s",
+        type=float,
+        default=None,
+        help="with --tier: wait at most this long for a Mooncake outage to end and the tier's "
+        "flush (default: flush without a bound)",
+    )
+    parser.add_argument(
+        "--watch-tier", action="store_true", help="sample the tier's counters, time store calls"
+    )
+    parser.add_argument(
+        "--milestones", type=step_list, default=[], help="engine steps to stop at: 30,42,..."
+    )
+    parser.add_argument("--milestone-dir", type=Path, help="where milestone files go")
     parser.add_argument("--compile", action="store_true", help="no enforce_eager")
     parser.add_argument(
         "--async-scheduling",
@@ -123,7 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="off: each step's outputs reach the store before the next step begins, so every "
         "run makes the same store calls in the same order (auto: vLLM's choice, on)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.milestones and args.milestone_dir is None:
+        parser.error("--milestones needs --milestone-dir")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     llm.collective_rpc("aostore_probe_start_timing")
     if args.record:
         llm.collective_rpc("aostore_probe_record_calls")
+    if args.watch_tier:
+        llm.collective_rpc("aostore_probe_watch_tier")
+    milestones = list(args.milestones)
+    reached: list[dict[str, Any]] = []
 
     requests: list[dict[str, Any]] = []
     step_s: list[float] = []
@@ -210,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
             step_start = time.perf_counter()
             outputs = engine.step()
             step_s.append(time.perf_counter() - step_start)
+            if milestones and len(step_s) == milestones[0]:
+                reached.append(reach_milestone(args.milestone_dir, len(reached), milestones.pop(0)))
             for output in outputs:
                 if not output.finished:
                     continue
@@ -231,10 +289,20 @@ def main(argv: list[str] | None = None) -> None:
         if finished != len(batch):
             raise RuntimeError(f"round {index}: {finished} of {len(batch)} requests finished")
 
+    if milestones:
+        raise RuntimeError(
+            f"the run ended after {len(step_s)} steps, before milestones {milestones}"
+        )
     worker_timings = llm.collective_rpc("aostore_probe_timings")[0]
     calls = llm.collective_rpc("aostore_probe_calls")[0] if args.record else None
     contents = llm.collective_rpc("aostore_probe_contents")[0] if args.probe else None
-    tier = llm.collective_rpc("aostore_probe_tier")[0] if args.tier else None
+    tier = (
+        llm.collective_rpc("aostore_probe_tier", args=(args.tier_timeout_s,))[0]
+        if args.tier
+        else None
+    )
+    # After the tier's flush, so the samples cover the recovery too.
+    tier_watch = llm.collective_rpc("aostore_probe_tier_watch")[0] if args.watch_tier else None
     result = {
         "device": device,
         "vllm_version": vllm.__version__,
@@ -262,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         "requests": requests,
         "contents": contents,
         "tier": tier,
+        "tier_watch": tier_watch,
+        "milestones": reached,
         "calls": calls,
     }
     args.out.write_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
