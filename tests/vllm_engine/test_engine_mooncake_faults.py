@@ -217,7 +217,7 @@ def run(cluster: mooncake_util.Cluster, work: Path) -> dict[str, Any]:
     )
     assert reader.returncode == 0, reader.stderr[-3000:]
     read: dict[str, bytes | None] = pickle.loads(read_path.read_bytes())
-    run = {"result": result, "log": text, "acted": acted, "read": read}
+    run: dict[str, Any] = {"result": result, "log": text, "acted": acted, "read": read}
     run["figures"] = figures(run)
     report(run["figures"])
     return run
@@ -230,7 +230,7 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
     stats = tier["stats"]
     fields = watch["fields"]
     samples = [dict(zip(fields, row, strict=True)) for row in watch["samples"]]
-    origin = acted["sigstop"][1]
+    origin: float = acted["sigstop"][1]
 
     def rel(t: float) -> float:
         return round(t - origin, 2)
