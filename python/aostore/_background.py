@@ -40,7 +40,9 @@ class _PythonWriter:
     def __init__(self, store: _Store, max_pending_batches: int) -> None:
         self._store = store
         self._worker: QueueWorker[_Update] = QueueWorker(
-            self._apply, max_pending=max_pending_batches, name="aostore-writer",
+            self._apply,
+            max_pending=max_pending_batches,
+            name="aostore-writer",
             what="background writer",
         )
 

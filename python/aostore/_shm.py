@@ -46,10 +46,10 @@ class ShmBlockObjectStore(BlockObjectStore):
       looks at referenced keys (the branch's walks all of them);
     - ``get_concatenated(keys)`` returns the payloads in order and moves the keys it read to
       the LRU tail (the branch's does; vLLM 0.33.0's store does not). A key that is not stored
-      raises ``ObjectMissingError`` (a ``BlockObjectStoreError``) with the branch's message ("auxiliary output object
-      does not exist; the object may have been evicted (used=N, limit=M objects). Increase
-      aux_output_config.max_bytes when a KV cache hit requires it."), chained from
-      ``KeyError(key)`` for the first key that is missing;
+      raises ``ObjectMissingError`` (a ``BlockObjectStoreError``) with the branch's message
+      ("auxiliary output object does not exist; the object may have been evicted (used=N,
+      limit=M objects). Increase aux_output_config.max_bytes when a KV cache hit requires
+      it."), chained from ``KeyError(key)`` for the first key that is missing;
     - after ``close()`` (idempotent) both raise ``RuntimeError("auxiliary output store is
       closed")``; the constructor raises ``ValueError`` for ``object_nbytes <= 0`` ("object
       size must be positive") and ``max_bytes < object_nbytes`` ("must fit at least one

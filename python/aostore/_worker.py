@@ -259,7 +259,9 @@ class QueueWorker(Generic[T]):
                 if self._latch:
                     self._error = error
                 elif self._on_failure is None:
-                    logger.warning("aostore %s: applying queued items failed: %r", self._what, error)
+                    logger.warning(
+                        "aostore %s: applying queued items failed: %r", self._what, error
+                    )
                 if self._on_failure is not None:
                     self._on_failure(items, error)
             finally:
