@@ -45,6 +45,14 @@ import pytest
 aostore = pytest.importorskip("aostore")
 vllm_plugin = pytest.importorskip("aostore.vllm_plugin")
 from aostore import _log  # noqa: E402
+from aostore.vllm import install as vllm_install  # noqa: E402
+from aostore.vllm import plan as vllm_plan  # noqa: E402
+from aostore.vllm import settings as vllm_settings  # noqa: E402
+from aostore.vllm import stores as vllm_stores  # noqa: E402
+from aostore.vllm.compat import compare as compat_compare  # noqa: E402
+from aostore.vllm.compat import fingerprint as compat_fingerprint  # noqa: E402
+from aostore.vllm.compat import references as compat_references  # noqa: E402
+from aostore.vllm.compat import surface as compat_surface  # noqa: E402
 
 STORE = "vllm.distributed.aux_output_connector.store"
 PACKAGE = "vllm.distributed.aux_output_connector"
@@ -669,26 +677,31 @@ class TreeMaker:
             name: value for name, value in vars(store_module).items() if isinstance(value, type)
         }
         if known:
-            files = vllm_plugin.fingerprint(store_module)
+            files = compat_fingerprint.fingerprint(store_module)
             assert files is not None
-            releases = {**vllm_plugin.KNOWN_RELEASES, f"fake vLLM ({kind})": files}
-            self.monkeypatch.setattr(vllm_plugin, "KNOWN_RELEASES", releases)
+            releases = {**compat_fingerprint.KNOWN_RELEASES, f"fake vLLM ({kind})": files}
+            self.monkeypatch.setattr(compat_fingerprint, "KNOWN_RELEASES", releases)
         return FakeTree(kind, originals, modules)
 
 
 @pytest.fixture
 def make_tree(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[TreeMaker]:
     """Removes any ``vllm`` modules for the test and puts them back afterwards."""
-    monkeypatch.delenv(vllm_plugin.ENV_DISABLE, raising=False)
-    monkeypatch.delenv(vllm_plugin.ENV_PROFILE, raising=False)
+    monkeypatch.delenv(vllm_settings.ENV_DISABLE, raising=False)
+    monkeypatch.delenv(vllm_settings.ENV_PROFILE, raising=False)
     saved = {name: mod for name, mod in sys.modules.items() if _ours(name)}
     for name in saved:
         del sys.modules[name]
-    targets = list(_log._growth_targets)
+    targets = _log.growth_targets()
+    # Each test starts from the installed classes' defaults; what its register() binds goes.
+    unbind = vllm_stores.bind(prefault="background", tier=None)
     try:
         yield TreeMaker(tmp_path, monkeypatch)
     finally:
-        _log._growth_targets[:] = targets
+        unbind()
+        for target in _log.growth_targets():
+            if target not in targets:
+                _log.remove_growth_target(target)
         for name in [name for name in sys.modules if _ours(name)]:
             del sys.modules[name]
         sys.modules.update(saved)
@@ -921,17 +934,17 @@ def _one_failure_warning(caplog: pytest.LogCaptureFixture, what: str) -> None:
 def test_failure_while_planning_keeps_vllms_classes(
     tree: FakeTree, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(module: Any) -> Any:
+    def broken(module: Any, settings: Any) -> Any:
         raise RuntimeError("injected in plan()")
 
-    monkeypatch.setattr(vllm_plugin, "plan", broken)
+    monkeypatch.setattr(vllm_plan, "plan", broken)
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()  # no exception
     _assert_untouched(tree)
     _one_failure_warning(caplog, "RuntimeError: injected in plan()")
     # Not marked: once the fault is gone, a later call works.
     monkeypatch.undo()
-    monkeypatch.delenv(vllm_plugin.ENV_PROFILE, raising=False)
+    monkeypatch.delenv(vllm_settings.ENV_PROFILE, raising=False)
     vllm_plugin.register()
     assert issubclass(tree.modules["worker"].BlockObjectStore, aostore.BlockObjectStore)
 
@@ -939,7 +952,7 @@ def test_failure_while_planning_keeps_vllms_classes(
 def test_failure_half_way_through_the_swap_is_undone(
     tree: FakeTree, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real = vllm_plugin._patch_namespace
+    real = vllm_install.patch_namespace
     calls: list[bool] = []
 
     def flaky(namespace: dict[str, Any], swaps: Any, undo: Any) -> bool:
@@ -949,13 +962,13 @@ def test_failure_half_way_through_the_swap_is_undone(
             raise KeyError("injected in the swap")
         return hit
 
-    monkeypatch.setattr(vllm_plugin, "_patch_namespace", flaky)
-    targets = list(_log._growth_targets)
+    monkeypatch.setattr(vllm_install, "patch_namespace", flaky)
+    targets = _log.growth_targets()
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     assert sum(calls) == 2
     _assert_untouched(tree)
-    assert _log._growth_targets == targets
+    assert _log.growth_targets() == targets
     _one_failure_warning(caplog, "KeyError: 'injected in the swap'")
 
 
@@ -979,10 +992,10 @@ def test_failure_with_an_unprintable_exception_still_says_why(
         def __str__(self) -> str:
             raise ValueError("no")
 
-    def broken(module: Any) -> Any:
+    def broken(module: Any, settings: Any) -> Any:
         raise Unprintable
 
-    monkeypatch.setattr(vllm_plugin, "plan", broken)
+    monkeypatch.setattr(vllm_plan, "plan", broken)
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     _assert_untouched(tree)
@@ -1033,33 +1046,35 @@ def test_surface_reads_methods_instance_attributes_fields_and_keywords(
     make_tree: TreeMaker,
 ) -> None:
     store_module = make_tree("variable").modules[STORE]
-    store = vllm_plugin.surface(store_module.BlockObjectStore)
+    store = compat_surface.surface(store_module.BlockObjectStore)
     assert {"put", "get_concatenated", "close", "num_slots", "object_nbytes"} <= store
     assert {"max_bytes=", "object_nbytes="} <= store
     assert not any(name.startswith("_") for name in store)
-    assert {"key", "payload", "key=", "payload="} <= vllm_plugin.surface(store_module.BlockObject)
-    wrapper = vllm_plugin.surface(store_module.BackgroundBlockObjectStore)
+    assert {"key", "payload", "key=", "payload="} <= compat_surface.surface(
+        store_module.BlockObject
+    )
+    wrapper = compat_surface.surface(store_module.BackgroundBlockObjectStore)
     assert {"get_optional", "flush", "store=", "max_pending_batches="} <= wrapper
-    assert "max_bytes" in vllm_plugin.surface(store_module.VariableBlockObjectStore)
+    assert "max_bytes" in compat_surface.surface(store_module.VariableBlockObjectStore)
 
 
 def test_aostore_side_is_read_from_aostores_classes(monkeypatch: pytest.MonkeyPatch) -> None:
-    table = vllm_plugin.aostore_classes(["VariableBlockObjectStore", "Nonexistent"])
+    table = vllm_plan.aostore_classes(["VariableBlockObjectStore", "Nonexistent"])
     assert table["BlockObjectStore"] is aostore.BlockObjectStore
     assert table["BackgroundBlockObjectStore"] is aostore.BackgroundBlockObjectStore
     assert "Nonexistent" not in table
     assert ("VariableBlockObjectStore" in table) == hasattr(aostore, "VariableBlockObjectStore")
-    ours = vllm_plugin.surface(aostore.BlockObjectStore)
+    ours = compat_surface.surface(aostore.BlockObjectStore)
     assert {"put", "get_concatenated", "close", "num_slots", "object_nbytes"} <= ours
     assert {"max_bytes=", "object_nbytes=", "policy=", "profile="} <= ours
     # The fixed store of either profile offers the same surface.
-    assert vllm_plugin.surface(vllm_plugin.GrowBlockObjectStore) == ours
-    assert {"key", "payload", "key=", "payload="} <= vllm_plugin.surface(aostore.BlockObject)
+    assert compat_surface.surface(vllm_plugin.GrowBlockObjectStore) == ours
+    assert {"key", "payload", "key=", "payload="} <= compat_surface.surface(aostore.BlockObject)
 
 
 @pytest.mark.parametrize("kind", ["fail-closed", "grow"])
 def test_released_vllm_is_covered_in_full(make_tree: TreeMaker, kind: str) -> None:
-    decision = vllm_plugin.plan(make_tree(kind, known=True).modules[STORE])
+    decision = vllm_plan.plan(make_tree(kind, known=True).modules[STORE])
     assert decision.release == f"fake vLLM ({kind})"
     assert sorted(decision.replace) == sorted(NAMES)
     assert decision.keep == {}
@@ -1204,7 +1219,7 @@ def test_wrapper_that_would_wrap_a_vllm_store_stays_vllms(
 ) -> None:
     monkeypatch.delattr(aostore, "VariableBlockObjectStore", raising=False)
     monkeypatch.setattr(aostore, "BackgroundBlockObjectStore", _FullWrapper)
-    decision = vllm_plugin.plan(make_tree("variable").modules[STORE])
+    decision = vllm_plan.plan(make_tree("variable").modules[STORE])
     assert decision.keep == {
         "BlockObject": (
             "not replaced on a vLLM that CI does not prove: aostore's stores take vLLM's "
@@ -1255,7 +1270,7 @@ def test_stand_in_missing_a_method_is_not_used(
     del partial.get_optional  # type: ignore[attr-defined]
     monkeypatch.setattr(aostore, "VariableBlockObjectStore", partial, raising=False)
     fake = make_tree("variable")
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.keep["VariableBlockObjectStore"] == (
         "aostore's VariableBlockObjectStore lacks get_optional"
     )
@@ -1322,7 +1337,7 @@ def test_branch_layout_replaces_the_shm_store_and_the_wrapper(
     )
     assert "kept vLLM's MooncakeOutputPublisher: aostore has no MooncakeOutputPublisher" in message
     assert record.levelno == logging.WARNING  # some classes stay vLLM's
-    assert vllm_plugin._store_module_logger not in _log._growth_targets
+    assert vllm_install.store_module_logger not in _log.growth_targets()
 
     # The worker, with the shm backend, as the branch makes its calls: through the wrapper.
     BlockObject = store_module.BlockObject
@@ -1400,7 +1415,7 @@ def test_branch_layout_without_the_mooncake_client_still_gets_the_shm_store(
     mooncake = Path(store_module.__file__).parent / "mooncake.py"
     mooncake.write_text("raise ImportError('no Mooncake client here')\n")
     sys.modules.pop(f"{PACKAGE}.mooncake", None)
-    decision = vllm_plugin.plan(store_module)
+    decision = vllm_plan.plan(store_module)
     assert "ShmBlockObjectStore" in decision.replace
     assert "BackgroundBlockObjectStore" in decision.replace
     assert not any("Mooncake" in name for name in [*decision.replace, *decision.keep])
@@ -1434,7 +1449,7 @@ def test_branch_shm_store_with_a_keyword_aostore_lacks_is_kept(make_tree: TreeMa
     shm = fake.modules["shm"]
     original = shm.ShmBlockObjectStore
     original.__init__ = shm._with_name
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.keep["ShmBlockObjectStore"] == (
         "ShmBlockObjectStore(): aostore's has no parameter shm_name"
     )
@@ -1465,7 +1480,7 @@ def test_constructor_keyword_aostore_lacks_keeps_vllms_store(
 
 
 def test_recognized_release_still_needs_every_name(make_tree: TreeMaker) -> None:
-    decision = vllm_plugin.plan(
+    decision = vllm_plan.plan(
         make_tree("grow", known=True, store_keywords=", x=None").modules[STORE]
     )
     assert decision.release == "fake vLLM (grow)"
@@ -1475,7 +1490,7 @@ def test_recognized_release_still_needs_every_name(make_tree: TreeMaker) -> None
 def test_method_aostore_lacks_keeps_vllms_store(make_tree: TreeMaker) -> None:
     extra = "\n    def evict_all(self):\n        self._objects.clear()\n"
     fake = make_tree("grow", store_extra=extra)
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.replace == {}
     assert decision.keep["BlockObjectStore"] == "aostore's BlockObjectStore lacks evict_all"
 
@@ -1612,7 +1627,7 @@ REAL_VLLM_SCRIPT = textwrap.dedent(
         }
     print(json.dumps({
         "vllm": vllm.__version__,
-        "release": vllm_plugin.recognize(store_module),
+        "release": compat_fingerprint.recognize(store_module),
         "marked": bool(originals),
         "store_is_aostore": issubclass(store_module.BlockObjectStore, aostore.BlockObjectStore),
         "object_is_aostore": store_module.BlockObject is aostore.BlockObject,
@@ -1677,9 +1692,9 @@ def test_engine_stores_commit_their_arena_as_the_environment_says(
     from aostore import vllm_plugin
 
     if value is None:
-        monkeypatch.delenv(vllm_plugin.ENV_PREFAULT, raising=False)
+        monkeypatch.delenv(vllm_settings.ENV_PREFAULT, raising=False)
     else:
-        monkeypatch.setenv(vllm_plugin.ENV_PREFAULT, value)
+        monkeypatch.setenv(vllm_settings.ENV_PREFAULT, value)
     seen: list[object] = []
     original = aostore.BlockObjectStore.__new__
 
@@ -1688,14 +1703,22 @@ def test_engine_stores_commit_their_arena_as_the_environment_says(
         return original(cls, **kwargs)
 
     monkeypatch.setattr(aostore.BlockObjectStore, "__new__", spy)
-    for cls, profile in (
-        (vllm_plugin.EngineBlockObjectStore, "fail-closed"),
-        (vllm_plugin.GrowBlockObjectStore, "grow"),
-    ):
-        store = cls(max_bytes=1 << 16, object_nbytes=64)
-        assert store.profile == profile
-        store.put([aostore.BlockObject("k", bytes(64))])
-        store.close()
+    # What register() does: the settings read once, bound into the installed classes.
+    settings = vllm_settings.Settings.from_env()
+    unbind = vllm_stores.bind(prefault=settings.prefault, tier=None)
+    try:
+        # Read once: a later change of the environment does not reach the classes.
+        monkeypatch.setenv(vllm_settings.ENV_PREFAULT, "1" if expected is False else "0")
+        for cls, profile in (
+            (vllm_plugin.EngineBlockObjectStore, "fail-closed"),
+            (vllm_plugin.GrowBlockObjectStore, "grow"),
+        ):
+            store = cls(max_bytes=1 << 16, object_nbytes=64)
+            assert store.profile == profile
+            store.put([aostore.BlockObject("k", bytes(64))])
+            store.close()
+    finally:
+        unbind()
     assert seen == [expected, expected]
 
 
@@ -1896,20 +1919,20 @@ def test_worker_that_works_with_vllms_classes_still_works(
 def test_any_changed_file_of_the_package_is_no_longer_the_release(make_tree: TreeMaker) -> None:
     fake = make_tree("grow", known=True)
     store_module = fake.modules[STORE]
-    assert vllm_plugin.recognize(store_module) == "fake vLLM (grow)"
+    assert compat_fingerprint.recognize(store_module) == "fake vLLM (grow)"
     directory = Path(store_module.__file__).parent
     (directory / "shm.py").write_text("# a file the release does not have\n")
-    assert vllm_plugin.recognize(store_module) is None
+    assert compat_fingerprint.recognize(store_module) is None
     (directory / "shm.py").unlink()
     with (directory / "worker.py").open("a") as worker:
         worker.write("# changed\n")
-    assert vllm_plugin.recognize(store_module) is None
-    assert vllm_plugin.plan(store_module).release is None
+    assert compat_fingerprint.recognize(store_module) is None
+    assert vllm_plan.plan(store_module).release is None
 
 
 def test_known_releases_name_the_files_ci_runs() -> None:
-    assert set(vllm_plugin.KNOWN_RELEASES) == {"vLLM 0.32.0", "vLLM 0.33.0"}
-    for files in vllm_plugin.KNOWN_RELEASES.values():
+    assert set(compat_fingerprint.KNOWN_RELEASES) == {"vLLM 0.32.0", "vLLM 0.33.0"}
+    for files in compat_fingerprint.KNOWN_RELEASES.values():
         assert {"store.py", "worker.py", "routed_experts.py"} <= set(files)
         assert all(len(digest) == 64 for digest in files.values())
 
@@ -1933,14 +1956,14 @@ def test_hidden_references_are_found_wherever_the_swap_cannot_reach(
 
     holder.__dict__["closure"] = closure
     sys.modules["vllm.holder"] = holder
-    found = vllm_plugin.hidden_references(fake.originals)
+    found = compat_references.hidden_references(fake.originals)
     assert sorted(found["BlockObjectStoreError"]) == [
         "vllm.holder.ERRORS",
         "vllm.holder.by_default",
         "vllm.holder.closure",
     ]
     assert found["BlockObjectStore"] == ["vllm.holder.Handler.store_class"]
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.replace == {}
     assert "vllm.holder.Handler.store_class" in decision.keep["BlockObjectStore"]
 
@@ -1948,7 +1971,7 @@ def test_hidden_references_are_found_wherever_the_swap_cannot_reach(
 def test_a_method_calling_super_is_not_a_hidden_reference(make_tree: TreeMaker) -> None:
     extra = "\n    def __repr__(self):\n        return super().__repr__()\n"
     fake = make_tree("grow", store_extra=extra)
-    assert "BlockObjectStore" in vllm_plugin.plan(fake.modules[STORE]).replace
+    assert "BlockObjectStore" in vllm_plan.plan(fake.modules[STORE]).replace
 
 
 def test_subclassed_vllm_class_is_kept(make_tree: TreeMaker) -> None:
@@ -1958,7 +1981,7 @@ def test_subclassed_vllm_class_is_kept(make_tree: TreeMaker) -> None:
         class MissError(BlockObjectStoreError):
             pass
     """
-    decision = vllm_plugin.plan(make_tree("grow", worker_extra=worker).modules[STORE])
+    decision = vllm_plan.plan(make_tree("grow", worker_extra=worker).modules[STORE])
     assert decision.keep["BlockObjectStoreError"] == (
         f"vLLM's BlockObjectStoreError is subclassed ({PACKAGE}.worker.MissError)"
     )
@@ -1967,7 +1990,7 @@ def test_subclassed_vllm_class_is_kept(make_tree: TreeMaker) -> None:
 
 def test_getattr_strings_count_as_uses(make_tree: TreeMaker) -> None:
     worker = "def depth(writer):\n    return getattr(writer, '_queue').qsize()\n"
-    decision = vllm_plugin.plan(make_tree("grow", worker_extra=worker).modules[STORE])
+    decision = vllm_plan.plan(make_tree("grow", worker_extra=worker).modules[STORE])
     assert decision.keep["BackgroundBlockObjectStore"] == (
         "aostore's BackgroundBlockObjectStore lacks _queue"
     )
@@ -2000,7 +2023,7 @@ def _signature(text: str) -> inspect.Signature:
     ],
 )
 def test_signature_gap(theirs: str, ours: str, gap: str | None) -> None:
-    found = vllm_plugin.signature_gap(_signature(theirs), _signature(ours))
+    found = compat_compare.signature_gap(_signature(theirs), _signature(ours))
     if gap is None:
         assert found is None
     else:

@@ -3,7 +3,7 @@
 - On a vLLM it does not recognize by content, a store whose names and signatures are aostore's
   but whose behaviour is not (it ignores a release of an unreferenced key, evicts in another
   order, raises another error class) stays vLLM's: the scripted differential
-  (``aostore._vllm_differential``) finds the difference, and the start-up line says which.
+  (``aostore.vllm.compat.differential``) finds the difference, and the start-up line says which.
 - On a release it recognizes, vLLM code outside the store package, on disk and not imported,
   that aostore's classes cannot serve (vLLM's error class held in a tuple, ``dataclasses``
   functions on ``BlockObject``, private names aostore's lacks) keeps the class it touches.
@@ -22,8 +22,10 @@ import pytest
 
 aostore = pytest.importorskip("aostore")
 vllm_plugin = pytest.importorskip("aostore.vllm_plugin")
-differential_module = pytest.importorskip("aostore._vllm_differential")
+differential_module = pytest.importorskip("aostore.vllm.compat.differential")
 
+from aostore.vllm import plan as vllm_plan  # noqa: E402
+from aostore.vllm import settings as vllm_settings  # noqa: E402
 from test_plugin import (  # noqa: E402
     PACKAGE,
     STORE,
@@ -134,7 +136,7 @@ def test_store_that_raises_another_error_class_stays_vllms(
     _kept(fake, *STORES)
     assert (
         "(call 1 of the script): get_concatenated(['c']) raises KeyError in vLLM's, "
-        "BlockObjectStoreError in aostore's, which is not a builtins.KeyError"
+        "ObjectMissingError in aostore's, which is not a builtins.KeyError"
     ) in _line(caplog)
 
 
@@ -144,10 +146,12 @@ def test_store_that_behaves_as_aostores_is_replaced_after_the_differential(
     kind: str,
 ) -> None:
     fake = trees(kind)
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.release is None
     assert set(STORES) <= set(decision.replace)
     verdict = decision.differentials["BlockObjectStore"]
+    # aostore's misses raise ObjectMissingError, a subclass of the error class the swap maps
+    # vLLM's BlockObjectStoreError to: the same behaviour for vLLM's except clauses.
     assert verdict.same and verdict.calls > 100
     # The differential chose the profile the plugin installs, and register() reuses it.
     assert decision.profile_choice is not None and decision.profile_choice[0] == kind
@@ -161,7 +165,7 @@ def test_forced_profile_unlike_vllms_store_keeps_it_on_an_unknown_vllm(
     # The differential compares the store the plugin would install: a forced profile that
     # behaves unlike vLLM's store is not a drop-in there (a recognized release honours it).
     fake = trees("fail-closed")
-    monkeypatch.setenv(vllm_plugin.ENV_PROFILE, "grow")
+    monkeypatch.setenv(vllm_settings.ENV_PROFILE, "grow")
     with caplog.at_level(logging.INFO):
         vllm_plugin.register()
     _kept(fake, *STORES)
@@ -348,7 +352,7 @@ def test_recognized_release_keeps_a_store_whose_private_names_code_outside_reads
     trees: TreeMaker,
 ) -> None:
     fake = trees("grow", known=True, extra_files={_OUTSIDE: _PRIVATE_NAMES})
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.keep["BlockObjectStore"] == (
         f"vLLM code outside {PACKAGE} uses _lru, which aostore's lacks"
     )
@@ -357,7 +361,7 @@ def test_recognized_release_keeps_a_store_whose_private_names_code_outside_reads
 def test_recognized_release_keeps_a_class_an_imported_module_holds(trees: TreeMaker) -> None:
     fake = trees("grow", known=True, extra_files={_OUTSIDE: _ERROR_IN_A_TUPLE})
     __import__("vllm.v1.patched_worker")
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.keep["BlockObjectStoreError"] == (
         "vLLM's BlockObjectStoreError is also held where the swap cannot reach "
         "(vllm.v1.patched_worker.MISS_ERRORS)"
@@ -377,12 +381,12 @@ def publish(store, key, payload):
         raise
 """
     fake = trees("grow", known=True, extra_files={_OUTSIDE: harmless})
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.keep == {}
     assert sorted(decision.replace) == sorted([*STORES, "BlockObject"])
 
 
 def test_unknown_vllm_reads_files_on_disk_too(trees: TreeMaker) -> None:
     fake = trees("grow", extra_files={_OUTSIDE: _PRIVATE_NAMES})
-    decision = vllm_plugin.plan(fake.modules[STORE])
+    decision = vllm_plan.plan(fake.modules[STORE])
     assert decision.keep["BlockObjectStore"] == "aostore's BlockObjectStore lacks _lru"

@@ -22,7 +22,9 @@ import pytest
 
 aostore = pytest.importorskip("aostore")
 from aostore import __main__ as cli  # noqa: E402
-from aostore import _vllm_check, vllm_plugin  # noqa: E402
+from aostore import vllm_plugin  # noqa: E402
+from aostore.vllm import report as vllm_report  # noqa: E402
+from aostore.vllm import settings as vllm_settings  # noqa: E402
 from test_plugin import (  # noqa: E402
     STORE,
     TreeMaker,
@@ -115,7 +117,7 @@ def test_plugin_off_exits_1(
     make_tree: TreeMaker, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_tree("grow", known=True)
-    monkeypatch.setenv(vllm_plugin.ENV_DISABLE, "off")
+    monkeypatch.setenv(vllm_settings.ENV_DISABLE, "off")
     status, out = _check(capsys)
     assert status == 1
     assert "plugin:      off (AOSTORE_VLLM_PLUGIN='off')" in out
@@ -142,7 +144,7 @@ def test_missing_entry_point_exits_1(
     make_tree: TreeMaker, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_tree("grow", known=True)
-    monkeypatch.setattr(_vllm_check.importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(vllm_report.importlib.metadata, "entry_points", lambda group: [])
     status, out = _check(capsys)
     assert status == 1
     assert "the aostore wheel is not installed in this environment" in out
@@ -171,8 +173,8 @@ def test_profile_and_prefault_settings_are_reported(
     said: str,
 ) -> None:
     make_tree("grow", known=True)
-    monkeypatch.setenv(vllm_plugin.ENV_PREFAULT, value)
-    monkeypatch.setenv(vllm_plugin.ENV_PROFILE, "Fail_Closed")
+    monkeypatch.setenv(vllm_settings.ENV_PREFAULT, value)
+    monkeypatch.setenv(vllm_settings.ENV_PROFILE, "Fail_Closed")
     status, out = _check(capsys)
     assert status == 0
     assert "replace:     BlockObjectStore -> aostore.vllm_plugin.EngineBlockObjectStore" in out
@@ -238,8 +240,8 @@ def test_real_vllm_would_be_swapped_and_is_not_touched() -> None:
     script = textwrap.dedent(
         """
         import importlib, json
-        from aostore import _vllm_check
-        report = _vllm_check.check()
+        from aostore.vllm import report as vllm_report
+        report = vllm_report.check()
         store = importlib.import_module("vllm.distributed.aux_output_connector.store")
         report["untouched"] = (
             not hasattr(store, "__aostore_originals__")

@@ -556,9 +556,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "vllm-check":
-        from aostore import _vllm_check
+        from aostore.vllm import report
 
-        return _vllm_check.run(as_json=args.as_json)
+        return report.run(as_json=args.as_json)
     if args.command != "churn":
         return replay(args)
     if args.slots < _BATCH or args.object_nbytes < 1 or args.batches < 1:

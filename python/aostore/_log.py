@@ -11,7 +11,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-__all__ = ["GROWTH_MESSAGE", "add_growth_target", "logger", "store_grew"]
+__all__ = [
+    "GROWTH_MESSAGE",
+    "add_growth_target",
+    "growth_targets",
+    "logger",
+    "remove_growth_target",
+    "store_grew",
+]
 
 logger = logging.getLogger("aostore")
 """The ``aostore`` logger."""
@@ -23,10 +30,25 @@ GROWTH_MESSAGE = "auxiliary output store grew to %d slots: every object is refer
 _growth_targets: list[Callable[[], logging.Logger | None]] = []
 
 
-def add_growth_target(target: Callable[[], logging.Logger | None]) -> None:
-    """Also send growth warnings to the logger ``target()`` returns (``None``: skip)."""
-    if target not in _growth_targets:
-        _growth_targets.append(target)
+def add_growth_target(target: Callable[[], logging.Logger | None]) -> bool:
+    """Also send growth warnings to the logger ``target()`` returns (``None``: skip).
+
+    Returns whether it was added (``False``: it already was)."""
+    if target in _growth_targets:
+        return False
+    _growth_targets.append(target)
+    return True
+
+
+def remove_growth_target(target: Callable[[], logging.Logger | None]) -> None:
+    """Stops sending growth warnings to ``target`` (nothing when it was not added)."""
+    if target in _growth_targets:
+        _growth_targets.remove(target)
+
+
+def growth_targets() -> list[Callable[[], logging.Logger | None]]:
+    """The targets added, in order (a copy)."""
+    return list(_growth_targets)
 
 
 def _emit(target: logging.Logger, message: str, *args: object) -> None:

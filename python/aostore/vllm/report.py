@@ -1,20 +1,18 @@
-"""``aostore vllm-check``: what aostore's vLLM plugin would do here, without starting an engine.
+"""What the plugin would do here, without doing it: :func:`dry_run` and ``aostore vllm-check``.
 
-Imports the installed vLLM's store module and runs the plugin's own gate on it
-(:func:`aostore.vllm_plugin.dry_run`: the same switch, release check, class-by-class check and
-profile probe as :func:`aostore.vllm_plugin.register`), but swaps nothing. It also checks what
-decides whether vLLM loads the plugin at all: the ``aostore`` entry point in the
-``vllm.general_plugins`` group and vLLM's own ``VLLM_PLUGINS`` allowlist. It prints what would
-be replaced, with which profile and prefault, or what would be kept and why.
-
-Exit status 0 when a vLLM process started with this environment would use aostore's store,
-1 when it would not (plugin off, not installed, vLLM or its store module missing, or every
-store kept).
+:func:`dry_run` runs ``register``'s decision (the switch, the store module's import, the plan,
+the profile, probe included) with none of its effects. ``aostore vllm-check`` (:func:`run`)
+prints it, with what decides whether vLLM loads the plugin at all: the ``aostore`` entry point
+in ``vllm.general_plugins`` and vLLM's ``VLLM_PLUGINS`` allowlist. Exit status 0 when a vLLM
+process started with this environment would use aostore's store, 1 when it would not.
+docs/vllm-plugin.md shows the output.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import importlib.metadata
 import json
 import os
@@ -23,8 +21,82 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aostore import vllm_plugin
+from .compat.names import PACKAGE, STORE_MODULE
+from .install import MARK, lock
+from .plan import Plan, decide
+from .settings import ENV_DISABLE, ENV_PREFAULT, Prefault, Settings
 
+
+@dataclasses.dataclass
+class DryRun:
+    """What ``register`` would do in this process, as :func:`dry_run` found it."""
+
+    disabled: bool = False
+    """``AOSTORE_VLLM_PLUGIN`` turns the plugin off: it would do nothing."""
+    missing: str = ""
+    """Why the store module cannot be imported (``ImportError``: nothing to do)."""
+    failed: str = ""
+    """Why importing or planning failed: ``register`` would keep vLLM's classes and warn."""
+    registered: dict[str, Any] | None = None
+    """The plugin already ran in this process: vLLM's classes it replaced, by name."""
+    decision: Plan | None = None
+    """The plan, with the fixed store's class chosen (as ``register`` would swap it in)."""
+    profile: str = ""
+    """The fixed store's profile, when it is replaced."""
+    reason: str = ""
+    """Why that profile."""
+    warn: bool = False
+    """Whether the profile's choice deserves a warning (a setting ignored, a probe that failed)."""
+    prefault: Prefault = "background"
+    """How stores built by vLLM would commit their arena (``AOSTORE_VLLM_PREFAULT``)."""
+    settings: Settings = dataclasses.field(default_factory=Settings)
+    """The settings read for it (what ``register`` would read here)."""
+
+    @property
+    def replaced(self) -> list[str]:
+        """vLLM's classes that would be (or were) replaced by aostore's."""
+        if self.registered is not None:
+            return list(self.registered)
+        return list(self.decision.replace) if self.decision is not None else []
+
+
+def dry_run(settings: Settings | None = None) -> DryRun:
+    """Computes what ``register`` would do here, without swapping anything.
+
+    The same steps as ``register`` (the settings, read once unless given, the switch, the
+    store module's import, the plan, the profile, probe included), none of its effects: no
+    class is swapped, nothing is marked, bound or logged. Never raises for what ``register``
+    would survive: a failure is reported in ``failed``.
+    """
+    settings = Settings.from_env() if settings is None else settings
+    result = DryRun(prefault=settings.prefault, settings=settings)
+    if not settings.enabled:
+        result.disabled = True
+        return result
+    try:
+        store_module = importlib.import_module(STORE_MODULE)
+    except ImportError as error:
+        result.missing = f"{type(error).__name__}: {error}"
+        return result
+    except Exception as error:
+        result.failed = f"{type(error).__name__}: {error}"
+        return result
+    mark = getattr(store_module, MARK, None)
+    if mark is not None:
+        result.registered = dict(mark)
+        return result
+    try:
+        with lock:
+            decided = decide(store_module, settings)
+        result.decision, result.profile, result.reason, result.warn = decided
+    except Exception as error:
+        result.failed = f"{type(error).__name__}: {error}"
+    return result
+
+
+DESCRIPTION = (
+    "``aostore vllm-check``: what aostore's vLLM plugin would do here, without starting an engine."
+)
 GROUP = "vllm.general_plugins"
 NAME = "aostore"
 VALUE = "aostore.vllm_plugin:register"
@@ -83,9 +155,10 @@ def _qualified(cls: Any) -> str:
     return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
 
 
-def _prefault(value: object) -> str:
-    raw = os.environ.get(vllm_plugin.ENV_PREFAULT)
-    setting = f"{vllm_plugin.ENV_PREFAULT}={raw!r}" if raw is not None else "the default"
+def _prefault(settings: Settings) -> str:
+    value = settings.prefault
+    raw = settings.raw.get(ENV_PREFAULT)
+    setting = f"{ENV_PREFAULT}={raw!r}" if raw is not None else "the default"
     if value is True:
         return f"1: the arena is committed before the constructor returns ({setting})"
     if value is False:
@@ -95,10 +168,10 @@ def _prefault(value: object) -> str:
 
 def check() -> dict[str, Any]:
     """The dry run as a dict (what ``--json`` prints); ``use`` says whether aostore is used."""
-    result = vllm_plugin.dry_run()
+    result = dry_run()
     installed, entry = _entry_point()
     allowed, allowlist = _allowed()
-    raw_switch = os.environ.get(vllm_plugin.ENV_DISABLE)
+    raw_switch = result.settings.raw.get(ENV_DISABLE)
     report: dict[str, Any] = {
         "vllm": _vllm_version(),
         "vllm_path": _where("vllm"),
@@ -106,10 +179,9 @@ def check() -> dict[str, Any]:
         "entry_point": entry,
         "allowlist": allowlist,
         "plugin": (
-            f"off ({vllm_plugin.ENV_DISABLE}={raw_switch!r})"
+            f"off ({ENV_DISABLE}={raw_switch!r})"
             if result.disabled
-            else "on"
-            + (f" ({vllm_plugin.ENV_DISABLE}={raw_switch!r})" if raw_switch is not None else "")
+            else "on" + (f" ({ENV_DISABLE}={raw_switch!r})" if raw_switch is not None else "")
         ),
         "release": None,
         "replace": {},
@@ -123,9 +195,9 @@ def check() -> dict[str, Any]:
     }
     problems = []
     if result.disabled:
-        problems.append(f"the plugin is off ({vllm_plugin.ENV_DISABLE})")
+        problems.append(f"the plugin is off ({ENV_DISABLE})")
     if result.missing:
-        problems.append(f"{vllm_plugin.STORE_MODULE} cannot be imported ({result.missing})")
+        problems.append(f"{STORE_MODULE} cannot be imported ({result.missing})")
     if result.failed:
         problems.append(f"the plugin would fail and keep vLLM's classes ({result.failed})")
     if result.registered is not None:
@@ -141,7 +213,7 @@ def check() -> dict[str, Any]:
     if result.profile:
         report["profile"] = result.profile
         report["profile_reason"] = result.reason
-        report["prefault"] = _prefault(result.prefault)
+        report["prefault"] = _prefault(result.settings)
     if not installed:
         problems.append("vLLM would not find the plugin")
     if not allowed:
@@ -167,12 +239,9 @@ def render(report: dict[str, Any]) -> str:
     ]
     if report["release"]:
         release = report["release"]
-        lines.append(f"  store:       {vllm_plugin.PACKAGE} is {release}'s, which CI proves")
+        lines.append(f"  store:       {PACKAGE} is {release}'s, which CI proves")
     elif report["replace"] or report["keep"]:
-        lines.append(
-            f"  store:       {vllm_plugin.PACKAGE} is not a release CI proves: checked class by "
-            "class"
-        )
+        lines.append(f"  store:       {PACKAGE} is not a release CI proves: checked class by class")
     if report["note"]:
         lines.append(f"  note:        {report['note']}")
     for name, target in report["replace"].items():
@@ -192,7 +261,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aostore vllm-check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="aostore vllm-check", description=DESCRIPTION)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     return run(as_json=args.json)

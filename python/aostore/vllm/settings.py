@@ -1,0 +1,138 @@
+"""The plugin's settings, read from the environment once per ``register`` or dry run.
+
+docs/vllm-plugin.md describes each variable; :class:`Settings` is the one value that carries
+what they say to the plan, the probe and the installed classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+from aostore.mooncake import MOONCAKE_PIP_PACKAGE, MooncakeConfig
+
+ENV_DISABLE = "AOSTORE_VLLM_PLUGIN"
+"""Set to ``0``/``false``/``no``/``off`` to turn the plugin off."""
+ENV_PROFILE = "AOSTORE_VLLM_PROFILE"
+"""Set to ``grow`` or ``fail-closed`` (any case, ``_`` for ``-``) to force a profile instead of
+probing vLLM's store; any other value is ignored with a warning."""
+ENV_PREFAULT = "AOSTORE_VLLM_PREFAULT"
+"""How stores built by vLLM commit their arena: ``background`` (the default), ``1`` (at
+construction) or ``0`` (on first write)."""
+ENV_MOONCAKE = "AOSTORE_VLLM_MOONCAKE"
+"""The path of a Mooncake client config (``mooncake.json``): stores that vLLM builds through the
+plugin are then ``TieredBlockObjectStore`` s in front of Mooncake. Unset or empty: no tier."""
+
+VARIABLES = (ENV_DISABLE, ENV_PROFILE, ENV_PREFAULT, ENV_MOONCAKE)
+PROFILES = ("fail-closed", "grow")
+
+Prefault = bool | Literal["background"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeTier:
+    """A valid ``AOSTORE_VLLM_MOONCAKE``: the config file's absolute path and what it holds."""
+
+    path: str
+    config: MooncakeConfig
+
+    def describe(self) -> str:
+        """The start-up line's words for it: the tier is on, and where the master is."""
+        config = self.config
+        prefix = f", key prefix {config.key_prefix!r}" if config.key_prefix else ""
+        return (
+            f"Mooncake tier on ({ENV_MOONCAKE}={self.path}): master "
+            f"{config.master_server_address}, metadata {config.metadata_server}{prefix}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the four variables say, validated; the defaults are those of an empty environment."""
+
+    enabled: bool = True
+    """``AOSTORE_VLLM_PLUGIN`` leaves the plugin on."""
+    profile: str | None = None
+    """The profile ``AOSTORE_VLLM_PROFILE`` forces; ``None``: the probe decides."""
+    profile_said: str = ""
+    """What to say about ``AOSTORE_VLLM_PROFILE`` (forced, or ignored and why); ``""``: unset."""
+    prefault: Prefault = "background"
+    """How stores built by vLLM commit their arena (``AOSTORE_VLLM_PREFAULT``)."""
+    tier: MooncakeTier | None = None
+    """The Mooncake tier ``AOSTORE_VLLM_MOONCAKE`` names; ``None``: unset or ignored."""
+    tier_said: str = ""
+    """Why ``AOSTORE_VLLM_MOONCAKE`` is ignored; ``""``: unset or valid."""
+    raw: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    """The variables that were set, as found (what ``aostore vllm-check`` quotes)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Reads and validates the variables (``os.environ`` unless given). Never raises for
+        a bad value: it is ignored and ``profile_said``/``tier_said`` say why."""
+        env = os.environ if environ is None else environ
+        profile, profile_said = _profile(env.get(ENV_PROFILE, ""))
+        tier, tier_said = _mooncake(env.get(ENV_MOONCAKE, ""))
+        return cls(
+            enabled=not _off(env.get(ENV_DISABLE, "1")),
+            profile=profile,
+            profile_said=profile_said,
+            prefault=_prefault(env.get(ENV_PREFAULT, "background")),
+            tier=tier,
+            tier_said=tier_said,
+            raw={name: env[name] for name in VARIABLES if name in env},
+        )
+
+
+def _off(value: str) -> bool:
+    return value.strip().lower() in ("0", "false", "no", "off")
+
+
+def _prefault(raw: str) -> Prefault:
+    value = raw.strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return "background"
+
+
+def _profile(raw: str) -> tuple[str | None, str]:
+    """``AOSTORE_VLLM_PROFILE`` normalised: (profile or ``None``, what to say about it)."""
+    value = raw.strip().lower().replace("_", "-")
+    if not value:
+        return None, ""
+    if value in PROFILES:
+        return value, f"{ENV_PROFILE}={raw.strip()}"
+    return None, f"ignored {ENV_PROFILE}={raw!r} (not one of {', '.join(PROFILES)}); probed"
+
+
+def _mooncake(raw: str) -> tuple[MooncakeTier | None, str]:
+    """``AOSTORE_VLLM_MOONCAKE`` read and validated: (the tier or ``None``, what to say).
+
+    The file is read with ``MooncakeConfig.from_file`` and the ``mooncake`` package must be
+    installed (found, not imported); nothing connects here: an unreachable master is found
+    when the first store is built (``MooncakeError`` naming the setting).
+    """
+    value = raw.strip()
+    if not value:
+        return None, ""
+    path = os.path.abspath(os.path.expanduser(value))
+
+    def ignored(why: str) -> tuple[None, str]:
+        return None, f"ignored {ENV_MOONCAKE}={raw!r} ({why}); Mooncake tier off"
+
+    try:
+        installed = importlib.util.find_spec("mooncake") is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        return ignored(f"Mooncake is not installed: pip install '{MOONCAKE_PIP_PACKAGE}'")
+    try:
+        config = MooncakeConfig.from_file(path)
+    except Exception as error:
+        detail = str(error) if path in str(error) else f"{path}: {error}"
+        return ignored(f"{type(error).__name__}: {detail}")
+    return MooncakeTier(path, config), ""
