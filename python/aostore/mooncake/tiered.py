@@ -5,47 +5,30 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from aostore import _buffers
-from aostore._native import BlockObject
 from aostore._reads import BufferReads
-from aostore.errors import BlockObjectStoreError, ObjectMissingError
-from aostore.mooncake.client import CallThread, MooncakeError
+from aostore.errors import ObjectMissingError
 from aostore.mooncake.config import MooncakeConfig
+from aostore.mooncake.fetch import Fetcher
+from aostore.mooncake.local import put_and_report
 from aostore.mooncake.publisher import Publisher
 from aostore.mooncake.remote import MooncakeBlockObjectStore
 
-__all__ = ["TieredBlockObjectStore", "put_and_report"]
+__all__ = ["TieredBlockObjectStore"]
 
 logger = logging.getLogger("aostore")
 
 _ON_PUBLISH_ERROR = ("retry", "raise")
-
-
-def put_and_report(
-    local: Any, method: str, *args: Any, keys: list[str], **options: Any
-) -> list[str]:
-    """Runs ``local.<method>(*args, **options)`` (``put`` or ``put_blocks``) and returns which
-    of the put's distinct ``keys`` (in first-occurrence order) it wrote: stored new, or
-    replaced (``grow``: a stored key nothing references). Those are published.
-
-    The native stores do not report their writes yet, so this asks before the put
-    (check-then-act, sound only under the tier's write lock). Once they do, this body becomes
-    ``return getattr(local, method + "_reporting")(*args, **options)``.
-    """
-    written = keys
-    if keys:
-        stored = local.contains(keys)
-        if getattr(local, "profile", "fail-closed") == "grow":
-            counts = local.reference_counts(keys)
-            written = [k for k, s, c in zip(keys, stored, counts, strict=True) if not s or c == 0]
-        else:
-            written = [key for key, s in zip(keys, stored, strict=True) if not s]
-    getattr(local, method)(*args, **options)
-    return written
+# The tier's counters (``stats()``); the publisher and the fetcher count into the same dict.
+_COUNTERS = """
+puts queued_objects published_objects publish_batches reads local_hit_objects
+remote_hit_objects read_misses kept_objects not_kept_objects keep_failures
+dropped_objects publish_failures republished_objects outages master_restarts
+remote_read_failures unpublished_not_recorded
+""".split()
 
 
 def _positive(name: str, value: object) -> float:
@@ -137,32 +120,7 @@ class TieredBlockObjectStore(BufferReads):
         # publication queue's order is the order of the local writes, and a fetch is kept only
         # if no put wrote the key while the read was fetching it. Taken before the publisher's.
         self._write_lock = threading.Lock()
-        self._reads_in_flight = 0
-        self._written_during_reads: set[str] = set()
-        self._reader = CallThread("aostore-mooncake-reader")
-        self._stats = dict.fromkeys(
-            (
-                "puts",
-                "queued_objects",
-                "published_objects",
-                "publish_batches",
-                "reads",
-                "local_hit_objects",
-                "remote_hit_objects",
-                "read_misses",
-                "kept_objects",
-                "not_kept_objects",
-                "keep_failures",
-                "dropped_objects",
-                "publish_failures",
-                "republished_objects",
-                "outages",
-                "master_restarts",
-                "remote_read_failures",
-                "unpublished_not_recorded",
-            ),
-            0,
-        )
+        self._stats = dict.fromkeys(_COUNTERS, 0)
         self._publisher = Publisher(
             remote,
             local,
@@ -175,6 +133,17 @@ class TieredBlockObjectStore(BufferReads):
             retry_backoff_max_s=self.retry_backoff_max_s,
             check_interval_s=self.check_interval_s,
         )
+        self._fetcher = Fetcher(
+            remote,
+            local,
+            self._publisher,
+            self._write_lock,
+            self._stats,
+            read_deadline_s=self.read_deadline_s,
+            retry=self._retry,
+            keep_fetched=keep_fetched,
+        )
+        self._reader = self._fetcher.reader
 
     @classmethod
     def from_config(
@@ -301,8 +270,7 @@ class TieredBlockObjectStore(BufferReads):
     def _queue(self, keys: list[str], payloads: Sequence[Any]) -> None:
         """Queues ``payloads`` (a private copy unless ``bytes``) under ``keys``; called under
         the write lock, right after the local put, so the queue's order is the local tier's."""
-        if self._reads_in_flight:
-            self._written_during_reads.update(keys)
+        self._fetcher.note_written(keys)
         if not isinstance(payloads, _buffers.Rows):
             payloads = [p if type(p) is bytes else _buffers.snapshot(p) for p in payloads]
         self._publisher.enqueue(keys, payloads)
@@ -355,7 +323,7 @@ class TieredBlockObjectStore(BufferReads):
             data: bytes = self.local.get_concatenated(key_list)
         except ObjectMissingError:
             out = bytearray(len(key_list) * self.object_nbytes)
-            self._read_tiers(key_list, memoryview(out))
+            self._fetcher.read_tiers(key_list, memoryview(out))
             return bytes(out)
         self._count_local_hit(len(key_list))
         return data
@@ -367,7 +335,7 @@ class TieredBlockObjectStore(BufferReads):
         try:
             self.local.get_into(keys, host)
         except ObjectMissingError:
-            self._read_tiers(keys, _buffers.writable_view(host))
+            self._fetcher.read_tiers(keys, _buffers.writable_view(host))
         else:
             self._count_local_hit(len(keys))
 
@@ -382,29 +350,7 @@ class TieredBlockObjectStore(BufferReads):
         if not missing:
             self._count_local_hit(len(key_list))
             return data, missing
-        n = self.object_nbytes
-        self._stats["reads"] += 1
-        self._stats["local_hit_objects"] += len(key_list) - len(missing)
-        fetched = self._fetch_remote(list(dict.fromkeys(missing)))
-        if fetched and self.keep_fetched:
-            with self._write_lock:
-                self._keep(list(fetched), list(fetched.values()))
-        gone = set(missing)
-        out = bytearray()
-        local_view = memoryview(data)
-        at = 0
-        still: list[str] = []
-        for key in key_list:
-            if key not in gone:
-                out += local_view[at * n : (at + 1) * n]
-                at += 1
-            elif key in fetched:
-                out += fetched[key]
-            else:
-                still.append(key)
-        if still:
-            self._stats["read_misses"] += 1
-        return bytes(out), still
+        return self._fetcher.fill_in(key_list, data, missing)
 
     def get_optional(self, key: str) -> bytes | None:
         """The payload of ``key`` from either tier, or ``None`` when neither has it."""
@@ -421,152 +367,12 @@ class TieredBlockObjectStore(BufferReads):
         absent = list(dict.fromkeys(k for k, hit in zip(key_list, found, strict=True) if not hit))
         if not absent:
             return list(found)
-        deadline = time.monotonic() + self.read_deadline_s
-        unsettled = self._publisher.wait_unsettled(absent, deadline)
-        ask = [key for key in absent if key not in unsettled]
-        held: set[str] = set()
-        if ask:
-            answer = self._remote_call(
-                lambda: self.remote.exists_unique(ask), deadline, "a Mooncake lookup"
-            )
-            if answer is not None:
-                held = {key for key, there in zip(ask, answer, strict=True) if there}
+        held = self._fetcher.held(absent)
         return [hit or key in held for key, hit in zip(key_list, found, strict=True)]
 
     def _count_local_hit(self, count: int) -> None:
         self._stats["reads"] += 1
         self._stats["local_hit_objects"] += count
-
-    def _read_tiers(self, keys: list[str], view: memoryview) -> None:
-        """The slow path: each key from the local store, the rest from Mooncake in one batch."""
-        n = self.object_nbytes
-        if view.nbytes != len(keys) * n:
-            raise ValueError(
-                f"out holds {view.nbytes} bytes, expected {len(keys)} x {n} = {len(keys) * n}"
-            )
-        self._stats["reads"] += 1
-        for key in keys:
-            if not isinstance(key, str):
-                raise TypeError(f"auxiliary output keys must be str, not {type(key).__name__}")
-        first = _buffers.first_positions(keys)
-        with self._write_lock:
-            self._reads_in_flight += 1
-        try:
-            absent: list[str] = []
-            for key, index in first.items():
-                try:
-                    self.local.get_into([key], view[index * n : (index + 1) * n])
-                except ObjectMissingError:
-                    absent.append(key)
-            self._stats["local_hit_objects"] += len(first) - len(absent)
-            fetched = self._fetch_remote(absent)
-            missing = [key for key in absent if key not in fetched]
-            if missing:
-                self._stats["read_misses"] += 1
-                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-                raise ObjectMissingError(
-                    f'auxiliary output object "{missing[0]}" does not exist in the local store '
-                    f"or in Mooncake{more}; it was evicted from both, never published, or "
-                    f"Mooncake could not give it within read_deadline_s. Increase "
-                    f"aux_output_config.max_bytes or Mooncake's memory when a KV cache hit "
-                    f"needs it."
-                )
-            for key, payload in fetched.items():
-                index = first[key]
-                view[index * n : (index + 1) * n] = payload
-            if fetched and self.keep_fetched:
-                with self._write_lock:
-                    self._keep(list(fetched), list(fetched.values()))
-        finally:
-            with self._write_lock:
-                self._reads_in_flight -= 1
-                if not self._reads_in_flight:
-                    self._written_during_reads.clear()
-        _buffers.copy_duplicates(keys, first, view, n)
-
-    def _remote_call(self, fn: Callable[[], Any], deadline: float, what: str) -> Any:
-        """``fn()`` on the reader thread, waited for until ``deadline``; ``None`` when it
-        failed or did not return in time (``retry`` mode; ``raise`` mode raises)."""
-        try:
-            done, result = self._reader.call(fn, deadline - time.monotonic())
-        except MooncakeError as error:
-            self._stats["remote_read_failures"] += 1
-            if not self._retry:
-                raise
-            self._publisher.warn_once(
-                "%s failed (%s); served as a miss, as without the tier", what, error
-            )
-            return None
-        if done:
-            self._publisher.read_succeeded()
-            return result
-        self._stats["remote_read_failures"] += 1
-        if not self._retry:
-            raise MooncakeError(
-                f"{what} did not complete within read_deadline_s={self.read_deadline_s} "
-                f"(the Mooncake master at {self.remote.master_address or '?'} is stalled or "
-                f"a previous call still waits on it)"
-            )
-        self._publisher.warn_once(
-            "%s did not complete within read_deadline_s=%s (the master is stalled?); "
-            "served as a miss, as without the tier",
-            what,
-            self.read_deadline_s,
-        )
-        return None
-
-    def _fetch_remote(self, absent: list[str]) -> dict[str, bytes | memoryview]:
-        """Fetches the distinct ``absent`` keys from Mooncake into a private buffer, within
-        ``read_deadline_s`` (the wait for queued publications included): the payloads of the
-        keys fetched. Keys that Mooncake may hold with other bytes are not asked for."""
-        if not absent:
-            return {}
-        deadline = time.monotonic() + self.read_deadline_s
-        unsettled = self._publisher.wait_unsettled(absent, deadline)
-        ask = [key for key in absent if key not in unsettled]
-        if not ask:
-            return {}
-        n = self.object_nbytes
-        whole = memoryview(bytearray(len(ask) * n))
-        targets = [whole[i * n : (i + 1) * n] for i in range(len(ask))]
-        missing = self._remote_call(
-            lambda: self.remote.read_unique(ask, targets), deadline, "a read from Mooncake"
-        )
-        if missing is None:
-            return {}
-        gone = set(missing)
-        fetched = {key: targets[i] for i, key in enumerate(ask) if key not in gone}
-        self._stats["remote_hit_objects"] += len(fetched)
-        return dict(fetched)
-
-    def _keep(self, absent: list[str], targets: Sequence[Any]) -> None:
-        """Puts fetched objects in the local tier where it has room without growing: free slots
-        plus evictable objects. Skipped: keys stored meanwhile or written by a put while the
-        read was fetching (Mooncake may not have had those bytes yet), and whatever does not
-        fit. Called under the write lock. A read never allocates and never fails here."""
-        try:
-            candidates = [
-                (key, target)
-                for key, target, stored in zip(
-                    absent, targets, self.local.contains(absent), strict=True
-                )
-                if not stored and key not in self._written_during_reads
-            ]
-            stats = self.local.stats()
-            room = min(int(stats["free_slots"]) + int(stats["evictable"]), len(candidates))
-            # The last ones when not all fit (the local tier keeps the most recent).
-            keep = candidates[len(candidates) - room :] if room > 0 else []
-            self._stats["not_kept_objects"] += len(absent) - len(keep)
-            if not keep:
-                return
-            self.local.put([BlockObject(key, target) for key, target in keep])
-            self._stats["kept_objects"] += len(keep)
-        except BlockObjectStoreError as error:  # a policy refused the victims, say
-            self._stats["keep_failures"] += 1
-            logger.debug("keeping objects fetched from Mooncake failed: %s", error)
-        except Exception as error:  # a policy's own exception: the read still succeeds
-            self._stats["keep_failures"] += 1
-            logger.warning("keeping objects fetched from Mooncake failed: %r", error)
 
     # -- the rest ------------------------------------------------------------------------
 
