@@ -207,3 +207,8 @@ def bind(*, prefault: Prefault, tier: MooncakeTier | None) -> Callable[[], None]
         ) = before
 
     return undo
+
+
+def bound() -> tuple[Prefault, MooncakeTier | None]:
+    """The prefault and the Mooncake tier the installed classes have now (see :func:`bind`)."""
+    return EngineBlockObjectStore._prefault, TieredEngineBlockObjectStore._tier
