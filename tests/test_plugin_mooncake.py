@@ -24,13 +24,20 @@ import aostore
 import mooncake_util
 import pytest
 from aostore import vllm_plugin
-from aostore.mooncake import MooncakeBlockObjectStore, MooncakeError, TieredBlockObjectStore
+from aostore.mooncake import (
+    MooncakeBlockObjectStore,
+    MooncakeConfig,
+    MooncakeError,
+    TieredBlockObjectStore,
+)
+from aostore.vllm import stores
+from aostore.vllm.settings import ENV_MOONCAKE, ENV_PREFAULT, MooncakeTier
 from test_mooncake import require_mooncake, run_worker
 from test_plugin import STORE, FakeTree, TreeMaker, make_tree  # noqa: F401  (a fixture)
 
 NBYTES = 5888  # one GLM-4.5-Air block of routed-expert ids
 LOGGER = "vllm.plugins.aostore"
-ENV = vllm_plugin.ENV_MOONCAKE
+ENV = ENV_MOONCAKE
 LOCAL_CLASS = {
     "grow": vllm_plugin.GrowBlockObjectStore,
     "fail-closed": vllm_plugin.EngineBlockObjectStore,
@@ -42,10 +49,13 @@ TIER_CLASS = {
 
 
 @pytest.fixture(autouse=True)
-def _no_tier_leaks(monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_tier_leaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts without the setting and without a tier registered by another test."""
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(vllm_plugin, "_tier_setting", None)
+    prefault, tier = stores.bound()
+    stores.bind(prefault=prefault, tier=None)
+    yield
+    stores.bind(prefault=prefault, tier=tier)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +164,7 @@ def test_bad_config_is_ignored_with_a_warning_naming_the_setting_and_the_path(
     store = tree.modules["worker"].BlockObjectStore(max_bytes=8 * 64, object_nbytes=64)
     assert type(store) is LOCAL_CLASS[tree.kind]
     store.close()
-    assert vllm_plugin._tier_setting is None
+    assert stores.bound()[1] is None
 
 
 def test_missing_mooncake_package_is_ignored_with_the_pip_command(
@@ -191,7 +201,7 @@ def test_branch_layout_ignores_the_setting_with_a_warning(
     assert "Mooncake tier off" in message
     shm = tree.modules["shm"]
     assert shm.ShmBlockObjectStore is vllm_plugin.EngineShmBlockObjectStore
-    assert vllm_plugin._tier_setting is None
+    assert stores.bound()[1] is None
 
 
 def test_dry_run_shows_the_tiered_class_without_connecting(
@@ -209,7 +219,7 @@ def test_dry_run_shows_the_tiered_class_without_connecting(
     assert result.decision.mooncake is not None
     assert result.decision.mooncake.path == str(path)
     assert "master 127.0.0.1:1" in result.decision.mooncake_said
-    assert vllm_plugin._tier_setting is None  # a dry run sets nothing
+    assert stores.bound()[1] is None  # a dry run sets nothing
 
 
 def test_vllm_check_names_the_tier_or_why_it_is_ignored(
@@ -218,7 +228,7 @@ def test_vllm_check_names_the_tier_or_why_it_is_ignored(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from aostore import _vllm_check
+    from aostore.vllm import report as _vllm_check
 
     require_mooncake()
     make_tree("grow", known=True)
@@ -253,7 +263,7 @@ def test_tier_from_the_setting_is_the_plugins_store_in_front_of_mooncake(
     config = cluster.config(key_prefix=f"{prefix}/")
     path = write_config(tmp_path / "mooncake.json", config)
     monkeypatch.setenv(ENV, str(path))
-    monkeypatch.setenv(vllm_plugin.ENV_PREFAULT, "0")
+    monkeypatch.setenv(ENV_PREFAULT, "0")
     line = register(caplog)
     message = line.getMessage()
     assert line.levelno == logging.INFO, message
@@ -409,10 +419,9 @@ def test_publishing_leaves_the_engine_thread_running(
     Python thread keeps running meanwhile. The same test with a publisher that holds the GIL
     for its work (the control) finds the thread stopped, so the measure can tell."""
     config = cluster.config(key_prefix="gil/")
-    monkeypatch.setattr(
-        vllm_plugin,
-        "_tier_setting",
-        vllm_plugin.MooncakeTier("(test)", vllm_plugin.MooncakeConfig.from_dict(config)),
+    stores.bind(  # undone by the autouse fixture
+        prefault=stores.bound()[0],
+        tier=MooncakeTier("(test)", MooncakeConfig.from_dict(config)),
     )
     count = 512
     payloads = [mooncake_util.payload("gil", i, NBYTES) for i in range(count)]
