@@ -384,6 +384,8 @@ def test_every_key_is_in_mooncake_with_the_engines_bytes_or_recorded(
         if got is None:
             assert key in record, f"{key} is neither in Mooncake nor recorded as unpublished"
         else:
+            # Recorded keys too: nothing is evicted here, so the engine wrote each key once
+            # and Mooncake can hold no other bytes under it.
             assert got == payload, f"Mooncake holds other bytes under {key}"
 
 
