@@ -16,9 +16,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import aostore
-from aostore import _log
-from aostore._shm import ShmBlockObjectStore
-from aostore._store import BlockObjectStore
+from aostore import BlockObjectStore, ShmBlockObjectStore, _log
 
 from . import probe
 from .compat import differential
@@ -323,7 +321,7 @@ def plan(module: Any, settings: Settings | None = None) -> Plan:
             if grows is not False:
                 gap = f"vLLM's {SHM_STORE} " + ("grows" if grows else "could not be probed")
         if gap is None and name in (FIXED_STORE, SHM_STORE):
-            # Same names and signatures; now the same behaviour (SPEC section 11).
+            # Same names and signatures; now the same behaviour (docs/vllm-plugin.md).
             gap = _behaviour_gap(result, name, settings)
         if gap:
             result.keep[name] = gap

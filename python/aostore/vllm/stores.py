@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, Self, cast
 
-from aostore._shm import ShmBlockObjectStore
-from aostore._store import BlockObjectStore
+from aostore import BlockObjectStore, ShmBlockObjectStore
 from aostore.mooncake import MooncakeBlockObjectStore, MooncakeError, TieredBlockObjectStore
 
 from .settings import ENV_MOONCAKE, MooncakeTier, Prefault
@@ -33,10 +32,10 @@ class EngineBlockObjectStore(BlockObjectStore):
     The one default that differs: ``prefault`` is the ``AOSTORE_VLLM_PREFAULT`` that
     ``register`` read (``"background"`` unless set). vLLM sizes the arena to be filled (1.1x
     the KV cache's blocks in an RL run), and a page fault on the writer thread costs more than
-    the copy it precedes (docs/performance.md), so a thread commits every page from engine
-    start while start-up goes on. The memory effect: the whole arena is resident from the
-    start instead of as it fills. Other keyword arguments (``max_bytes`` and ``object_nbytes``
-    in bytes, ``policy``, ``profile``, ``pin_memory``) pass on unchanged.
+    the copy it precedes (docs/vllm-plugin.md has the figures), so a thread commits every page
+    from engine start while start-up goes on. The memory effect: the whole arena is resident
+    from the start instead of as it fills. Other keyword arguments (``max_bytes`` and
+    ``object_nbytes`` in bytes, ``policy``, ``profile``, ``pin_memory``) pass on unchanged.
     """
 
     __slots__ = ()
