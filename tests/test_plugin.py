@@ -1575,6 +1575,7 @@ REAL_VLLM_SCRIPT = textwrap.dedent(
     vllm.plugins.load_general_plugins()
     import aostore
     from aostore import vllm_plugin
+    from aostore.vllm.compat import fingerprint as compat_fingerprint
     store_module = importlib.import_module(base + "store")
     if order == "plugin-first":
         for part in parts:
