@@ -11,9 +11,10 @@ use std::thread::JoinHandle;
 use crate::error::StoreError;
 
 /// When the arena's pages are committed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Prefault {
     /// On first write to each page (an arena sized for the worst case costs only what is used).
+    #[default]
     OnWrite,
     /// All of them at construction, which waits for it.
     Now,
@@ -56,6 +57,7 @@ unsafe impl Sync for Arena {}
 
 impl Arena {
     /// Maps `num_slots * object_nbytes` bytes. Fails cleanly on overflow or when the OS refuses.
+    #[cfg(test)]
     pub fn new(num_slots: usize, object_nbytes: usize) -> Result<Self, StoreError> {
         Self::with_prefault(num_slots, object_nbytes, false)
     }
@@ -63,6 +65,7 @@ impl Arena {
     /// As `new`; with `prefault`, every page is committed now (in huge pages where the kernel
     /// allows), so no put ever waits for a page fault. Without it pages are committed on first
     /// write, and an arena sized for the worst case costs only what is used.
+    #[cfg(test)]
     pub fn with_prefault(
         num_slots: usize,
         object_nbytes: usize,
@@ -164,6 +167,7 @@ impl Arena {
 
     /// Whether a background populator is still committing pages (never in a forked child:
     /// there it stopped at the fork, with the pages it had committed).
+    #[cfg(test)]
     pub fn is_populating(&self) -> bool {
         self.populator.as_ref().is_some_and(|p| p.in_this_process() && !p.thread.is_finished())
     }
@@ -178,23 +182,14 @@ impl Arena {
     }
 
     /// Number of slots.
+    #[cfg(test)]
     pub fn num_slots(&self) -> usize {
         self.num_slots
-    }
-
-    /// Bytes per slot.
-    pub fn object_nbytes(&self) -> usize {
-        self.object_nbytes
     }
 
     /// Bytes mapped.
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// Whether the arena maps no bytes (never true: a store holds at least one slot).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Start of the mapping, for callers that register it with a device driver.

@@ -73,6 +73,7 @@ pub struct ChunkArena {
 
 impl ChunkArena {
     /// An arena of `num_chunks` chunks of `chunk_nbytes` bytes (committed now with `prefault`).
+    #[cfg(test)]
     pub fn new(num_chunks: usize, chunk_nbytes: usize, prefault: bool) -> Result<Self, StoreError> {
         let prefault = if prefault { Prefault::Now } else { Prefault::OnWrite };
         Self::with_commit(num_chunks, chunk_nbytes, prefault)
@@ -104,11 +105,6 @@ impl ChunkArena {
             free_chunks: 0,
             fresh: 0,
         })
-    }
-
-    /// Bytes per chunk.
-    pub fn chunk_nbytes(&self) -> usize {
-        self.chunk_nbytes
     }
 
     /// Chunks in the arena.

@@ -84,11 +84,6 @@ impl KeyIndex {
         self.len
     }
 
-    /// Whether no key is indexed.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// The bucket where a probe for `hash` starts: the hash (uniform over 32 bits) scaled to
     /// the table.
     #[inline]
@@ -209,6 +204,7 @@ impl KeyIndex {
     }
 
     /// Every (hash, entry) pair, in bucket order.
+    #[cfg(test)]
     pub fn iter(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
         self.buckets.iter().filter(|&&b| b != EMPTY).map(|&b| (bucket_hash(b), bucket_idx(b)))
     }

@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use aostore::{BlockRef, BlockStore, Profile, StoreError, VariableStore};
+use aostore::{BlockRef, BlockStore, Profile, StoreError, StoreOptions, VariableStore};
 use proptest::prelude::*;
 
 /// The fixed store's object size in the model runs.
@@ -164,7 +164,11 @@ impl Subject for VariableStore {
         State {
             lru: self.lru_keys().into_iter().map(Cow::into_owned).collect(),
             refs: owned(self.references()),
-            objects: self.objects().into_iter().map(|(k, p)| (k.into_owned(), p)).collect(),
+            objects: self
+                .objects()
+                .into_iter()
+                .map(|(k, p)| (k.into_owned(), p.into_owned()))
+                .collect(),
             gauge: ("stored_bytes", self.stats().stored_bytes),
         }
     }
@@ -612,7 +616,12 @@ fn cases() -> u32 {
 
 fn fixed_pair(num_slots: usize, grow: bool) -> (BlockStore, Model<Fixed>) {
     let profile = if grow { Profile::Grow } else { Profile::FailClosed };
-    let store = BlockStore::with_profile(num_slots * NBYTES, NBYTES, profile).unwrap();
+    let store = BlockStore::with_options(
+        num_slots * NBYTES,
+        NBYTES,
+        StoreOptions::default().profile(profile),
+    )
+    .unwrap();
     (store, Model { rule: Fixed { num_slots, grow }, c: Contents::default() })
 }
 
@@ -645,7 +654,7 @@ proptest! {
         ops in all_ops(variable_length()),
     ) {
         prop_assume!(chunk <= max_bytes);
-        let mut store = VariableStore::with_options(max_bytes, Some(chunk), false).unwrap();
+        let mut store = VariableStore::with_options(max_bytes, StoreOptions::default().chunk_nbytes(chunk)).unwrap();
         let rule = Variable { capacity_chunks: max_bytes / chunk, chunk };
         let mut model = Model { rule, c: Contents::default() };
         run(&mut store, &mut model, ops)?;
@@ -713,7 +722,8 @@ fn evicting_put_visits_only_victims(
 fn evicting_put_does_not_visit_referenced_keys() {
     let mut fixed = BlockStore::new(10_000 * NBYTES, NBYTES).unwrap();
     evicting_put_visits_only_victims(&mut fixed, NBYTES, |visits| visits <= 64 + 64);
-    let mut variable = VariableStore::with_options(10_000 * 8, Some(8), false).unwrap();
+    let mut variable =
+        VariableStore::with_options(10_000 * 8, StoreOptions::default().chunk_nbytes(8)).unwrap();
     evicting_put_visits_only_victims(&mut variable, 8, |visits| visits == 64);
 }
 
@@ -747,11 +757,11 @@ fn constructor_rejects_bad_sizes() {
     ));
     assert!(matches!(VariableStore::new(0), Err(StoreError::InvalidArgument(_))));
     assert!(matches!(
-        VariableStore::with_options(4, Some(0), false),
+        VariableStore::with_options(4, StoreOptions::default().chunk_nbytes(0)),
         Err(StoreError::InvalidArgument(_))
     ));
     assert!(matches!(
-        VariableStore::with_options(4, Some(8), false),
+        VariableStore::with_options(4, StoreOptions::default().chunk_nbytes(8)),
         Err(StoreError::InvalidArgument(_))
     ));
     assert!(matches!(VariableStore::new(usize::MAX), Err(StoreError::CapacityTooLarge { .. })));
@@ -761,7 +771,8 @@ fn constructor_rejects_bad_sizes() {
 /// accounted for, and a re-put that grows a key evicts only what it must.
 #[test]
 fn churn_keeps_the_allocator_exact() {
-    let mut store = VariableStore::with_options(64 << 10, Some(256), false).unwrap();
+    let mut store =
+        VariableStore::with_options(64 << 10, StoreOptions::default().chunk_nbytes(256)).unwrap();
     let mut state = 7u64;
     let mut next = || {
         state =
@@ -788,7 +799,8 @@ fn churn_keeps_the_allocator_exact() {
 
 #[test]
 fn an_object_larger_than_the_store_is_refused_and_changes_nothing() {
-    let mut store = VariableStore::with_options(16, Some(4), false).unwrap();
+    let mut store =
+        VariableStore::with_options(16, StoreOptions::default().chunk_nbytes(4)).unwrap();
     store.put(&[BlockRef { key: "a", payload: b"aaaa" }], &[], &[]).unwrap();
     let big = vec![0u8; 17];
     let err = store.put(&[BlockRef { key: "b", payload: &big }], &["a"], &[]).unwrap_err();

@@ -18,95 +18,21 @@ use super::{
     as_texts, collect_keys, fork_generation, forked_error, log_growth, to_py_err, PyPolicy,
 };
 use crate::error::StoreError;
-use crate::store::{BlockRef, BlockStore, Counters, PutReport, VictimPolicy};
-use crate::variable::VariableStore;
+use crate::store::{Allocator, Counters, Store, VictimPolicy};
 
 /// Every key a store knows, copied out under the lock: the LRU (oldest first), the reference
 /// counts, and the stored objects' bytes.
 pub(crate) type Contents = (Vec<String>, Vec<(String, u32)>, Vec<(String, Vec<u8>)>);
-
-/// What the handle needs of a store's core; both cores implement it by delegating, so each
-/// call is a direct, monomorphized one.
-pub(crate) trait Core: Send + 'static {
-    /// A put; `Some(slots)` when the arena grew (the fixed store's profile `grow`).
-    fn put(
-        &mut self,
-        blocks: &[BlockRef<'_>],
-        retains: &[&str],
-        releases: &[&str],
-        policy: Option<&mut dyn VictimPolicy>,
-    ) -> Result<Option<usize>, StoreError>;
-    fn close(&mut self);
-    fn check(&self) -> Result<(), String>;
-    fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError>;
-    fn reference_count(&self, key: &str) -> u32;
-    fn contents(&self) -> Contents;
-}
-
-/// What a successful put reports, as the handle sees it: `Some(slots)` when the arena grew.
-trait Grown {
-    fn grown_to(self) -> Option<usize>;
-}
-
-impl Grown for PutReport {
-    fn grown_to(self) -> Option<usize> {
-        self.grown_to
-    }
-}
-
-impl Grown for () {
-    fn grown_to(self) -> Option<usize> {
-        None
-    }
-}
-
-/// `Core` for a store, by delegating to its methods of the same names.
-macro_rules! delegate_core {
-    ($($store:ty),*) => {$(
-        impl Core for $store {
-            fn put(
-                &mut self,
-                blocks: &[BlockRef<'_>],
-                retains: &[&str],
-                releases: &[&str],
-                policy: Option<&mut dyn VictimPolicy>,
-            ) -> Result<Option<usize>, StoreError> {
-                self.put_with_policy(blocks, retains, releases, policy).map(Grown::grown_to)
-            }
-            fn close(&mut self) {
-                <$store>::close(self);
-            }
-            fn check(&self) -> Result<(), String> {
-                <$store>::check(self)
-            }
-            fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
-                <$store>::contains_many(self, keys)
-            }
-            fn reference_count(&self, key: &str) -> u32 {
-                <$store>::reference_count(self, key)
-            }
-            fn contents(&self) -> Contents {
-                (
-                    self.lru_keys().into_iter().map(Cow::into_owned).collect(),
-                    self.references().into_iter().map(|(k, c)| (k.into_owned(), c)).collect(),
-                    self.objects().into_iter().map(|(k, p)| (k.into_owned(), p.into())).collect(),
-                )
-            }
-        }
-    )*};
-}
-
-delegate_core!(BlockStore, VariableStore);
 
 /// A core behind its mutex, shared by threads, with the state every native store keeps.
 ///
 /// The mutex is only ever taken with the GIL released, so a thread holding it can always get
 /// the GIL back and no two threads wait on each other. The one exception is a victim policy,
 /// which runs Python while the lock is held: see `lock.rs`.
-pub(crate) struct Handle<S> {
+pub(crate) struct Handle<A: Allocator> {
     /// Shared with a Rust writer thread (`NativeWriter`), which applies batches to it directly
     /// and never holds the Python object.
-    inner: Arc<Mutex<S>>,
+    inner: Arc<Mutex<Store<A>>>,
     /// The victim policy; behind its own small lock only so `__clear__` can drop it (never while
     /// the store lock is held).
     policy: Mutex<Option<Py<PyAny>>>,
@@ -122,8 +48,8 @@ pub(crate) struct Handle<S> {
     generation: u64,
 }
 
-impl<S: Core> Handle<S> {
-    pub(crate) fn new(core: S, policy: Option<Py<PyAny>>) -> Self {
+impl<A: Allocator> Handle<A> {
+    pub(crate) fn new(core: Store<A>, policy: Option<Py<PyAny>>) -> Self {
         Self {
             inner: Arc::new(Mutex::new(core)),
             has_policy: policy.is_some(),
@@ -134,7 +60,7 @@ impl<S: Core> Handle<S> {
         }
     }
 
-    fn lock(&self) -> Result<Held<'_, S>, StoreError> {
+    fn lock(&self) -> Result<Held<'_, Store<A>>, StoreError> {
         StoreLock {
             mutex: &self.inner,
             owner: std::ptr::from_ref(self) as usize,
@@ -152,7 +78,7 @@ impl<S: Core> Handle<S> {
     }
 
     /// The core, for a writer thread.
-    pub(crate) fn core(&self) -> PyResult<Arc<Mutex<S>>> {
+    pub(crate) fn core(&self) -> PyResult<Arc<Mutex<Store<A>>>> {
         self.ensure_same_process()?;
         Ok(Arc::clone(&self.inner))
     }
@@ -170,7 +96,7 @@ impl<S: Core> Handle<S> {
     pub(crate) fn with_store<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut S) -> T + Send,
+        f: impl FnOnce(&mut Store<A>) -> T + Send,
     ) -> PyResult<T> {
         self.ensure_same_process()?;
         py.detach(|| self.lock().map(|mut held| f(&mut held.guard))).map_err(to_py_err)
@@ -199,7 +125,7 @@ impl<S: Core> Handle<S> {
         });
         let result = self.with_store(py, |s| {
             let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
-            s.put(&blocks, &retains, &releases, policy)
+            s.put_with_policy(&blocks, &retains, &releases, policy).map(|r| A::grown_to(&r))
         })?;
         if let Some(error) = policy.and_then(|p| p.error) {
             return Err(error);
@@ -212,7 +138,7 @@ impl<S: Core> Handle<S> {
 
     pub(crate) fn close(&self, py: Python<'_>) -> PyResult<()> {
         // Closed for good only once the core has closed (a policy calling back in is refused).
-        self.with_store(py, S::close)?;
+        self.with_store(py, Store::close)?;
         self.closed.store(true, Ordering::Release);
         Ok(())
     }
@@ -267,7 +193,13 @@ impl<S: Core> Handle<S> {
     }
 
     pub(crate) fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (lru, refs, objects) = self.with_store(py, |s| s.contents())?;
+        let (lru, refs, objects) = self.with_store(py, |s| -> Contents {
+            (
+                s.lru_keys().into_iter().map(Cow::into_owned).collect(),
+                s.references().into_iter().map(|(k, c)| (k.into_owned(), c)).collect(),
+                s.objects().into_iter().map(|(k, p)| (k.into_owned(), p.into_owned())).collect(),
+            )
+        })?;
         let references = PyDict::new(py);
         for (key, count) in refs {
             references.set_item(key, count)?;

@@ -9,7 +9,7 @@ mod writer;
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Once, PoisonError};
+use std::sync::{Mutex, Once, PoisonError};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{
@@ -22,7 +22,7 @@ use pyo3::{ffi, intern, PyTraverseError};
 
 use crate::arena::Prefault;
 use crate::error::StoreError;
-use crate::store::{BlockStore, Profile, RemoveReason, VictimPolicy};
+use crate::store::{BlockStore, FixedSlots, Profile, RemoveReason, StoreOptions, VictimPolicy};
 use gather::Gathered;
 use handle::Handle;
 
@@ -195,14 +195,10 @@ pub(crate) fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> PyResult<Vec<&'a str
     Ok(texts)
 }
 
-/// The store's core behind its lock, shared by the Python object and a writer thread (which
-/// must not hold the Python object: it never takes the GIL).
-pub(crate) type SharedCore = Arc<Mutex<BlockStore>>;
-
 /// The native fixed-size store: a `BlockStore` behind the handle both stores share.
 #[pyclass(module = "aostore._native", subclass, frozen, name = "NativeStore")]
 pub struct NativeStore {
-    pub(crate) handle: Handle<BlockStore>,
+    pub(crate) handle: Handle<FixedSlots>,
     /// Fixed at construction, so size checks need neither the lock nor a GIL release.
     object_nbytes: usize,
 }
@@ -424,13 +420,9 @@ handle::store_methods!(NativeStore {
         };
         let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
         let to_usize = |v: i128| usize::try_from(v).map_err(|_| too_large(v));
-        let store = BlockStore::with_commit(
-            to_usize(max_bytes)?,
-            to_usize(object_nbytes)?,
-            profile,
-            prefault,
-        )
-        .map_err(to_py_err)?;
+        let options = StoreOptions::default().profile(profile).prefault(prefault);
+        let store = BlockStore::with_options(to_usize(max_bytes)?, to_usize(object_nbytes)?, options)
+            .map_err(to_py_err)?;
         let object_nbytes = store.object_nbytes();
         Ok(Self { handle: Handle::new(store, policy), object_nbytes })
     }

@@ -13,7 +13,7 @@ use super::{
     PrefaultArg,
 };
 use crate::arena::Prefault;
-use crate::variable::{ReadPlan, VariableStore};
+use crate::store::{ChunkChains, ReadPlan, StoreOptions, VariableStore};
 
 /// A planned read that a put overtook is planned again this many times before it is copied in
 /// one locked call through a private buffer instead.
@@ -22,7 +22,7 @@ const READ_ATTEMPTS: usize = 3;
 /// The native variable-size store: a `VariableStore` behind the handle both stores share.
 #[pyclass(module = "aostore._native", subclass, frozen, name = "NativeVariableStore")]
 pub struct NativeVariableStore {
-    pub(crate) handle: Handle<VariableStore>,
+    pub(crate) handle: Handle<ChunkChains>,
     max_bytes: usize,
     chunk_nbytes: usize,
 }
@@ -114,8 +114,8 @@ store_methods!(NativeVariableStore {
             }
         };
         let max_bytes = usize::try_from(max_bytes).map_err(|_| too_large(max_bytes))?;
-        let store =
-            VariableStore::with_commit(max_bytes, chunk_nbytes, prefault).map_err(to_py_err)?;
+        let options = StoreOptions { chunk_nbytes, prefault, ..StoreOptions::default() };
+        let store = VariableStore::with_options(max_bytes, options).map_err(to_py_err)?;
         let chunk_nbytes = store.chunk_nbytes();
         let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
         Ok(Self { handle: Handle::new(store, policy), max_bytes, chunk_nbytes })

@@ -32,12 +32,10 @@ use pyo3::PyTraverseError;
 
 use super::gather::{batch_views, Gathered, OwnedViews, Owners};
 use super::variable::NativeVariableStore;
-use super::{
-    fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore, SharedCore,
-};
+use super::{fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore};
 use crate::error::StoreError;
 use crate::store::BlockRef;
-use crate::variable::VariableStore;
+use crate::store::{Allocator, Store};
 
 /// One queued `put` or `put_blocks`: views into Python memory, and the objects that own it.
 struct Job {
@@ -99,32 +97,27 @@ impl Shared {
     }
 }
 
-/// The core a writer applies batches to: either store's, chosen once when the writer is made,
-/// so telling them apart costs one match per batch and nothing per object.
-#[derive(Clone)]
-enum Core {
-    Fixed(SharedCore),
-    Variable(Arc<Mutex<VariableStore>>),
-}
-
-impl Core {
+/// The store a writer applies batches to, either kind, behind its lock: one `dyn` call per
+/// batch, none per object.
+trait Target: Send + Sync {
     /// Applies one batch; the fixed store in profile `grow` reports the slots it grew to.
     fn put(
         &self,
         blocks: &[BlockRef<'_>],
         retains: &[&str],
         releases: &[&str],
+    ) -> Result<Option<usize>, StoreError>;
+}
+
+impl<A: Allocator> Target for Mutex<Store<A>> {
+    fn put(
+        &self,
+        blocks: &[BlockRef<'_>],
+        retains: &[&str],
+        releases: &[&str],
     ) -> Result<Option<usize>, StoreError> {
-        match self {
-            Core::Fixed(core) => {
-                let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
-                store.put(blocks, retains, releases).map(|report| report.grown_to)
-            }
-            Core::Variable(core) => {
-                let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
-                store.put(blocks, retains, releases).map(|()| None)
-            }
-        }
+        let mut store = self.lock().unwrap_or_else(PoisonError::into_inner);
+        store.put(blocks, retains, releases).map(|report| A::grown_to(&report))
     }
 }
 
@@ -145,7 +138,7 @@ pub struct NativeWriter {
     generation: u64,
 }
 
-fn run(shared: &Arc<Shared>, core: &Core) {
+fn run(shared: &Arc<Shared>, core: &dyn Target) {
     crate::sched::yield_to_running_threads();
     loop {
         let (views, skip) = {
@@ -227,7 +220,7 @@ const FULL_QUEUE_WAIT_WITH_GIL: Duration = Duration::from_millis(1);
 /// The writer's polling period once the engine has been quiet for 2 ms.
 const POLL_PERIOD: Duration = Duration::from_millis(1);
 
-fn apply(core: &Core, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
+fn apply(core: &dyn Target, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
     // SAFETY: every view borrows from the owners of this job, kept in `State::in_flight` until
     // this returns and dropped only later, by a thread holding the GIL.
     let (blocks, retains, releases) =
@@ -513,16 +506,17 @@ impl NativeWriter {
         if max_pending_batches == 0 {
             return Err(PyValueError::new_err("max_pending_batches must be at least 1"));
         }
-        let (core, object_nbytes) = if let Ok(fixed) = store.cast::<NativeStore>() {
-            (Core::Fixed(fixed.get().handle.core()?), Some(fixed.get().object_nbytes()))
-        } else if let Ok(variable) = store.cast::<NativeVariableStore>() {
-            (Core::Variable(variable.get().handle.core()?), None)
-        } else {
-            return Err(PyTypeError::new_err(format!(
-                "NativeWriter needs an aostore store, not {}",
-                store.get_type().name()?
-            )));
-        };
+        let (core, object_nbytes): (Arc<dyn Target>, _) =
+            if let Ok(fixed) = store.cast::<NativeStore>() {
+                (fixed.get().handle.core()?, Some(fixed.get().object_nbytes()))
+            } else if let Ok(variable) = store.cast::<NativeVariableStore>() {
+                (variable.get().handle.core()?, None)
+            } else {
+                return Err(PyTypeError::new_err(format!(
+                    "NativeWriter needs an aostore store, not {}",
+                    store.get_type().name()?
+                )));
+            };
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             work: Condvar::new(),
@@ -534,7 +528,7 @@ impl NativeWriter {
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("aostore-writer".to_owned())
-            .spawn(move || run(&thread_shared, &core))
+            .spawn(move || run(&thread_shared, &*core))
             .map_err(|e| PyRuntimeError::new_err(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             shared,

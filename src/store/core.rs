@@ -2,9 +2,10 @@
 //! victim policy, batch validation, dedup and ordering, victim choice, rollback, and the entry
 //! half of `check()`.
 //!
-//! A store is this core plus an allocator (fixed slots in `store.rs`, chunk chains in
-//! `variable.rs`) and the few rules where the contracts differ, each a parameter here rather
-//! than a copy: what a victim frees (`charge`), and what a refused put undoes (`UNDO`). The fixed
+//! `Store<A>` (in `mod.rs`) runs these phases in order over an allocator (fixed slots in
+//! `fixed.rs`, chunk chains in `variable.rs`); where the contracts differ, a phase takes a
+//! parameter rather than being copied: what a victim frees (`charge`), and what a refused put
+//! undoes (`UNDO`). The fixed
 //! store keeps a refused put's count changes and LRU moves, as vLLM does, and passes
 //! `UNDO = false`, so its hot path records nothing; the variable store undoes everything and
 //! passes `UNDO = true`, logging each LRU move to replay it backwards. Both are monomorphized:
@@ -27,40 +28,8 @@ pub struct BlockRef<'a> {
     pub payload: &'a [u8],
 }
 
-/// The public put entry points, the same for both stores: `put` and `put_with_policy`, which
-/// runs the store's `admit` (its argument checks, before anything changes), then its
-/// `put_inner` with the core's scratch taken out.
-macro_rules! put_entry_points {
-    ($report:ty, $doc:literal) => {
-        #[doc = $doc]
-        pub fn put(
-            &mut self,
-            objects: &[BlockRef<'_>],
-            retain_keys: &[&str],
-            release_keys: &[&str],
-        ) -> Result<$report, StoreError> {
-            self.put_with_policy(objects, retain_keys, release_keys, None)
-        }
-
-        /// `put`, with a victim policy consulted for reference changes, victims and removals.
-        pub fn put_with_policy(
-            &mut self,
-            objects: &[BlockRef<'_>],
-            retain_keys: &[&str],
-            release_keys: &[&str],
-            policy: Option<&mut dyn VictimPolicy>,
-        ) -> Result<$report, StoreError> {
-            self.admit(objects)?;
-            let mut scratch = std::mem::take(&mut self.core.scratch);
-            let result = self.put_inner(&mut scratch, (objects, retain_keys, release_keys), policy);
-            self.core.end_put(scratch, result)
-        }
-    };
-}
-pub(crate) use put_entry_points;
-
 /// One call's arguments: its objects, the keys it retains and the keys it releases.
-pub(crate) type Call<'a> = (&'a [BlockRef<'a>], &'a [&'a str], &'a [&'a str]);
+pub type Call<'a> = (&'a [BlockRef<'a>], &'a [&'a str], &'a [&'a str]);
 
 /// Monotonic counters, for `stats()`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -134,7 +103,7 @@ const POSITION: u32 = CHOSEN - 1;
 
 /// One LRU change of the put in progress, so a refused put can undo it.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Undo {
+pub(super) enum Undo {
     /// `idx` left the LRU from between `prev` and `next`.
     Unlinked { idx: u32, prev: u32, next: u32 },
     /// `idx` was appended at the tail.
@@ -144,31 +113,31 @@ pub(crate) enum Undo {
 /// Scratch vectors reused by every call, so a put allocates only for new keys too long to be held
 /// in their entry.
 #[derive(Debug, Default)]
-pub(crate) struct Scratch {
+pub struct Scratch {
     /// The keys being resolved, prepared for the key table.
-    pub probes: Vec<Probe>,
+    pub(super) probes: Vec<Probe>,
     /// Entries of the keys being resolved (a batch's keys, a read's keys), in call order.
-    pub entries: Vec<u32>,
+    pub(super) entries: Vec<u32>,
     /// Unique batch keys in first-occurrence order: (entry, index of the last payload).
-    pub batch: Vec<(u32, usize)>,
+    pub(super) batch: Vec<(u32, usize)>,
     /// What each unique batch key's new payload takes (variable store: chunks).
-    pub charges: Vec<usize>,
-    pub retains: Vec<u32>,
-    pub releases: Vec<u32>,
+    pub(super) charges: Vec<usize>,
+    pub(super) retains: Vec<u32>,
+    pub(super) releases: Vec<u32>,
     /// Keys whose count reached zero in this call and that are in the LRU, in release order.
-    pub released: Vec<u32>,
+    pub(super) released: Vec<u32>,
     /// Released keys that are neither stored nor in the batch: forgotten by the store.
-    pub orphans: Vec<u32>,
+    pub(super) orphans: Vec<u32>,
     /// Entries created by this call.
-    pub created: Vec<u32>,
+    pub(super) created: Vec<u32>,
     /// (entry, what its eviction frees).
-    pub victims: Vec<(u32, usize)>,
+    pub(super) victims: Vec<(u32, usize)>,
     /// The index hashes of the first victims, as `take_victims` computed them to prefetch their
     /// buckets, so that evicting them does not decode and hash their keys again.
-    pub victim_hashes: Vec<u32>,
+    pub(super) victim_hashes: Vec<u32>,
     /// Profile `grow`: batch keys stored and unreferenced when the call started, whose bytes
     /// are replaced in place once the put is sure to succeed.
-    pub replaced: Vec<(u32, usize)>,
+    pub(super) replaced: Vec<(u32, usize)>,
     undo: Vec<Undo>,
 }
 
@@ -205,7 +174,7 @@ impl Scratch {
         room(&mut self.undo, 2 * keys)
     }
 
-    pub fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.probes.clear();
         self.entries.clear();
         self.batch.clear();
@@ -223,7 +192,7 @@ impl Scratch {
 }
 
 /// What evicting a key frees, in the units the store's capacity is counted in.
-pub(crate) trait Charge<M> {
+pub trait Charge<M> {
     /// Every key frees one unit (one slot), so the count of victims is the need itself.
     const UNIT: bool;
     /// What evicting `entry` frees: its new payload's charge if it is the batch key at
@@ -232,11 +201,11 @@ pub(crate) trait Charge<M> {
 }
 
 /// Where a put's keys landed in the LRU.
-pub(crate) struct Placement {
+pub struct Placement {
     /// Keys of the batch that were not stored.
-    pub new_keys: usize,
+    pub(super) new_keys: usize,
     /// Eligible keys older than the batch, at the LRU front.
-    pub older: usize,
+    pub(super) older: usize,
 }
 
 /// The batch position of `idx`, if it is in the batch and not chosen as a victim.
@@ -322,19 +291,19 @@ fn same_keys(objects: &[BlockRef<'_>], keys: &[&str]) -> bool {
 
 /// Keys, counts, the LRU and the figures every store keeps about them.
 #[derive(Debug)]
-pub(crate) struct Core<M> {
+pub struct Core<M> {
     /// Keys to entries: each key's text, count, slot, allocator data (`M`) and LRU links.
-    pub keys: KeyTable<M>,
-    pub stored: usize,
-    pub referenced: usize,
-    pub counters: Counters,
+    pub(super) keys: KeyTable<M>,
+    pub(super) stored: usize,
+    pub(super) referenced: usize,
+    pub(super) counters: Counters,
     /// For `check()`: see `Ledger`.
-    pub ledger: Ledger,
-    pub scratch: Scratch,
+    pub(super) ledger: Ledger,
+    pub(super) scratch: Scratch,
 }
 
 impl<M: Copy + Default> Core<M> {
-    pub fn new(keys: KeyTable<M>) -> Self {
+    pub(super) fn new(keys: KeyTable<M>) -> Self {
         Self {
             keys,
             stored: 0,
@@ -347,7 +316,7 @@ impl<M: Copy + Default> Core<M> {
 
     /// Ends a put that ran with the scratch taken out of the core (so that the put could borrow
     /// its store whole): puts the cleared scratch back, and counts the put if it succeeded.
-    pub fn end_put<T>(
+    pub(super) fn end_put<T>(
         &mut self,
         mut scratch: Scratch,
         result: Result<T, StoreError>,
@@ -360,8 +329,14 @@ impl<M: Copy + Default> Core<M> {
         result
     }
 
+    /// Counts a call's applied retains and releases.
+    pub(super) fn count_references(&mut self, s: &Scratch) {
+        self.counters.retains += s.retains.len() as u64;
+        self.counters.releases += s.releases.len() as u64;
+    }
+
     /// Frees every key (the store was closed).
-    pub fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.keys = KeyTable::with_capacity(0).expect("an empty key table's 16 buckets");
         self.scratch = Scratch::default();
         self.stored = 0;
@@ -370,12 +345,12 @@ impl<M: Copy + Default> Core<M> {
 
     /// Whether entry `idx` holds an object (not a key that is only referenced or pending).
     #[inline]
-    pub fn is_stored(&self, idx: u32) -> bool {
+    pub(super) fn is_stored(&self, idx: u32) -> bool {
         idx != NIL && !matches!(self.keys.slab[idx].slot, NO_SLOT | PENDING_SLOT)
     }
 
     /// Whether `key` is stored.
-    pub fn contains(&self, key: &str) -> bool {
+    pub(super) fn contains(&self, key: &str) -> bool {
         self.keys.lookup(key).is_some_and(|idx| self.is_stored(idx))
     }
 
@@ -383,7 +358,7 @@ impl<M: Copy + Default> Core<M> {
     /// batch (the last payload of a key wins, its first occurrence fixes its position). Entries
     /// created here are unreferenced and have no slot, so they are invisible until something
     /// gives them a count or a slot; on an error they are forgotten and nothing changed.
-    pub fn resolve_call(
+    pub(super) fn resolve_call(
         &mut self,
         s: &mut Scratch,
         objects: &[BlockRef<'_>],
@@ -443,7 +418,7 @@ impl<M: Copy + Default> Core<M> {
     /// Applies the call's retains, then its releases; keys whose count reached zero go to
     /// `s.released`, in release order. A key leaves the LRU at its first reference and joins
     /// it when its last goes, if it is stored.
-    pub fn apply_references<const UNDO: bool>(&mut self, s: &mut Scratch) {
+    pub(super) fn apply_references<const UNDO: bool>(&mut self, s: &mut Scratch) {
         for &idx in &s.retains {
             let entry = &mut self.keys.slab[idx];
             entry.refs += 1;
@@ -473,7 +448,10 @@ impl<M: Copy + Default> Core<M> {
     /// then released keys in release order, so a finishing request's tail block (released
     /// first) goes first. Released keys that are neither stored nor in the batch go to
     /// `s.orphans`; `s.released` keeps the ones in the LRU.
-    pub fn order_batch_and_released<const UNDO: bool>(&mut self, s: &mut Scratch) -> Placement {
+    pub(super) fn order_batch_and_released<const UNDO: bool>(
+        &mut self,
+        s: &mut Scratch,
+    ) -> Placement {
         let mut new_keys = 0usize;
         let mut unreferenced_in_batch = 0usize;
         for i in 0..s.batch.len() {
@@ -523,7 +501,7 @@ impl<M: Copy + Default> Core<M> {
     /// Victims without a policy: the shortest prefix of the eligible keys, oldest first, whose
     /// charges cover `need`. The walk visits those keys and no other, however many keys are
     /// referenced. Returns whether they cover it.
-    pub fn take_victims(
+    pub(super) fn take_victims(
         &mut self,
         s: &mut Scratch,
         older: usize,
@@ -567,7 +545,7 @@ impl<M: Copy + Default> Core<M> {
     /// Victims chosen by a policy, each round from a lazy walk of the eligible keys not chosen
     /// yet, for as many keys as the LRU order would still take (with unit charges, simply what
     /// is missing: no counting walk); checked to be that many distinct eligible keys.
-    pub fn ask_victims<C: Charge<M>>(
+    pub(super) fn ask_victims<C: Charge<M>>(
         &mut self,
         s: &mut Scratch,
         older: usize,
@@ -629,7 +607,7 @@ impl<M: Copy + Default> Core<M> {
     /// Replays the call's count changes to a policy, each with its old and new value: forward
     /// (the counts are final now) or, with `undone`, backward, newest first (the counts are the
     /// original ones again).
-    pub fn notify_reference_changes(
+    pub(super) fn notify_reference_changes(
         &self,
         s: &Scratch,
         policy: &mut dyn VictimPolicy,
@@ -648,7 +626,7 @@ impl<M: Copy + Default> Core<M> {
     }
 
     /// The keys of the batch's new (pending) entries, for a policy's `Rollback`.
-    pub fn pending_keys(&self, s: &Scratch) -> Vec<String> {
+    pub(super) fn pending_keys(&self, s: &Scratch) -> Vec<String> {
         let slab = &self.keys.slab;
         s.batch
             .iter()
@@ -661,7 +639,11 @@ impl<M: Copy + Default> Core<M> {
     /// move newest first and every count change; without, only the new keys (their counts
     /// stay, as vLLM keeps them). The entries the call created are left for the caller to
     /// forget (a policy may still need their keys).
-    pub fn roll_back<const UNDO: bool>(&mut self, s: &mut Scratch, referenced_before: usize) {
+    pub(super) fn roll_back<const UNDO: bool>(
+        &mut self,
+        s: &mut Scratch,
+        referenced_before: usize,
+    ) {
         s.victims.clear();
         s.victim_hashes.clear();
         if !UNDO {
@@ -702,7 +684,7 @@ impl<M: Copy + Default> Core<M> {
     /// A refused put: `roll_back::<UNDO>`, then the entries the call created forgotten. When
     /// the store refused (not when the policy failed), the refusal is counted and a policy
     /// hears of the new keys (`Rollback`) and, with `UNDO`, of each count change undone.
-    pub fn refuse<const UNDO: bool>(
+    pub(super) fn refuse<const UNDO: bool>(
         &mut self,
         s: &mut Scratch,
         referenced_before: usize,
@@ -740,7 +722,7 @@ impl<M: Copy + Default> Core<M> {
 
     /// Evicts `s.victims` (each stored, or pending in this put), handing each stored one's slot
     /// and allocator data to `free`; returns their keys when a policy wants to hear of them.
-    pub fn evict_victims(
+    pub(super) fn evict_victims(
         &mut self,
         s: &Scratch,
         keep_keys: bool,
@@ -772,7 +754,7 @@ impl<M: Copy + Default> Core<M> {
 
     /// Tells a policy of the keys a successful put evicted. The put is applied (its victims are
     /// gone, its objects written): it counts as one, and the policy's error is raised after it.
-    pub fn report_evicted(
+    pub(super) fn report_evicted(
         &mut self,
         policy: &mut dyn VictimPolicy,
         removed: &[String],
@@ -788,7 +770,7 @@ impl<M: Copy + Default> Core<M> {
     }
 
     /// After a read: moves each evictable key read (`NIL`: missing) to the LRU tail, in order.
-    pub fn touch_read(&mut self, entries: &[u32]) {
+    pub(super) fn touch_read(&mut self, entries: &[u32]) {
         for &idx in entries {
             if self.is_stored(idx) && self.keys.slab[idx].refs == 0 {
                 self.keys.slab.move_to_back(idx);
@@ -799,7 +781,7 @@ impl<M: Copy + Default> Core<M> {
     /// The entry half of `check()`: the key table, then per live entry that no put is in
     /// progress and that it is stored or referenced; `stored_entry` checks each stored one.
     /// Returns (stored, referenced) as counted.
-    pub fn check_entries(
+    pub(super) fn check_entries(
         &self,
         mut stored_entry: impl FnMut(u32, &Entry<M>) -> Result<(), String>,
     ) -> Result<(usize, usize), String> {
@@ -828,7 +810,7 @@ impl<M: Copy + Default> Core<M> {
     }
 
     /// `check()`'s closing equations: the ledger, and the counters against the contents.
-    pub fn check_counts(&self, stored: usize, referenced: usize) -> Result<(), String> {
+    pub(super) fn check_counts(&self, stored: usize, referenced: usize) -> Result<(), String> {
         self.ledger.check(self.counters.objects_written, stored)?;
         if stored != self.stored || referenced != self.referenced {
             return Err(format!(

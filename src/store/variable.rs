@@ -1,8 +1,8 @@
-//! The variable-size store (SPEC section 13): objects of any size, zero included, under one byte
+//! The variable-size store's allocator: objects of any size, zero included, under one byte
 //! budget, with reference counts and an LRU of evictable keys.
 //!
-//! It is the put engine of `core.rs` over chunk chains (`chunks.rs`), and differs from the fixed
-//! store where the contract does:
+//! Chunk chains (`chunks.rs`) under the put sequence of `mod.rs`; it differs from the fixed store
+//! where the contract does:
 //! - capacity is in bytes, counted in chunks of `chunk_nbytes` (see `chunks.rs`): an object of
 //!   `n` bytes takes `ceil(n / chunk_nbytes)` of the `max_bytes / chunk_nbytes` chunks;
 //! - a batch key that is stored is replaced by its new payload (the size may change), whether or
@@ -15,9 +15,9 @@
 //! the first prefix whose chunks cover the shortfall; since objects need not be contiguous, that
 //! prefix always makes room.
 
-use crate::arena::Prefault;
+use super::core::{BlockRef, Charge, Core, Counters, Placement, Scratch};
+use super::{Allocator, Store, StoreOptions, VariableStore};
 use crate::chunks::{ChunkArena, EMPTY_CHAIN, MAX_CHUNKS};
-use crate::core::{BlockRef, Call, Charge, Core, Counters, Scratch, VictimPolicy};
 use crate::digest::Probe;
 use crate::error::StoreError;
 use crate::keys::KeyTable;
@@ -109,7 +109,7 @@ impl ReadPlan {
 
 /// A victim frees its new payload's chunks if it is in the batch, else its own: a chunk count
 /// for each (the store's chunk size is the field).
-struct Chunks(usize);
+pub struct Chunks(usize);
 
 impl Charge<u32> for Chunks {
     const UNIT: bool = false;
@@ -123,18 +123,16 @@ impl Charge<u32> for Chunks {
     }
 }
 
-/// A bounded store of variable-size objects with reference counts and O(1) eviction of
-/// unreferenced keys.
+/// The variable-size store's chunk chains and byte accounting.
 #[derive(Debug)]
-pub struct VariableStore {
+pub struct ChunkChains {
     chunks: Option<ChunkArena>,
     chunk_nbytes: usize,
     capacity_chunks: usize,
-    /// Keys, counts and the LRU (the core shared with the fixed store); each entry carries its
-    /// payload's length.
-    core: Core<u32>,
     stored_bytes: u64,
     used_chunks: usize,
+    /// Chunks in use once the put in progress replaces what it replaces.
+    used_after: usize,
     /// Changes whenever a put may have changed entries or chains, so a read planned under one
     /// lock can be copied under the next only if nothing changed in between.
     version: u64,
@@ -143,32 +141,23 @@ pub struct VariableStore {
 impl VariableStore {
     /// A store of `max_bytes` with the default chunk size.
     pub fn new(max_bytes: usize) -> Result<Self, StoreError> {
-        Self::with_options(max_bytes, None, false)
+        Self::with_options(max_bytes, StoreOptions::default())
     }
 
-    /// A store of `max_bytes` counted in chunks of `chunk_nbytes` (default:
-    /// `default_chunk_nbytes`); with `prefault` the arena is committed now.
-    pub fn with_options(
-        max_bytes: usize,
-        chunk_nbytes: Option<usize>,
-        prefault: bool,
-    ) -> Result<Self, StoreError> {
-        let prefault = if prefault { Prefault::Now } else { Prefault::OnWrite };
-        Self::with_commit(max_bytes, chunk_nbytes, prefault)
-    }
-
-    /// As `with_options`, with the arena's pages committed as `prefault` says.
-    pub fn with_commit(
-        max_bytes: usize,
-        chunk_nbytes: Option<usize>,
-        prefault: Prefault,
-    ) -> Result<Self, StoreError> {
+    /// A store of `max_bytes` built as `options` say (`profile` is the fixed store's and must
+    /// keep its default).
+    pub fn with_options(max_bytes: usize, options: StoreOptions) -> Result<Self, StoreError> {
+        if options.profile != super::Profile::default() {
+            return Err(StoreError::InvalidArgument(
+                "profile applies to the fixed-size store only".to_owned(),
+            ));
+        }
         if max_bytes == 0 {
             return Err(StoreError::InvalidArgument(
                 "auxiliary output store max_bytes must be positive".to_owned(),
             ));
         }
-        let chunk_nbytes = chunk_nbytes.unwrap_or_else(|| default_chunk_nbytes(max_bytes));
+        let chunk_nbytes = options.chunk_nbytes.unwrap_or_else(|| default_chunk_nbytes(max_bytes));
         if chunk_nbytes == 0 {
             return Err(StoreError::InvalidArgument(
                 "auxiliary output store chunk size must be positive".to_owned(),
@@ -193,180 +182,35 @@ impl VariableStore {
                 object_nbytes: chunk_nbytes as u64,
             });
         }
-        let chunks = ChunkArena::with_commit(arena_chunks, chunk_nbytes, prefault)?;
+        let chunks = ChunkArena::with_commit(arena_chunks, chunk_nbytes, options.prefault)?;
         // Sized for about one key per eight chunks (3 KB objects); the index grows if needed.
         let reserve = (capacity_chunks / 8).clamp(16, 1 << 20);
-        Ok(Self {
+        let chains = ChunkChains {
             chunks: Some(chunks),
             chunk_nbytes,
             capacity_chunks,
-            core: Core::new(Keys::with_capacity(reserve)?),
             stored_bytes: 0,
             used_chunks: 0,
+            used_after: 0,
             version: 0,
-        })
+        };
+        Ok(Store::from_parts(Core::new(Keys::with_capacity(reserve)?), chains))
     }
 
     /// Bytes per chunk.
     pub fn chunk_nbytes(&self) -> usize {
-        self.chunk_nbytes
+        self.alloc.chunk_nbytes
     }
 
     /// Bytes the store holds at most: whole chunks of `max_bytes`.
     pub fn capacity_bytes(&self) -> usize {
-        self.capacity_chunks * self.chunk_nbytes
-    }
-
-    /// Whether `close` was called.
-    pub fn is_closed(&self) -> bool {
-        self.chunks.is_none()
-    }
-
-    /// Frees the arena and every key; later calls fail with `Closed`. Idempotent.
-    pub fn close(&mut self) {
-        if self.chunks.take().is_some() {
-            self.core.clear();
-            self.stored_bytes = 0;
-            self.used_chunks = 0;
-            self.version += 1;
-        }
-    }
-
-    #[inline]
-    fn chunks_for(&self, nbytes: usize) -> usize {
-        nbytes.div_ceil(self.chunk_nbytes)
-    }
-
-    crate::core::put_entry_points!(
-        (),
-        "Stores a batch and applies reference changes, evicting as needed (SPEC section 13). \
-         Bad input (a release below zero) and a batch that cannot be held change nothing."
-    );
-
-    /// `put`'s check before anything changes; a put may change entries and chains, so a read
-    /// planned before it must be planned again.
-    fn admit(&mut self, _: &[BlockRef<'_>]) -> Result<(), StoreError> {
-        if self.chunks.is_none() {
-            return Err(StoreError::Closed);
-        }
-        self.version += 1;
-        Ok(())
-    }
-
-    fn put_inner(
-        &mut self,
-        s: &mut Scratch,
-        (objects, retain_keys, release_keys): Call<'_>,
-        mut policy: Option<&mut dyn VictimPolicy>,
-    ) -> Result<(), StoreError> {
-        self.core.resolve_call(s, objects, retain_keys, release_keys)?;
-        let refused = StoreError::CannotRetainBytes { limit: self.capacity_bytes() };
-        if s.batch.iter().any(|&(_, position)| objects[position].payload.len() > MAX_OBJECT_NBYTES)
-        {
-            self.core.keys.forget_orphans(&s.created);
-            self.core.counters.capacity_errors += 1;
-            return Err(refused);
-        }
-        let chunk_nbytes = self.chunk_nbytes;
-        s.charges
-            .extend(s.batch.iter().map(|&(_, p)| objects[p].payload.len().div_ceil(chunk_nbytes)));
-        // Chunks in use once the batch replaces what it replaces.
-        let core = &mut self.core;
-        let replaced: usize = s
-            .batch
-            .iter()
-            .filter(|&&(idx, _)| core.is_stored(idx))
-            .map(|&(idx, _)| (core.keys.slab[idx].meta as usize).div_ceil(chunk_nbytes))
-            .sum();
-        let used_after = self.used_chunks - replaced + s.charges.iter().sum::<usize>();
-
-        let referenced_before = core.referenced;
-        core.apply_references::<true>(s);
-        if let Some(policy) = policy.as_deref_mut() {
-            if let Err(error) = core.notify_reference_changes(s, policy, false) {
-                core.roll_back::<true>(s, referenced_before);
-                core.keys.forget_orphans(&s.created);
-                return Err(error);
-            }
-        }
-        let older = core.order_batch_and_released::<true>(s).older;
-        let need = used_after.saturating_sub(self.capacity_chunks);
-        if need > 0 {
-            let charge = Chunks(chunk_nbytes);
-            let chosen = match policy.as_deref_mut() {
-                None => match core.take_victims(s, older, need, &charge) {
-                    true => Ok(()),
-                    false => Err(refused.clone()),
-                },
-                Some(policy) => core.ask_victims(s, older, need, policy, &charge, &refused),
-            };
-            if let Err(error) = chosen {
-                return Err(self.core.refuse::<true>(s, referenced_before, error, policy));
-            }
-        }
-        let removed = self.commit(s, objects, policy.is_some());
-        self.core.counters.retains += s.retains.len() as u64;
-        self.core.counters.releases += s.releases.len() as u64;
-        match policy {
-            Some(policy) => self.core.report_evicted(policy, &removed),
-            None => Ok(()),
-        }
-    }
-
-    /// Applies a put that fits: evicts the victims, frees the chains of replaced keys, then
-    /// writes every batch key that was not evicted. Returns the victims' keys when a policy
-    /// wants to hear of them.
-    fn commit(&mut self, s: &Scratch, objects: &[BlockRef<'_>], keep_keys: bool) -> Vec<String> {
-        let chunks = self.chunks.as_mut().expect("checked open");
-        let (stored_bytes, used_chunks) = (&mut self.stored_bytes, &mut self.used_chunks);
-        let chunk_nbytes = self.chunk_nbytes;
-        let core = &mut self.core;
-        let removed = core.evict_victims(s, keep_keys, |slot, nbytes| {
-            chunks.free(slot, nbytes as usize);
-            *stored_bytes -= u64::from(nbytes);
-            *used_chunks -= (nbytes as usize).div_ceil(chunk_nbytes);
-        });
-        // Free every replaced chain before writing any, so the writes always find their room.
-        for &(idx, _) in &s.batch {
-            if !core.keys.slab.is_live(idx) {
-                continue; // evicted above
-            }
-            let entry = &mut core.keys.slab[idx];
-            if entry.slot != PENDING_SLOT {
-                let nbytes = entry.meta as usize;
-                chunks.free(entry.slot, nbytes);
-                entry.slot = PENDING_SLOT;
-                core.stored -= 1;
-                self.stored_bytes -= nbytes as u64;
-                self.used_chunks -= nbytes.div_ceil(self.chunk_nbytes);
-                core.ledger.replaced += 1;
-            }
-        }
-        for (&(idx, position), &charge) in s.batch.iter().zip(&s.charges) {
-            if !core.keys.slab.is_live(idx) {
-                continue;
-            }
-            let payload = objects[position].payload;
-            let entry = &mut core.keys.slab[idx];
-            entry.slot = chunks.store(payload);
-            entry.meta = payload.len() as u32;
-            core.stored += 1;
-            self.stored_bytes += payload.len() as u64;
-            self.used_chunks += charge;
-            core.counters.objects_written += 1;
-            core.counters.bytes_written += payload.len() as u64;
-        }
-        chunks.flush_writes();
-        debug_assert!(self.used_chunks <= self.capacity_chunks);
-        core.keys.forget_orphans(&s.orphans);
-        core.keys.forget_orphans(&s.created);
-        removed
+        self.alloc.capacity_bytes()
     }
 
     /// Resolves `keys` for a read, without touching the LRU: where each stored key's bytes go
     /// in the output, and which keys are missing.
     pub fn plan_read(&mut self, keys: &[&str], plan: &mut ReadPlan) -> Result<(), StoreError> {
-        if self.chunks.is_none() {
+        if self.alloc.chunks.is_none() {
             return Err(StoreError::Closed);
         }
         plan.entries.clear();
@@ -385,17 +229,17 @@ impl VariableStore {
             }
             plan.offsets.push(total);
         }
-        plan.version = self.version;
+        plan.version = self.alloc.version;
         Ok(())
     }
 
     /// Copies a planned read into `out` (`plan.total()` bytes) and moves each evictable key read
     /// to the LRU tail, in order. Returns `false`, copying nothing, if a put ran since the plan.
     pub fn read_planned(&mut self, plan: &ReadPlan, out: &mut [u8]) -> Result<bool, StoreError> {
-        let Some(chunks) = self.chunks.as_ref() else {
+        let Some(chunks) = self.alloc.chunks.as_ref() else {
             return Err(StoreError::Closed);
         };
-        if plan.version != self.version {
+        if plan.version != self.alloc.version {
             return Ok(false);
         }
         assert_eq!(out.len(), plan.total(), "output size");
@@ -418,8 +262,8 @@ impl VariableStore {
         let first = plan.missing.first().copied().expect("a key is missing");
         StoreError::MissingObject {
             key: keys[first].to_owned(),
-            used: self.stored_bytes as usize,
-            limit: self.capacity_bytes(),
+            used: self.alloc.stored_bytes as usize,
+            limit: self.alloc.capacity_bytes(),
         }
     }
 
@@ -448,32 +292,14 @@ impl VariableStore {
         Ok((out, plan))
     }
 
-    /// Whether each key is stored; touches no LRU position.
-    pub fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
-        if self.chunks.is_none() {
-            return Err(StoreError::Closed);
-        }
-        Ok(keys.iter().map(|key| self.contains(key)).collect())
-    }
-
-    /// Whether `key` is stored.
-    pub fn contains(&self, key: &str) -> bool {
-        self.core.contains(key)
-    }
-
-    /// The reference count of `key` (0 when unknown).
-    pub fn reference_count(&self, key: &str) -> u32 {
-        self.core.keys.reference_count(key)
-    }
-
     /// Occupancy and counters.
     pub fn stats(&self) -> VariableStats {
         VariableStats {
-            capacity_bytes: self.capacity_bytes(),
-            chunk_nbytes: self.chunk_nbytes,
+            capacity_bytes: self.alloc.capacity_bytes(),
+            chunk_nbytes: self.alloc.chunk_nbytes,
             stored: self.core.stored,
-            stored_bytes: self.stored_bytes,
-            used_bytes: self.used_chunks * self.chunk_nbytes,
+            stored_bytes: self.alloc.stored_bytes,
+            used_bytes: self.alloc.used_chunks * self.alloc.chunk_nbytes,
             referenced: self.core.referenced,
             evictable: self.core.keys.slab.lru_len(),
             counters: self.core.counters,
@@ -482,13 +308,13 @@ impl VariableStore {
 
     /// Bytes of the arena (0 when closed): the budget in whole chunks plus 1/16 of slack.
     pub fn arena_bytes(&self) -> usize {
-        self.chunks.as_ref().map_or(0, ChunkArena::arena_bytes)
+        self.alloc.chunks.as_ref().map_or(0, ChunkArena::arena_bytes)
     }
 
     /// Mean number of runs of adjacent chunks per stored object (1.0: every object contiguous).
     /// O(stored chunks); for figures and tests.
     pub fn mean_runs(&self) -> f64 {
-        let Some(chunks) = self.chunks.as_ref() else { return 0.0 };
+        let Some(chunks) = self.alloc.chunks.as_ref() else { return 0.0 };
         let slab = &self.core.keys.slab;
         let (mut objects, mut runs) = (0usize, 0usize);
         for idx in slab.live_indices().filter(|&idx| self.core.is_stored(idx)) {
@@ -501,50 +327,94 @@ impl VariableStore {
             runs as f64 / objects as f64
         }
     }
+}
 
-    /// Evictable keys, oldest first. For tests and debugging: O(n).
-    pub fn lru_keys(&self) -> Vec<Cow<'_, str>> {
-        self.core.keys.lru_keys()
+impl ChunkChains {
+    fn capacity_bytes(&self) -> usize {
+        self.capacity_chunks * self.chunk_nbytes
     }
 
-    /// Every key with a reference count above zero, with its count, in no particular order.
-    pub fn references(&self) -> Vec<(Cow<'_, str>, u32)> {
-        self.core.keys.references()
+    #[inline]
+    fn chunks_for(&self, nbytes: usize) -> usize {
+        nbytes.div_ceil(self.chunk_nbytes)
+    }
+}
+
+impl Allocator for ChunkChains {
+    type Meta = u32;
+    type Report = ();
+    type Charge = Chunks;
+    const UNDO: bool = true;
+
+    fn is_open(&self) -> bool {
+        self.chunks.is_some()
     }
 
-    /// Every stored key with a copy of its bytes, in no particular order. Touches no LRU
-    /// position.
-    pub fn objects(&self) -> Vec<(Cow<'_, str>, Vec<u8>)> {
-        let Some(chunks) = self.chunks.as_ref() else {
-            return Vec::new();
-        };
-        let slab = &self.core.keys.slab;
-        slab.live_indices()
-            .filter(|&idx| self.core.is_stored(idx))
-            .map(|idx| {
-                let entry = &slab[idx];
-                let mut bytes = vec![0; entry.meta as usize];
-                chunks.read(entry.slot, &mut bytes);
-                (slab.key(idx), bytes)
-            })
-            .collect()
+    fn close(&mut self) -> bool {
+        self.version += 1;
+        self.stored_bytes = 0;
+        self.used_chunks = 0;
+        self.chunks.take().is_some()
     }
 
-    /// Checks every invariant: the key table's and the LRU's (SPEC section 11), each stored
-    /// object's chain, and the allocator's (no overlap; free space accounted for exactly). The
-    /// error names the broken one.
-    pub fn check(&self) -> Result<(), String> {
-        let Some(chunks) = self.chunks.as_ref() else {
-            return Ok(());
-        };
+    fn admit(&mut self, _: &[BlockRef<'_>]) -> Result<(), StoreError> {
+        if self.chunks.is_none() {
+            return Err(StoreError::Closed);
+        }
+        // A put may change entries and chains: a read planned before it must be planned again.
+        self.version += 1;
+        Ok(())
+    }
+
+    fn charge_batch(
+        &mut self,
+        core: &Core<u32>,
+        s: &mut Scratch,
+        objects: &[BlockRef<'_>],
+    ) -> Result<(), StoreError> {
+        if s.batch.iter().any(|&(_, position)| objects[position].payload.len() > MAX_OBJECT_NBYTES)
+        {
+            return Err(self.refusal());
+        }
+        let chunk_nbytes = self.chunk_nbytes;
+        s.charges
+            .extend(s.batch.iter().map(|&(_, p)| objects[p].payload.len().div_ceil(chunk_nbytes)));
+        let replaced: usize = s
+            .batch
+            .iter()
+            .filter(|&&(idx, _)| core.is_stored(idx))
+            .map(|&(idx, _)| (core.keys.slab[idx].meta as usize).div_ceil(chunk_nbytes))
+            .sum();
+        self.used_after = self.used_chunks - replaced + s.charges.iter().sum::<usize>();
+        Ok(())
+    }
+
+    fn need(&self, _: &Core<u32>, _: &Placement) -> usize {
+        self.used_after.saturating_sub(self.capacity_chunks)
+    }
+
+    fn charges(&self) -> Chunks {
+        Chunks(self.chunk_nbytes)
+    }
+
+    fn refusal(&self) -> StoreError {
+        StoreError::CannotRetainBytes { limit: self.capacity_bytes() }
+    }
+
+    fn make_room(&mut self, _: &mut Core<u32>, _: &Placement, _: usize) -> Result<(), StoreError> {
+        Err(self.refusal())
+    }
+
+    fn check(&self, core: &Core<u32>) -> Result<(), String> {
+        let chunks = self.chunks.as_ref().expect("checked open");
         let (mut stored_bytes, mut used) = (0u64, 0usize);
         let mut objects = Vec::new();
-        let (stored, referenced) = self.core.check_entries(|idx, entry| {
+        let (stored, referenced) = core.check_entries(|idx, entry| {
             let nbytes = entry.meta as usize;
             if (nbytes == 0) != (entry.slot == EMPTY_CHAIN) {
                 return Err(format!(
                     "every stored key has its chain: {:?} ({nbytes} bytes) has chunk {}",
-                    self.core.keys.slab.key(idx),
+                    core.keys.slab.key(idx),
                     entry.slot
                 ));
             }
@@ -554,7 +424,7 @@ impl VariableStore {
             Ok(())
         })?;
         chunks.validate(objects.into_iter())?;
-        self.core.check_counts(stored, referenced)?;
+        core.check_counts(stored, referenced)?;
         if stored_bytes != self.stored_bytes || used != self.used_chunks {
             return Err(format!(
                 "counters match contents: bytes {stored_bytes} vs {}, chunks {used} vs {}",
@@ -570,6 +440,59 @@ impl VariableStore {
             ));
         }
         Ok(())
+    }
+
+    fn grown_to((): &()) -> Option<usize> {
+        None
+    }
+
+    fn object<'a>(&'a self, entry: &Entry<u32>) -> Cow<'a, [u8]> {
+        let mut bytes = vec![0; entry.meta as usize];
+        self.chunks.as_ref().expect("checked open").read(entry.slot, &mut bytes);
+        Cow::Owned(bytes)
+    }
+
+    fn free(&mut self, slot: u32, nbytes: u32) {
+        self.chunks.as_mut().expect("checked open").free(slot, nbytes as usize);
+        self.stored_bytes -= u64::from(nbytes);
+        self.used_chunks -= self.chunks_for(nbytes as usize);
+    }
+
+    /// Frees the chains of replaced keys, then writes every batch key that was not evicted.
+    fn write_batch(&mut self, core: &mut Core<u32>, s: &Scratch, objects: &[BlockRef<'_>]) {
+        let chunks = self.chunks.as_mut().expect("checked open");
+        // Free every replaced chain before writing any, so the writes always find their room.
+        for &(idx, _) in &s.batch {
+            if !core.keys.slab.is_live(idx) {
+                continue; // evicted
+            }
+            let entry = &mut core.keys.slab[idx];
+            if entry.slot != PENDING_SLOT {
+                let nbytes = entry.meta as usize;
+                chunks.free(entry.slot, nbytes);
+                entry.slot = PENDING_SLOT;
+                core.stored -= 1;
+                self.stored_bytes -= nbytes as u64;
+                self.used_chunks -= nbytes.div_ceil(self.chunk_nbytes);
+                core.ledger.replaced += 1;
+            }
+        }
+        for (&(idx, position), &charge) in s.batch.iter().zip(&s.charges) {
+            if !core.keys.slab.is_live(idx) {
+                continue;
+            }
+            let payload = objects[position].payload;
+            let entry = &mut core.keys.slab[idx];
+            entry.slot = chunks.store(payload);
+            entry.meta = payload.len() as u32;
+            core.stored += 1;
+            self.stored_bytes += payload.len() as u64;
+            self.used_chunks += charge;
+            core.counters.objects_written += 1;
+            core.counters.bytes_written += payload.len() as u64;
+        }
+        chunks.flush_writes();
+        debug_assert!(self.used_chunks <= self.capacity_chunks);
     }
 }
 
@@ -593,7 +516,8 @@ mod tests {
 
     #[test]
     fn replace_changes_size_and_eviction_frees_bytes() {
-        let mut store = VariableStore::with_options(10, Some(1), false).unwrap();
+        let mut store =
+            VariableStore::with_options(10, StoreOptions::default().chunk_nbytes(1)).unwrap();
         store.put(&[obj("a", b"aaaa"), obj("b", b"bb")], &[], &[]).unwrap();
         store.put(&[obj("a", b"A")], &["a"], &[]).unwrap();
         assert_eq!(store.get_concatenated(&["a", "b"]).unwrap(), b"Abb");
@@ -607,7 +531,8 @@ mod tests {
 
     #[test]
     fn refused_put_changes_nothing() {
-        let mut store = VariableStore::with_options(4, Some(1), false).unwrap();
+        let mut store =
+            VariableStore::with_options(4, StoreOptions::default().chunk_nbytes(1)).unwrap();
         store.put(&[obj("first", b"1111")], &["first"], &[]).unwrap();
         let before = (store.lru_keys().len(), store.references().len());
         let err = store.put(&[obj("second", b"2222")], &["second", "first"], &[]).unwrap_err();
@@ -624,7 +549,8 @@ mod tests {
 
     #[test]
     fn retain_at_the_count_limit_fails_and_changes_nothing() {
-        let mut store = VariableStore::with_options(64, Some(1), false).unwrap();
+        let mut store =
+            VariableStore::with_options(64, StoreOptions::default().chunk_nbytes(1)).unwrap();
         store.put(&[obj("k", b"a")], &["k"], &[]).unwrap();
         let idx = store.core.keys.lookup("k").unwrap();
         store.core.keys.slab[idx].refs = u32::MAX;
@@ -648,7 +574,8 @@ mod tests {
 
     #[test]
     fn reads_report_missing_keys_and_offsets() {
-        let mut store = VariableStore::with_options(100, Some(4), false).unwrap();
+        let mut store =
+            VariableStore::with_options(100, StoreOptions::default().chunk_nbytes(4)).unwrap();
         store.put(&[obj("a", b"xyz"), obj("e", b"")], &[], &[]).unwrap();
         let (bytes, plan) = store.get_many(&["a", "zz", "e", "a"]).unwrap();
         assert_eq!(bytes, b"xyzxyz");
@@ -661,7 +588,8 @@ mod tests {
 
     #[test]
     fn check_catches_a_stored_key_lost_outside_eviction() {
-        let mut store = VariableStore::with_options(100, Some(4), false).unwrap();
+        let mut store =
+            VariableStore::with_options(100, StoreOptions::default().chunk_nbytes(4)).unwrap();
         store.put(&[obj("a", b"xyz"), obj("b", b"12345")], &[], &[]).unwrap();
         store.put(&[obj("a", b"replaced")], &[], &[]).unwrap();
         store.check().unwrap();
@@ -670,12 +598,12 @@ mod tests {
         let idx = store.core.keys.lookup("b").unwrap();
         let (slot, nbytes) =
             (store.core.keys.slab[idx].slot, store.core.keys.slab[idx].meta as usize);
-        store.chunks.as_mut().unwrap().free(slot, nbytes);
+        store.alloc.chunks.as_mut().unwrap().free(slot, nbytes);
         store.core.keys.slab.unlink(idx);
         store.core.keys.slab[idx].slot = NO_SLOT;
         store.core.stored -= 1;
-        store.stored_bytes -= nbytes as u64;
-        store.used_chunks -= nbytes.div_ceil(store.chunk_nbytes);
+        store.alloc.stored_bytes -= nbytes as u64;
+        store.alloc.used_chunks -= nbytes.div_ceil(store.alloc.chunk_nbytes);
         store.core.keys.forget(idx);
         let message = store.check().unwrap_err();
         assert!(message.contains("not evicted or replaced is stored"), "{message}");
