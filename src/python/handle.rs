@@ -8,15 +8,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyAssertionError;
 use pyo3::gc::PyVisit;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::PyTraverseError;
 
 use super::gather::Gathered;
 use super::lock::{Held, StoreLock};
-use super::{
-    as_texts, collect_keys, fork_generation, forked_error, log_growth, to_py_err, PyPolicy,
-};
+use super::{as_texts, collect_keys, fork_generation, forked_error, to_py_err, PyPolicy};
 use crate::error::StoreError;
 use crate::store::{Allocator, Counters, Store, VictimPolicy};
 
@@ -345,3 +344,15 @@ macro_rules! store_methods {
 }
 
 pub(crate) use store_methods;
+
+/// The growth warning of profile `grow`, through `aostore._log.store_grew` (which also reaches
+/// vLLM's store logger when the plugin asks). Logging must never lose a batch or skip a close,
+/// so a failure here is reported as unraisable, never raised.
+pub(crate) fn log_growth(py: Python<'_>, num_slots: usize) {
+    let logged = py
+        .import(intern!(py, "aostore._log"))
+        .and_then(|log| log.call_method1(intern!(py, "store_grew"), (num_slots,)));
+    if let Err(error) = logged {
+        error.write_unraisable(py, None);
+    }
+}
