@@ -1,15 +1,7 @@
-//! The one put engine under both stores: keys, reference counts, the LRU of evictable keys, the
-//! victim policy, batch validation, dedup and ordering, victim choice, rollback, and the entry
-//! half of `check()`.
-//!
-//! `Store<A>` (in `mod.rs`) runs these phases in order over an allocator (fixed slots in
-//! `fixed.rs`, chunk chains in `variable.rs`); where the contracts differ, a phase takes a
-//! parameter rather than being copied: what a victim frees (`charge`), and what a refused put
-//! undoes (`UNDO`). The fixed
-//! store keeps a refused put's count changes and LRU moves, as vLLM does, and passes
-//! `UNDO = false`, so its hot path records nothing; the variable store undoes everything and
-//! passes `UNDO = true`, logging each LRU move to replay it backwards. Both are monomorphized:
-//! no `dyn` call and no allocation per object.
+//! The one put engine under both stores: keys, counts, the LRU, the victim policy, batch dedup
+//! and ordering, victim choice, rollback and the entry half of `check()`. Where the contracts
+//! differ a phase takes a parameter: what a victim frees (`Charge`) and what a refused put undoes
+//! (`UNDO`: false for the fixed store, which keeps vLLM's count changes and so logs nothing).
 
 use std::borrow::Cow;
 
@@ -56,7 +48,7 @@ pub struct Counters {
     pub bytes_written: u64,
     /// Payload bytes copied out of the arena.
     pub bytes_read: u64,
-    /// LRU entries visited while choosing victims (the seed's "no rescan" property).
+    /// LRU entries visited while choosing victims (bounded: docs/semantics.md, "Eviction").
     pub eviction_visits: u64,
 }
 
@@ -69,20 +61,13 @@ pub enum RemoveReason {
     Rollback,
 }
 
-/// vLLM's `ExpertCachePolicy` contract, the one policy trait of both stores. An `Err` fails the
-/// put with that message; the store stays consistent.
-///
-/// The fixed store asks `select_victims` once for the number of keys it must evict. The
-/// variable store, whose budget is bytes, asks for the number of keys the LRU order would take
-/// to cover what is still missing, and asks again while the keys chosen free too little; a put
-/// it refuses changes nothing, and the policy then hears each reference change undone (old and
-/// new swapped), newest first.
+/// vLLM's `ExpertCachePolicy` contract, the one policy trait of both stores; an `Err` fails the
+/// put with its message and leaves the store consistent (docs/semantics.md, "Victim policy").
 pub trait VictimPolicy {
     /// After each applied retain (+1) or release (-1), in call order.
     fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String>;
-    /// Exactly `count` distinct keys from `candidates` (eligible keys, oldest first, none
-    /// chosen yet), or `None` to refuse the put. Only on the policy's path: a call per
-    /// candidate through `dyn` costs nothing next to the policy's own code.
+    /// Exactly `count` distinct keys from `candidates` (eligible, oldest first), or `None` to
+    /// refuse the put; a `dyn` call per candidate is cheap next to the policy's own code.
     fn select_victims(
         &mut self,
         candidates: &mut dyn Iterator<Item = Cow<'_, str>>,
@@ -92,11 +77,9 @@ pub trait VictimPolicy {
     fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String>;
 }
 
-// `Entry::mark` during a put: a batch key's position in `Scratch::batch` (with `RELEASED` when
-// this call released it, which makes it a possible victim), or `CHOSEN | i` for the victim at
-// `Scratch::victims[i]`. `KeyTable::dedupe_batch` gives every other key of the call
-// `NOT_IN_BATCH`, all bits set. Marks of keys outside the call are stale, so every reading
-// confirms the position it names.
+// `Entry::mark` during a put: a batch key's position in `Scratch::batch` (`| RELEASED` if this
+// call released it, making it a possible victim) or `CHOSEN | i` for `Scratch::victims[i]`. Marks
+// of keys outside the call are stale, so every reading confirms the position it names.
 const RELEASED: u32 = 1 << 31;
 const CHOSEN: u32 = 1 << 30;
 const POSITION: u32 = CHOSEN - 1;
@@ -110,13 +93,10 @@ pub(super) enum Undo {
     Pushed { idx: u32 },
 }
 
-/// Scratch vectors reused by every call, so a put allocates only for new keys too long to be held
-/// in their entry.
+/// Vectors reused by every call, so a put allocates only for keys too long for their entry.
 #[derive(Debug, Default)]
 pub struct Scratch {
-    /// The keys being resolved, prepared for the key table.
     pub(super) probes: Vec<Probe>,
-    /// Entries of the keys being resolved (a batch's keys, a read's keys), in call order.
     pub(super) entries: Vec<u32>,
     /// Unique batch keys in first-occurrence order: (entry, index of the last payload).
     pub(super) batch: Vec<(u32, usize)>,
@@ -128,24 +108,18 @@ pub struct Scratch {
     pub(super) released: Vec<u32>,
     /// Released keys that are neither stored nor in the batch: forgotten by the store.
     pub(super) orphans: Vec<u32>,
-    /// Entries created by this call.
     pub(super) created: Vec<u32>,
     /// (entry, what its eviction frees).
     pub(super) victims: Vec<(u32, usize)>,
-    /// The index hashes of the first victims, as `take_victims` computed them to prefetch their
-    /// buckets, so that evicting them does not decode and hash their keys again.
+    /// Index hashes of the first victims, kept from `take_victims`'s prefetch to avoid rehashing.
     pub(super) victim_hashes: Vec<u32>,
-    /// Profile `grow`: batch keys stored and unreferenced when the call started, whose bytes
-    /// are replaced in place once the put is sure to succeed.
+    /// Profile `grow`: batch keys stored and unreferenced at the start, replaced once it is safe.
     pub(super) replaced: Vec<(u32, usize)>,
     undo: Vec<Undo>,
 }
 
 impl Scratch {
-    /// Room for a put of `objects` objects, `retains` retains and `releases` releases, taken
-    /// before the put changes anything, so that a refusal of memory refuses the put whole.
-    /// Victims past the batch's count (the variable store's, for a large object) still grow
-    /// their vector as they come.
+    /// Room for a put's scratch, taken first so a refusal of memory refuses the put whole.
     fn reserve(
         &mut self,
         objects: usize,
@@ -195,8 +169,7 @@ impl Scratch {
 pub trait Charge<M> {
     /// Every key frees one unit (one slot), so the count of victims is the need itself.
     const UNIT: bool;
-    /// What evicting `entry` frees: its new payload's charge if it is the batch key at
-    /// `position` (pending, or about to be replaced), else its stored object's.
+    /// What evicting `entry` frees: its new payload's charge at batch `position`, else its own.
     fn charge(&self, s: &Scratch, position: Option<usize>, entry: &Entry<M>) -> usize;
 }
 
@@ -228,9 +201,7 @@ fn is_chosen<M: Copy + Default>(slab: &Slab<M>, victims: &[(u32, usize)], idx: u
         && victims.get((mark & POSITION) as usize).is_some_and(|&(i, _)| i == idx)
 }
 
-/// A lazy walk of the keys a put may evict, oldest first: the LRU's older keys, then the keys
-/// this put released; the batch's own keys are skipped without being visited, and so are keys
-/// already chosen.
+/// A lazy walk of the keys a put may evict, oldest first, skipping batch keys and chosen ones.
 struct Walk<'a, M: Copy + Default> {
     slab: &'a Slab<M>,
     cursor: u32,
@@ -283,8 +254,7 @@ impl Keyed for BlockRef<'_> {
     }
 }
 
-/// Whether the objects' keys are `keys`, in the same order. Comparing a key's bytes costs a
-/// fraction of resolving it again (its digest decoded, its hash, its bucket and its entry).
+/// Whether the objects' keys are `keys`, in order: comparing bytes is cheaper than resolving.
 fn same_keys(objects: &[BlockRef<'_>], keys: &[&str]) -> bool {
     objects.len() == keys.len() && objects.iter().zip(keys).all(|(o, k)| o.key == *k)
 }
@@ -297,7 +267,6 @@ pub struct Core<M> {
     pub(super) stored: usize,
     pub(super) referenced: usize,
     pub(super) counters: Counters,
-    /// For `check()`: see `Ledger`.
     pub(super) ledger: Ledger,
     pub(super) scratch: Scratch,
 }
@@ -314,8 +283,7 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
-    /// Ends a put that ran with the scratch taken out of the core (so that the put could borrow
-    /// its store whole): puts the cleared scratch back, and counts the put if it succeeded.
+    /// Puts back the scratch a put borrowed out of the core, and counts the put if it succeeded.
     pub(super) fn end_put<T>(
         &mut self,
         mut scratch: Scratch,
@@ -329,7 +297,6 @@ impl<M: Copy + Default> Core<M> {
         result
     }
 
-    /// Counts a call's applied retains and releases.
     pub(super) fn count_references(&mut self, s: &Scratch) {
         self.counters.retains += s.retains.len() as u64;
         self.counters.releases += s.releases.len() as u64;
@@ -349,15 +316,11 @@ impl<M: Copy + Default> Core<M> {
         idx != NIL && !matches!(self.keys.slab[idx].slot, NO_SLOT | PENDING_SLOT)
     }
 
-    /// Whether `key` is stored.
     pub(super) fn contains(&self, key: &str) -> bool {
         self.keys.lookup(key).is_some_and(|idx| self.is_stored(idx))
     }
 
-    /// Resolves a call's keys to entries once, checks its reference changes, and dedupes its
-    /// batch (the last payload of a key wins, its first occurrence fixes its position). Entries
-    /// created here are unreferenced and have no slot, so they are invisible until something
-    /// gives them a count or a slot; on an error they are forgotten and nothing changed.
+    /// Resolves a call's keys once, checks its reference changes and dedupes its batch.
     pub(super) fn resolve_call(
         &mut self,
         s: &mut Scratch,
@@ -369,8 +332,7 @@ impl<M: Copy + Default> Core<M> {
         self.keys.reserve(objects.len() + retain_keys.len() + release_keys.len())?;
         self.keys.resolve(retain_keys, &mut s.probes, &mut s.retains, Some(&mut s.created));
         self.keys.resolve(release_keys, &mut s.probes, &mut s.releases, Some(&mut s.created));
-        // A key whose last reference goes joins the LRU, which writes its links (apart from its
-        // entry): start those misses now, under the rest of the call's resolving.
+        // A key whose last reference goes joins the LRU: start the misses on its links now.
         for &idx in &s.releases {
             self.keys.slab.prefetch_links(idx);
         }
@@ -415,9 +377,7 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
-    /// Applies the call's retains, then its releases; keys whose count reached zero go to
-    /// `s.released`, in release order. A key leaves the LRU at its first reference and joins
-    /// it when its last goes, if it is stored.
+    /// Applies retains, then releases; keys whose count reached zero go to `s.released`.
     pub(super) fn apply_references<const UNDO: bool>(&mut self, s: &mut Scratch) {
         for &idx in &s.retains {
             let entry = &mut self.keys.slab[idx];
@@ -444,10 +404,8 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
-    /// Moves unreferenced batch keys to the LRU tail in batch order (new ones enter as pending),
-    /// then released keys in release order, so a finishing request's tail block (released
-    /// first) goes first. Released keys that are neither stored nor in the batch go to
-    /// `s.orphans`; `s.released` keeps the ones in the LRU.
+    /// Moves unreferenced batch keys to the LRU tail in batch order, then released keys in release
+    /// order (a finishing request's tail block goes first); unstored ones go to `s.orphans`.
     pub(super) fn order_batch_and_released<const UNDO: bool>(
         &mut self,
         s: &mut Scratch,
@@ -498,9 +456,7 @@ impl<M: Copy + Default> Core<M> {
         charge.charge(s, batch_position(&self.keys.slab, &s.batch, idx), &self.keys.slab[idx])
     }
 
-    /// Victims without a policy: the shortest prefix of the eligible keys, oldest first, whose
-    /// charges cover `need`. The walk visits those keys and no other, however many keys are
-    /// referenced. Returns whether they cover it.
+    /// Victims without a policy: the shortest oldest-first prefix of eligible keys covering `need`.
     pub(super) fn take_victims(
         &mut self,
         s: &mut Scratch,
@@ -529,8 +485,7 @@ impl<M: Copy + Default> Core<M> {
             freed += cost;
         }
         self.counters.eviction_visits += s.victims.len() as u64;
-        // The walk read only the dense links; fetch the victims' entries all at once, then
-        // (their hashes come from their keys) their index buckets.
+        // The walk read only the dense links: prefetch the victims' entries, then their buckets.
         for &(victim, _) in &s.victims {
             self.keys.slab.prefetch(victim);
         }
@@ -542,9 +497,7 @@ impl<M: Copy + Default> Core<M> {
         freed >= need
     }
 
-    /// Victims chosen by a policy, each round from a lazy walk of the eligible keys not chosen
-    /// yet, for as many keys as the LRU order would still take (with unit charges, simply what
-    /// is missing: no counting walk); checked to be that many distinct eligible keys.
+    /// Victims from a policy, asked each round for what the LRU order would still take; checked.
     pub(super) fn ask_victims<C: Charge<M>>(
         &mut self,
         s: &mut Scratch,
@@ -604,9 +557,7 @@ impl<M: Copy + Default> Core<M> {
         Ok(())
     }
 
-    /// Replays the call's count changes to a policy, each with its old and new value: forward
-    /// (the counts are final now) or, with `undone`, backward, newest first (the counts are the
-    /// original ones again).
+    /// Replays the call's count changes to a policy, forward or (`undone`) newest first.
     pub(super) fn notify_reference_changes(
         &self,
         s: &Scratch,
@@ -635,10 +586,8 @@ impl<M: Copy + Default> Core<M> {
             .collect()
     }
 
-    /// Undoes what a refused put did to the LRU and the batch's slots: with `UNDO`, every LRU
-    /// move newest first and every count change; without, only the new keys (their counts
-    /// stay, as vLLM keeps them). The entries the call created are left for the caller to
-    /// forget (a policy may still need their keys).
+    /// Undoes a refused put: with `UNDO` every LRU move and count change, without only the new keys
+    /// (counts stay, as vLLM keeps them). Created entries are left to the caller.
     pub(super) fn roll_back<const UNDO: bool>(
         &mut self,
         s: &mut Scratch,
@@ -681,9 +630,7 @@ impl<M: Copy + Default> Core<M> {
         self.referenced = referenced_before;
     }
 
-    /// A refused put: `roll_back::<UNDO>`, then the entries the call created forgotten. When
-    /// the store refused (not when the policy failed), the refusal is counted and a policy
-    /// hears of the new keys (`Rollback`) and, with `UNDO`, of each count change undone.
+    /// A refused put: rolled back, counted and told to the policy, created entries forgotten.
     pub(super) fn refuse<const UNDO: bool>(
         &mut self,
         s: &mut Scratch,
@@ -720,8 +667,7 @@ impl<M: Copy + Default> Core<M> {
         error
     }
 
-    /// Evicts `s.victims` (each stored, or pending in this put), handing each stored one's slot
-    /// and allocator data to `free`; returns their keys when a policy wants to hear of them.
+    /// Evicts `s.victims`, handing each stored one's slot and data to `free`; returns their keys.
     pub(super) fn evict_victims(
         &mut self,
         s: &Scratch,
@@ -752,8 +698,7 @@ impl<M: Copy + Default> Core<M> {
         removed
     }
 
-    /// Tells a policy of the keys a successful put evicted. The put is applied (its victims are
-    /// gone, its objects written): it counts as one, and the policy's error is raised after it.
+    /// Tells a policy of the evicted keys; the put is applied, so it counts if the policy fails.
     pub(super) fn report_evicted(
         &mut self,
         policy: &mut dyn VictimPolicy,
@@ -778,9 +723,7 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
-    /// The entry half of `check()`: the key table, then per live entry that no put is in
-    /// progress and that it is stored or referenced; `stored_entry` checks each stored one.
-    /// Returns (stored, referenced) as counted.
+    /// The entry half of `check()`, `stored_entry` per stored entry; returns (stored, referenced).
     pub(super) fn check_entries(
         &self,
         mut stored_entry: impl FnMut(u32, &Entry<M>) -> Result<(), String>,

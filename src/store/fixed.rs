@@ -1,6 +1,5 @@
-//! The fixed store's allocator: one arena of fixed-size slots (a free list, then fresh ones),
-//! profile `grow` with its in-place replacement, and a read under one lock that prefetches every
-//! key's slot before copying.
+//! The fixed store's allocator: fixed-size slots in one arena, profile `grow` with in-place
+//! replacement, and a one-lock read that prefetches every slot before copying.
 
 use super::core::{BlockRef, Charge, Core, Counters, Placement, Scratch};
 use super::{Allocator, BlockStore, Profile, Store, StoreOptions};
@@ -43,9 +42,9 @@ pub struct FixedSlots {
     object_nbytes: usize,
     num_slots: usize,
     profile: Profile,
-    /// Slots released by eviction, reused before fresh ones so touched pages are reused.
+    /// Slots freed by eviction, reused before fresh ones so touched pages are reused.
     free_slots: Vec<u32>,
-    /// Slots below this were handed out at least once; above it the arena is untouched.
+    /// Slots below this were handed out; above it the arena is untouched.
     next_slot: u32,
 }
 
@@ -64,21 +63,15 @@ impl Charge<()> for OneSlot {
 /// Largest slot count: slot indices are `u32` and two values are reserved markers.
 pub const MAX_SLOTS: usize = (PENDING_SLOT - 1) as usize;
 
-/// Keys the slab holds before it reallocates: twice the slots. A full store needs entries for
-/// a put's new keys before its victims free theirs, and for keys referenced before they are
-/// stored (the engine retains a block's key before its data exists); a reallocation would copy
-/// every entry inside one put (13 ms at 167k slots, 104 ms at 1M). The reservation is address
-/// space only: pages are committed as entries are first used, so it costs no memory until the
-/// keys exist.
+/// Keys the slab reserves: twice the slots, for a put's new keys before its victims go and for
+/// keys referenced before stored; a reallocation inside a put would copy every entry (cost in
+/// docs/performance.md). Address space only: pages commit as entries are first used.
 fn slab_reserve(num_slots: usize) -> usize {
     num_slots.saturating_mul(2).saturating_add(1024).min(MAX_SLOTS)
 }
 
-/// Keys the index holds before it rehashes: 1.875 times the slots, so that a full store uses 40%
-/// of its buckets (2.5 a slot, 20 bytes), where linear probes stay short (at 64% a W2 put costs
-/// 25% more), with room for a put's new keys and for keys referenced before they are stored.
-/// The buckets are written at construction, so this is real memory. Capped at 8M keys (85 MiB
-/// of buckets); a store past that rehashes once.
+/// Keys the index holds before it rehashes: 1.875 times the slots, so a full store uses 40% of
+/// its buckets, where probes stay short (docs/performance.md). Real memory, capped at 8M keys.
 fn index_reserve(num_slots: usize) -> usize {
     (num_slots + num_slots * 7 / 8 + 1024).min(8 << 20)
 }
@@ -89,8 +82,7 @@ impl BlockStore {
         Self::with_options(max_bytes, object_nbytes, StoreOptions::default())
     }
 
-    /// A store built as `options` say (`chunk_nbytes` is the variable store's and must be
-    /// unset).
+    /// A store built as `options` say (`chunk_nbytes` must be unset).
     pub fn with_options(
         max_bytes: usize,
         object_nbytes: usize,
@@ -117,7 +109,7 @@ impl BlockStore {
         let arena = Arena::with_commit(num_slots, object_nbytes, options.prefault)?;
         let mut keys = KeyTable::with_reserve(index_reserve(num_slots), slab_reserve(num_slots))?;
         if options.prefault != Prefault::OnWrite {
-            // Committed now, or the first puts first-touch the entries: a fault every 32 keys.
+            // Committed now, or the first puts fault on the entries every 32 keys.
             keys.slab.commit(num_slots.saturating_add(1024));
         }
         let slots = FixedSlots {
@@ -146,9 +138,8 @@ impl BlockStore {
         self.alloc.num_slots
     }
 
-    /// Copies the payloads of `keys`, in order, into `out` (`keys.len() * object_nbytes` bytes),
-    /// then moves each evictable key to the LRU tail. A missing key fails with `Missing` and
-    /// changes nothing.
+    /// Copies the payloads of `keys`, in order, into `out`, then moves each evictable key to the
+    /// LRU tail; a missing key fails with `Missing` and changes nothing.
     pub fn get_into(&mut self, keys: &[&str], out: &mut [u8]) -> Result<(), StoreError> {
         if self.alloc.arena.is_none() {
             return Err(StoreError::Closed);
@@ -185,10 +176,8 @@ impl BlockStore {
         Ok(())
     }
 
-    /// Starts the cache misses a read of `entries` will take after `resolve`: each stored key's
-    /// slot, and for an evictable one the LRU links its move to the tail rewrites. Cold keys (a
-    /// finished request's) miss at each; started together, the misses overlap instead of coming
-    /// one after the other (the interleaving of a hash join).
+    /// Starts the misses a read of `entries` will take (each slot, and for an evictable key the LRU
+    /// links its move rewrites) together, so they overlap as in a hash join.
     fn prefetch_for_read(&self, entries: &[u32]) {
         let (Some(arena), slab) = (self.alloc.arena.as_ref(), &self.core.keys.slab) else { return };
         let stored = |idx: u32| self.core.is_stored(idx);
@@ -205,11 +194,8 @@ impl BlockStore {
         }
     }
 
-    /// Reads that do not fail on a missing key: copies the payloads of the stored keys among
-    /// `keys`, in order, to the front of `out` (`keys.len() * object_nbytes` bytes), appends the
-    /// positions of the keys that are not stored to `missing`, and returns the bytes written.
-    /// Each key read that is evictable moves to the LRU tail, as a successful read does;
-    /// missing keys touch nothing.
+    /// Copies the stored keys' payloads, in order, to the front of `out`, appends the positions of
+    /// the others to `missing` and returns the bytes written; only the keys read move in the LRU.
     pub fn get_many_into(
         &mut self,
         keys: &[&str],
@@ -297,7 +283,6 @@ impl Allocator for FixedSlots {
                 actual: bad.payload.len(),
             });
         }
-        // Evictions free at most one slot per new key of the batch.
         self.free_slots.try_reserve(objects.len()).map_err(|_| StoreError::OutOfMemory {
             what: "free slot list",
             bytes: objects.len() * std::mem::size_of::<u32>(),
@@ -311,9 +296,8 @@ impl Allocator for FixedSlots {
         _: &[BlockRef<'_>],
     ) -> Result<(), StoreError> {
         if self.profile == Profile::Grow {
-            // vLLM 0.33 replaces a re-put object that nothing references. The old bytes stay in
-            // their slot until the put cannot fail any more (`write_batch`), so a refused put
-            // leaves them readable; counting the key as stored gives vLLM's need and LRU order.
+            // vLLM 0.33 replaces a re-put unreferenced object; its bytes stay until it cannot fail
+            // (`write_batch`), and counting it as stored gives vLLM's need and LRU order.
             for &(idx, position) in &s.batch {
                 if core.keys.slab[idx].is_evictable() {
                     s.replaced.push((idx, position));
@@ -345,8 +329,7 @@ impl Allocator for FixedSlots {
         if self.profile != Profile::Grow {
             return Err(self.refusal());
         }
-        // As vLLM 0.33: every eligible key goes, and the arena holds what is left, at least
-        // doubled.
+        // As vLLM 0.33: every eligible key goes, and the arena holds the rest, at least doubled.
         let num_slots = (core.stored + placed.new_keys - eligible).max(self.num_slots * 2);
         self.grow_arena(num_slots)?;
         core.counters.growths += 1;
@@ -408,8 +391,7 @@ impl Allocator for FixedSlots {
         self.free_slots.push(slot);
     }
 
-    /// Writes the batch's new keys into free slots and, profile `grow`, the replaced keys'
-    /// new bytes into their own slots (those that were not evicted by this call).
+    /// Writes the new keys into free slots and, profile `grow`, replaced keys' bytes in place.
     fn write_batch(&mut self, core: &mut Core<()>, s: &Scratch, objects: &[BlockRef<'_>]) {
         let arena = self.arena.as_mut().expect("checked open");
         for &(idx, position) in &s.batch {
@@ -432,7 +414,7 @@ impl Allocator for FixedSlots {
             core.counters.bytes_written += self.object_nbytes as u64;
         }
         for &(idx, position) in &s.replaced {
-            // A replaced key this call released may have been evicted; its entry is gone then.
+            // A replaced key this call released may have been evicted.
             if core.keys.slab.is_live(idx) && core.keys.slab[idx].has_slot() {
                 arena.write_slot(core.keys.slab[idx].slot, objects[position].payload);
                 core.ledger.replaced += 1;
@@ -467,8 +449,7 @@ mod tests {
         BlockRef { key, payload }
     }
 
-    /// Puts `key` retained once, then sets its count to `count` directly (2^32 real retains
-    /// would take minutes).
+    /// Puts `key` retained once, then sets its count directly (2^32 retains would take minutes).
     fn store_with_count(key: &str, count: u32) -> BlockStore {
         let mut store = BlockStore::new(4, 1).unwrap();
         store.put(&[block(key, b"a")], &[key], &[]).unwrap();
@@ -507,9 +488,8 @@ mod tests {
 
     #[test]
     fn a_put_that_retains_its_own_keys_in_order_acts_as_in_another_order() {
-        // The core reuses the retains' entries for the objects when the retains are the
-        // objects' keys in order; retained in another order, the objects are resolved again.
-        // Both must end alike, duplicates in the batch, refusals and evictions included.
+        // Retains that are the objects' keys in order reuse their entries; in another order the
+        // objects are resolved again. Both must end alike.
         let calls: [&[(&str, u8)]; 5] = [
             &[("a", 1), ("b", 2), ("a", 3)],
             &[("c", 4), ("d", 5)],
@@ -554,8 +534,7 @@ mod tests {
         let mut store = BlockStore::new(4, 1).unwrap();
         store.put(&[block("a", b"1"), block("b", b"2")], &[], &[]).unwrap();
         store.check().unwrap();
-        // What the old `grow` rollback did: drop a stored key's slot and forget the entry, with
-        // every structural count kept consistent.
+        // A rollback that drops a stored key's slot and forgets it, structural counts kept.
         let idx = store.core.keys.lookup("a").unwrap();
         let slot = store.core.keys.slab[idx].slot;
         store.core.keys.slab.unlink(idx);

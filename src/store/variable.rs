@@ -1,19 +1,7 @@
-//! The variable-size store's allocator: objects of any size, zero included, under one byte
-//! budget, with reference counts and an LRU of evictable keys.
-//!
-//! Chunk chains (`chunks.rs`) under the put sequence of `mod.rs`; it differs from the fixed store
-//! where the contract does:
-//! - capacity is in bytes, counted in chunks of `chunk_nbytes` (see `chunks.rs`): an object of
-//!   `n` bytes takes `ceil(n / chunk_nbytes)` of the `max_bytes / chunk_nbytes` chunks;
-//! - a batch key that is stored is replaced by its new payload (the size may change), whether or
-//!   not it is referenced;
-//! - a put that cannot be held changes nothing at all: its count changes and LRU moves are
-//!   undone (from a log of the moves, newest first) along with everything else.
-//!
-//! Eviction walks the LRU from the front, past the victims only: the keys running requests hold
-//! are not in it, and the batch's own keys sit in one block that the walk jumps over. It stops at
-//! the first prefix whose chunks cover the shortfall; since objects need not be contiguous, that
-//! prefix always makes room.
+//! The variable-size store's allocator: chunk chains (`chunks.rs`) under one byte budget. Where
+//! it differs from the fixed store (capacity in chunks, replacement of any stored key, a refused
+//! put undone whole) is in docs/semantics.md; eviction walks past the victims only, and since
+//! objects need not be contiguous, the first prefix whose chunks cover the shortfall makes room.
 
 use super::core::{BlockRef, Charge, Core, Counters, Placement, Scratch};
 use super::{Allocator, Store, StoreOptions, VariableStore};
@@ -24,31 +12,24 @@ use crate::keys::KeyTable;
 use crate::slab::{Entry, NIL, PENDING_SLOT};
 use std::borrow::Cow;
 
-/// Entries carry the payload length (`u32`). vLLM's logprob keys
-/// (`vllm-logprobs/v1/{generation}/{fingerprint}/{block hash}/{token}`, 110-130 bytes) are held
-/// as a digest and a tail, so an entry is one cache line as the fixed store's.
+/// Entries carry the payload length; vLLM's logprob keys are held as digest and tail, so an
+/// entry is one cache line as in the fixed store.
 type Keys = KeyTable<u32>;
 
-/// The chunk size of a store of 1 MiB or more: the unused tail of an object's last chunk
-/// averages 128 bytes, about 4% of a 3 KB logprob block.
+/// The chunk size of a store of 1 MiB or more (tail waste: docs/performance.md).
 pub const DEFAULT_CHUNK_NBYTES: usize = 256;
 
-/// Smaller stores use smaller chunks so that they still have this many (small test stores count
-/// exact bytes).
+/// Smaller stores use smaller chunks so they still have this many.
 const MIN_DEFAULT_CHUNKS: usize = 4096;
 
-/// The arena has this fraction more chunks than the budget (1/16): room the allocator uses to
-/// keep objects in one piece. At 100% the free space is only what the last eviction freed, and
-/// under churn with reads objects split into more and more pieces (3.7 per object after 12,000
-/// W2-shaped batches); with 1/32 or more they stay whole (1.00 after 30,000). The budget, and so
-/// every eviction, is unchanged.
+/// Extra arena chunks beyond the budget (1/16), room that keeps objects in one piece under
+/// churn (docs/performance.md); the budget, and so every eviction, is unchanged.
 pub const SLACK_DIVISOR: usize = 16;
 
 /// The largest payload: lengths are kept in 32 bits. A larger one can never be held.
 pub const MAX_OBJECT_NBYTES: usize = u32::MAX as usize;
 
-/// The chunk size a store of `max_bytes` gets by default: `DEFAULT_CHUNK_NBYTES`, halved until
-/// the store has at least 4,096 chunks (down to 1 byte, i.e. exact byte accounting).
+/// The default chunk size for `max_bytes`: halved until the store has 4,096 chunks (down to 1).
 pub fn default_chunk_nbytes(max_bytes: usize) -> usize {
     let mut chunk = DEFAULT_CHUNK_NBYTES;
     while chunk > 1 && max_bytes / chunk < MIN_DEFAULT_CHUNKS {
@@ -78,8 +59,7 @@ pub struct VariableStats {
     pub counters: Counters,
 }
 
-/// A read resolved under the lock: where each key's bytes go in the output. Filled by
-/// `plan_read`; `read_planned` copies it while the store is unchanged.
+/// A read resolved under the lock (`plan_read`), copied by `read_planned` if nothing changed.
 #[derive(Debug, Default)]
 pub struct ReadPlan {
     probes: Vec<Probe>,
@@ -95,8 +75,7 @@ impl ReadPlan {
         self.offsets.last().copied().unwrap_or(0)
     }
 
-    /// `keys.len() + 1` offsets: key `i`'s bytes are `offsets[i]..offsets[i + 1]` of the output,
-    /// an empty range for a missing key.
+    /// `keys.len() + 1` offsets: key `i` is `offsets[i]..offsets[i + 1]` (empty if missing).
     pub fn offsets(&self) -> &[usize] {
         &self.offsets
     }
@@ -107,8 +86,7 @@ impl ReadPlan {
     }
 }
 
-/// A victim frees its new payload's chunks if it is in the batch, else its own: a chunk count
-/// for each (the store's chunk size is the field).
+/// A victim frees its new payload's chunks if in the batch, else its own (field: chunk size).
 pub struct Chunks(usize);
 
 impl Charge<u32> for Chunks {
@@ -133,8 +111,7 @@ pub struct ChunkChains {
     used_chunks: usize,
     /// Chunks in use once the put in progress replaces what it replaces.
     used_after: usize,
-    /// Changes whenever a put may have changed entries or chains, so a read planned under one
-    /// lock can be copied under the next only if nothing changed in between.
+    /// Bumped by every put that may change entries or chains, so a stale read plan is detected.
     version: u64,
 }
 
@@ -144,8 +121,7 @@ impl VariableStore {
         Self::with_options(max_bytes, StoreOptions::default())
     }
 
-    /// A store of `max_bytes` built as `options` say (`profile` is the fixed store's and must
-    /// keep its default).
+    /// A store of `max_bytes` built as `options` say (`profile` must keep its default).
     pub fn with_options(max_bytes: usize, options: StoreOptions) -> Result<Self, StoreError> {
         if options.profile != super::Profile::default() {
             return Err(StoreError::InvalidArgument(
@@ -183,7 +159,7 @@ impl VariableStore {
             });
         }
         let chunks = ChunkArena::with_commit(arena_chunks, chunk_nbytes, options.prefault)?;
-        // Sized for about one key per eight chunks (3 KB objects); the index grows if needed.
+        // About one key per eight chunks (3 KB objects); the index grows if needed.
         let reserve = (capacity_chunks / 8).clamp(16, 1 << 20);
         let chains = ChunkChains {
             chunks: Some(chunks),
@@ -207,8 +183,7 @@ impl VariableStore {
         self.alloc.capacity_bytes()
     }
 
-    /// Resolves `keys` for a read, without touching the LRU: where each stored key's bytes go
-    /// in the output, and which keys are missing.
+    /// Resolves `keys` for a read without touching the LRU: where each key's bytes go, which miss.
     pub fn plan_read(&mut self, keys: &[&str], plan: &mut ReadPlan) -> Result<(), StoreError> {
         if self.alloc.chunks.is_none() {
             return Err(StoreError::Closed);
@@ -233,8 +208,8 @@ impl VariableStore {
         Ok(())
     }
 
-    /// Copies a planned read into `out` (`plan.total()` bytes) and moves each evictable key read
-    /// to the LRU tail, in order. Returns `false`, copying nothing, if a put ran since the plan.
+    /// Copies a planned read into `out` and moves evictable keys to the LRU tail; `false`, copying
+    /// nothing, if a put ran since the plan.
     pub fn read_planned(&mut self, plan: &ReadPlan, out: &mut [u8]) -> Result<bool, StoreError> {
         let Some(chunks) = self.alloc.chunks.as_ref() else {
             return Err(StoreError::Closed);
@@ -267,9 +242,7 @@ impl VariableStore {
         }
     }
 
-    /// The payloads of `keys`, concatenated, and where each one starts; a key that is not
-    /// stored fails with `MissingObject` and changes nothing. Reads move evictable keys to the
-    /// LRU tail.
+    /// The payloads of `keys`, concatenated; a missing key fails with `MissingObject`, no change.
     pub fn get_concatenated(&mut self, keys: &[&str]) -> Result<Vec<u8>, StoreError> {
         let mut plan = ReadPlan::default();
         self.plan_read(keys, &mut plan)?;
@@ -281,9 +254,7 @@ impl VariableStore {
         Ok(out)
     }
 
-    /// The payloads of the stored keys among `keys`, concatenated in order, and the plan that
-    /// says where each key's bytes are (`offsets`) and which keys are missing (`missing`).
-    /// Missing keys touch nothing.
+    /// The stored keys' payloads, concatenated in order, and the plan (`offsets`, `missing`).
     pub fn get_many(&mut self, keys: &[&str]) -> Result<(Vec<u8>, ReadPlan), StoreError> {
         let mut plan = ReadPlan::default();
         self.plan_read(keys, &mut plan)?;
@@ -311,8 +282,7 @@ impl VariableStore {
         self.alloc.chunks.as_ref().map_or(0, ChunkArena::arena_bytes)
     }
 
-    /// Mean number of runs of adjacent chunks per stored object (1.0: every object contiguous).
-    /// O(stored chunks); for figures and tests.
+    /// Mean runs of adjacent chunks per stored object (1.0: all contiguous); O(stored chunks).
     pub fn mean_runs(&self) -> f64 {
         let Some(chunks) = self.alloc.chunks.as_ref() else { return 0.0 };
         let slab = &self.core.keys.slab;
@@ -361,7 +331,6 @@ impl Allocator for ChunkChains {
         if self.chunks.is_none() {
             return Err(StoreError::Closed);
         }
-        // A put may change entries and chains: a read planned before it must be planned again.
         self.version += 1;
         Ok(())
     }
@@ -593,8 +562,7 @@ mod tests {
         store.put(&[obj("a", b"xyz"), obj("b", b"12345")], &[], &[]).unwrap();
         store.put(&[obj("a", b"replaced")], &[], &[]).unwrap();
         store.check().unwrap();
-        // Drop a stored key's chain and forget it, every structural count kept consistent:
-        // only the ledger can tell.
+        // Drop a stored key's chain and forget it: only the ledger can tell.
         let idx = store.core.keys.lookup("b").unwrap();
         let (slot, nbytes) =
             (store.core.keys.slab[idx].slot, store.core.keys.slab[idx].meta as usize);
