@@ -102,8 +102,7 @@ impl Arena {
         }
     }
 
-    /// Commits the pages from a thread with `MADV_POPULATE_WRITE`, which never changes a byte, so
-    /// puts may write meanwhile; before 5.14 it stops at once (writing pages would race with puts).
+    /// Commits the pages from a thread with `MADV_POPULATE_WRITE`, which puts may race safely.
     fn populate_in_background(&mut self) {
         self.advise_huge_pages();
         let stop = Arc::new(AtomicBool::new(false));
@@ -116,8 +115,7 @@ impl Arena {
                 let mut offset = 0;
                 while offset < len && !flag.load(Ordering::Acquire) {
                     let n = CHUNK.min(len - offset);
-                    // SAFETY: in the mapping, which stays mapped until this thread is joined
-                    // (`stop_populating` runs before munmap/mremap; a forked child has no thread).
+                    // SAFETY: mapped until this thread is joined (before munmap/mremap).
                     let rc = unsafe {
                         libc::madvise((base + offset) as *mut libc::c_void, n, MADV_POPULATE_WRITE)
                     };
@@ -219,9 +217,8 @@ impl Arena {
         }
     }
 
-    /// Copies `payload` into a slot with streaming stores when large: a slot is written once and
-    /// read much later, so loading its old lines only costs bandwidth. Call `flush_writes` before
-    /// another thread reads it.
+    /// Copies `payload` into a slot, streaming when large: it is read much later, so loading its
+    /// old lines only costs bandwidth. Call `flush_writes` before another thread reads it.
     #[inline]
     pub fn write_slot(&mut self, slot: u32, payload: &[u8]) {
         let dst = self.slot_mut(slot);
@@ -258,8 +255,7 @@ impl Arena {
         dst.copy_from_slice(payload);
     }
 
-    /// As `write_span`, streaming the last partial cache line whole, zero-padded (the rest of the
-    /// chunk is the writer's): a part-written streamed line costs a read-modify-write.
+    /// As `write_span`, streaming the last partial line whole, zero-padded (no read-modify-write).
     #[inline]
     pub fn write_span_padded(&mut self, first: u32, payload: &[u8]) {
         let start = first as usize * self.object_nbytes;
@@ -347,8 +343,7 @@ fn stream_copy(dst: &mut [u8], src: &[u8]) {
     }
 }
 
-/// Copies `src` to `dst` (same length): plain copies outside the `LANE`-aligned middle of `dst`,
-/// `stream(d, s)` for each aligned lane `d` and its source bytes `s`.
+/// Copies `src` to `dst`: plain copies outside `dst`'s `LANE`-aligned middle, `stream` within.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn copy_by_lanes<const LANE: usize>(dst: &mut [u8], src: &[u8], stream: impl Fn(&mut [u8], &[u8])) {
@@ -405,8 +400,7 @@ fn map_anonymous(len: usize) -> Result<NonNull<u8>, StoreError> {
 /// `madvise` advice that faults pages in for writing (Linux 5.14; older kernels refuse it).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
-/// Commits the pages under `[start, start + len)` without changing a byte, for memory the caller
-/// owns but has not written (a `Vec`'s capacity). Returns whether the kernel did it.
+/// Commits the pages under `[start, start + len)` without changing a byte; whether it could.
 pub(crate) fn commit_pages(start: *const u8, len: usize) -> bool {
     if len == 0 {
         return true;
@@ -418,8 +412,7 @@ pub(crate) fn commit_pages(start: *const u8, len: usize) -> bool {
     unsafe { libc::madvise(first as *mut libc::c_void, end - first, MADV_POPULATE_WRITE) == 0 }
 }
 
-/// Asks for huge pages under `[start, start + len)`, memory read at random (the key table),
-/// where 4 KiB pages add a TLB miss to each cache miss. Advice only.
+/// Asks for huge pages under `[start, start + len)`: random reads there miss the TLB otherwise.
 pub(crate) fn advise_huge_pages(start: *const u8, len: usize) {
     const HUGE: usize = 2 << 20;
     let first = (start as usize).next_multiple_of(HUGE);
