@@ -1,8 +1,7 @@
 //! Model-based test of both stores: random operation sequences run against `BlockStore` and
-//! `VariableStore` and against naive models written straight from the SPEC (section 2 for the
-//! fixed store, section 13 for the variable one: Vec LRUs, HashMaps, a snapshot to roll back
-//! to), with `check()` after every step and the full contents compared. One runner, one set of
-//! operation generators and one `Subject` trait serve both stores and both models.
+//! `VariableStore` and against naive models written from docs/semantics.md (Vec LRUs,
+//! HashMaps, a snapshot to roll back to), with `check()` after every step and the full contents
+//! compared. One runner, one set of operation generators and one `Subject` trait serve both.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -362,8 +361,8 @@ impl<R: Rule> Subject for Model<R> {
     }
 }
 
-/// SPEC section 2: fixed slots; a refused put keeps its reference changes and LRU moves, as
-/// vLLM does; `grow` is vLLM 0.33's profile.
+/// The fixed store (docs/semantics.md): a refused put keeps its reference changes and LRU
+/// moves, as vLLM does; `grow` is vLLM 0.33's profile.
 #[derive(Debug, Clone, Default)]
 struct Fixed {
     num_slots: usize,
@@ -432,7 +431,7 @@ impl Rule for Fixed {
     }
 }
 
-/// SPEC section 13: objects of any size charged in whole chunks; a refused put changes nothing.
+/// The variable store (docs/semantics.md): whole chunks are charged; a refusal changes nothing.
 #[derive(Debug, Clone, Default)]
 struct Variable {
     capacity_chunks: usize,
@@ -692,8 +691,8 @@ impl Evicting for VariableStore {
     }
 }
 
-/// The seed's property: with 9,000 of 10,000 keys referenced, each evicting put of 64 fresh
-/// `nbytes`-byte objects visits only about its victims (`visits_ok` says how near).
+/// The eviction bound (docs/semantics.md, "Eviction"): with 9,000 of 10,000 keys referenced, an
+/// evicting put of 64 fresh `nbytes`-byte objects visits only about its victims (`visits_ok`).
 fn evicting_put_visits_only_victims(
     store: &mut impl Evicting,
     nbytes: usize,
