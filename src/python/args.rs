@@ -33,8 +33,7 @@ pub(crate) fn holds_objects(buffer: &PyUntypedBuffer) -> bool {
     format_holds_objects(buffer.format().to_bytes())
 }
 
-/// Whether a `struct`-module format string (PEP 3118) has an `O` item. Field names, written
-/// between colons (`T{B:Open:}` for numpy's `[('Open', 'u1')]`), are not items.
+/// Whether a PEP 3118 format has an `O` item (field names between colons are not items).
 pub(crate) fn format_holds_objects(format: &[u8]) -> bool {
     let mut in_name = false;
     for &c in format {
@@ -47,9 +46,8 @@ pub(crate) fn format_holds_objects(format: &[u8]) -> bool {
     false
 }
 
-/// A capacity hint from `len()`. A list's or tuple's (exactly those types) is its item count, so
-/// a call of thousands of keys (W3's first puts) reserves once instead of growing by copies;
-/// anything else's is capped: a lying `__len__` must not allocate (or overflow).
+/// A capacity hint from `len()`: exact for a list or tuple, so a call of thousands of keys
+/// reserves once; capped for anything else, whose `__len__` may lie.
 pub(crate) fn size_hint(value: &Bound<'_, PyAny>) -> usize {
     let len = value.len().unwrap_or(0);
     if value.is_exact_instance_of::<PyList>() || value.is_exact_instance_of::<PyTuple>() {
@@ -59,8 +57,7 @@ pub(crate) fn size_hint(value: &Bound<'_, PyAny>) -> usize {
     }
 }
 
-/// Room for `additional` more items, or `MemoryError`: a call too large for the memory left is
-/// refused before it changes anything, not an abort of the process.
+/// Room for `additional` more items, or `MemoryError` before anything changes (never an abort).
 pub(crate) fn reserve<T>(v: &mut Vec<T>, additional: usize) -> PyResult<()> {
     v.try_reserve(additional).map_err(|_| {
         PyMemoryError::new_err(format!("cannot allocate room for a call of {additional} items"))
@@ -86,8 +83,7 @@ pub(crate) fn as_texts<'a>(keys: &'a [Bound<'_, PyAny>]) -> PyResult<Vec<&'a str
     Ok(texts)
 }
 
-/// `prefault=` as both constructors take it: omitted means `False`, and anything but `True`,
-/// `False` or `"background"` (`None` included) is a `ValueError`, checked here once.
+/// `prefault=` as both constructors take it, checked once (omitted: `False`).
 pub(crate) struct PrefaultArg(pub(crate) Prefault);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for PrefaultArg {
@@ -98,8 +94,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for PrefaultArg {
     }
 }
 
-/// `prefault=`: `False` (pages committed on first write), `True` (all now), or `"background"`
-/// (all, by a thread, without making the constructor wait).
+/// `prefault=`: `False` (on first write), `True` (all now), or `"background"` (by a thread).
 pub(crate) fn prefault_arg(value: &Bound<'_, PyAny>) -> PyResult<Prefault> {
     if let Ok(flag) = value.cast::<pyo3::types::PyBool>() {
         return Ok(if flag.is_true() { Prefault::Now } else { Prefault::OnWrite });
@@ -133,8 +128,7 @@ pub(crate) fn too_large(value: i128) -> PyErr {
 pub(crate) fn new_uninit_bytes(py: Python<'_>, len: usize) -> PyResult<Bound<'_, PyBytes>> {
     let len =
         ffi::Py_ssize_t::try_from(len).map_err(|_| PyOverflowError::new_err("read too large"))?;
-    // SAFETY: a NULL source asks CPython for an uninitialised bytes object of `len` bytes, which
-    // the caller fills completely before anyone else sees it.
+    // SAFETY: a NULL source gives an uninitialised bytes object, filled whole before it is shared.
     let raw = unsafe { ffi::PyBytes_FromStringAndSize(std::ptr::null(), len) };
     // SAFETY: `raw` is a new reference or NULL with an exception set.
     let any = unsafe { Bound::from_owned_ptr_or_err(py, raw)? };

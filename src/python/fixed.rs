@@ -69,9 +69,8 @@ handle::store_methods!(NativeStore {
         self.handle.with_store(py, |s| s.num_slots())
     }
 
-    /// Stores `blocks[i]` under `keys[i]` from one C-contiguous buffer of
-    /// `len(keys) * object_nbytes` bytes, with `put`'s semantics: one copy per block, straight
-    /// into its slot.
+    /// Stores `blocks[i]` under `keys[i]` from one C-contiguous buffer of `len(keys) *
+    /// object_nbytes` bytes, with `put`'s semantics, one copy per block straight into its slot.
     #[pyo3(signature = (keys, blocks, *, retain_keys = None, release_keys = None))]
     fn put_blocks(
         &self,
@@ -124,8 +123,7 @@ handle::store_methods!(NativeStore {
         }
         let ptr = buffer.buf_ptr() as usize;
         self.handle.with_store(py, |s| {
-            // SAFETY: the buffer is writable, C-contiguous, `len` bytes long and stays exported
-            // (so in place) until `buffer` drops after this call.
+            // SAFETY: writable, C-contiguous, `len` bytes, exported until `buffer` drops.
             let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
             s.get_into(&texts, out)
         })?
@@ -150,10 +148,8 @@ handle::store_methods!(NativeStore {
     }
 
 
-    /// Reads what is stored and reports what is not, in one call: `(data, missing)`, where
-    /// `data` holds the payloads of the stored keys in order (`object_nbytes` each) and
-    /// `missing` the keys that are not stored, once per occurrence, in order. Keys read move to
-    /// the LRU tail as a successful read does; missing ones touch nothing.
+    /// Reads what is stored and reports what is not: `(data, missing)`, the stored keys' payloads
+    /// in order and the missing keys in order. Only keys read move in the LRU.
     fn get_many<'py>(
         &self,
         py: Python<'py>,
@@ -172,9 +168,8 @@ handle::store_methods!(NativeStore {
         let (written, missing) = self
             .handle
             .with_store(py, |s| {
-                // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else
-                // can see yet, held for the duration of the call; for `len == 0` CPython returns
-                // its shared empty bytes object, and the empty slice writes nothing.
+                // SAFETY: for `len > 0` a new object of `len` bytes no one else sees, held for the
+                // call; for `len == 0` CPython's shared empty bytes, and nothing is written.
                 let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
                 let mut missing = Vec::new();
                 s.get_many_into(&texts, out, &mut missing).map(|written| (written, missing))
@@ -213,9 +208,8 @@ impl NativeStore {
         let ptr = bytes_ptr(&bytes) as usize;
         self.handle
             .with_store(py, |s| {
-                // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else can
-                // see yet, held for the duration of the call; for `len == 0` it may be the shared
-                // empty bytes object, and nothing is written.
+                // SAFETY: for `len > 0` a new object of `len` bytes no one else sees, held for the
+                // call; for `len == 0` CPython's shared empty bytes, and nothing is written.
                 let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
                 s.get_into(texts, out)
             })?

@@ -30,10 +30,8 @@ pub(crate) fn forked_error() -> PyErr {
     )
 }
 
-/// The module's state is process-wide (its classes, the fork generation, the exit hook that
-/// stops writer threads from scheduling calls), and `Py_AddPendingCall` always reaches the
-/// main interpreter: loaded in a subinterpreter, ending that interpreter would stop payload
-/// release for the whole process. So it loads in the main interpreter (id 0) only.
+/// Loads only in the main interpreter: the module's state is process-wide and
+/// `Py_AddPendingCall` always reaches the main one, so a subinterpreter's end would stall it.
 pub(crate) fn refuse_subinterpreters() -> PyResult<()> {
     // SAFETY: called during import, with the GIL held and a current interpreter.
     let id = unsafe { ffi::PyInterpreterState_GetID(ffi::PyInterpreterState_Get()) };

@@ -40,8 +40,7 @@ impl BlockObject {
         Ok(equal.into_pyobject(py)?.to_owned().into_any().unbind())
     }
 
-    /// `hash((key, payload))`: raises `TypeError` for an unhashable payload (a bytearray), as
-    /// a frozen dataclass does.
+    /// `hash((key, payload))`, a `TypeError` for an unhashable payload, as a frozen dataclass.
     fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
         PyTuple::new(py, [self.key.bind(py), self.payload.bind(py)])?.hash()
     }
@@ -50,8 +49,7 @@ impl BlockObject {
         PyTuple::new(py, [self.key.clone_ref(py), self.payload.clone_ref(py)])
     }
 
-    // The fields never change, so a cycle through a `BlockObject` is broken by clearing one of
-    // the other (mutable) objects in it; the collector only needs to see these edges.
+    // The fields never change, so clearing the other objects of a cycle breaks it.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.key)?;
         visit.call(&self.payload)

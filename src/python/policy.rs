@@ -11,8 +11,7 @@ use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::store::{RemoveReason, VictimPolicy};
 
-/// vLLM's `ExpertCachePolicy`, called from the core with the GIL re-acquired. The first Python
-/// exception is kept so the put raises it as it was.
+/// vLLM's `ExpertCachePolicy`, called with the GIL; the first exception is kept for the put.
 pub(crate) struct PyPolicy<'a> {
     pub(crate) policy: &'a Py<PyAny>,
     /// The store's `in_policy` flag, set around each callback.
@@ -27,8 +26,7 @@ impl PyPolicy<'_> {
         message
     }
 
-    /// `select_victims(candidates, count)` with a lazy Python iterator over the core's walk of
-    /// eligible keys (either store's), valid only during the call. Shared by both stores.
+    /// `select_victims(candidates, count)` with a lazy iterator over either core's walk.
     pub(crate) fn ask_for_victims(
         &mut self,
         candidates: &mut dyn Iterator<Item = Cow<'_, str>>,
@@ -42,8 +40,7 @@ impl PyPolicy<'_> {
                 unsafe { std::mem::transmute(pointer) };
             let iterator =
                 Bound::new(py, CandidateKeys { walk: Mutex::new(Some(CandidateWalk(pointer))) })?;
-            // The selection is read while the walk is still valid, so a lazy one (a generator
-            // over the candidates) works.
+            // Read while the walk is valid, so a lazy selection (a generator) works.
             let chosen = self
                 .policy
                 .bind(py)
@@ -102,10 +99,8 @@ impl VictimPolicy for PyPolicy<'_> {
     }
 }
 
-/// A policy's answer to `select_victims`: `None` stays `None`; anything but an iterable of
-/// `str` is an invalid selection, given to the core as an empty one, which it refuses. An
-/// exception raised while iterating the selection is the policy's own and propagates as it is:
-/// reporting it as a capacity error would hide the policy's bug.
+/// A policy's answer: `None` stays `None`; anything but an iterable of `str` is invalid (empty,
+/// which the core refuses); an exception while iterating is the policy's own and propagates.
 pub(crate) fn selected_keys(chosen: &Bound<'_, PyAny>) -> PyResult<Option<Vec<String>>> {
     if chosen.is_none() {
         return Ok(None);
@@ -130,8 +125,7 @@ pub(crate) fn selected_keys(chosen: &Bound<'_, PyAny>) -> PyResult<Option<Vec<St
     Ok(Some(keys))
 }
 
-/// Whether `object`'s type defines `__iter__` (or the old `__getitem__` protocol): a TypeError
-/// from `iter()` then comes from the policy's own code.
+/// Whether `object`'s type defines `__iter__` or `__getitem__`: then a TypeError is the policy's.
 pub(crate) fn has_iter(object: &Bound<'_, PyAny>) -> bool {
     let kind = object.get_type();
     kind.hasattr(intern!(object.py(), "__iter__")).unwrap_or(false)
@@ -141,10 +135,8 @@ pub(crate) fn has_iter(object: &Bound<'_, PyAny>) -> bool {
 /// A raw pointer to the core's candidate walk, valid only during `select_victims`.
 pub(crate) struct CandidateWalk(*mut (dyn Iterator<Item = Cow<'static, str>> + 'static));
 
-// SAFETY: the walk is dereferenced only under the `CandidateKeys` mutex (one thread at a time,
-// whichever thread the policy handed the iterator to) and only while `select_victims` runs,
-// during which the core waits for the policy and does not touch the walk; the pointer is
-// cleared under the same mutex before `select_victims` returns.
+// SAFETY: dereferenced only under the `CandidateKeys` mutex while `select_victims` runs, when
+// the core waits and does not touch the walk; cleared under that mutex before it returns.
 unsafe impl Send for CandidateWalk {}
 
 /// The lazy iterable of eligible keys given to `select_victims`, oldest first.
@@ -160,8 +152,7 @@ impl CandidateKeys {
     }
 
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyString>>> {
-        // The key is copied out under the lock and becomes a Python string after it: creating
-        // a Python object may run the collector, and so any Python code.
+        // Copied under the lock, made a Python string after it: that may run the collector.
         let key: Option<String> = {
             let mut walk = self.walk.lock().unwrap_or_else(PoisonError::into_inner);
             let Some(CandidateWalk(pointer)) = walk.as_mut() else {
@@ -169,8 +160,7 @@ impl CandidateKeys {
                     "victim candidates are only valid during select_victims()",
                 ));
             };
-            // SAFETY: see `CandidateWalk`: set only while `select_victims` runs, and read under
-            // this mutex.
+            // SAFETY: see `CandidateWalk`: set only during `select_victims`, read under this mutex.
             let candidates = unsafe { &mut **pointer };
             candidates.next().map(Cow::into_owned)
         };
