@@ -29,7 +29,9 @@ const TEXT: u16 = u16::MAX;
 pub enum StoredKey {
     /// Interned prefix number, binary digest, and the tail after it.
     Digest { prefix: u16, tail: Tail, digest: [u8; DIGEST_BYTES] },
+    /// Text of at most `INLINE_KEY_BYTES` bytes.
     Inline { len: u8, bytes: [u8; INLINE_KEY_BYTES] },
+    /// Longer text.
     Heap(Box<str>),
 }
 
