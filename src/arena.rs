@@ -330,8 +330,7 @@ impl Drop for Arena {
 /// Payloads below this size are copied with plain stores: the stream setup is not worth it.
 const STREAMING_MIN_BYTES: usize = 512;
 
-/// `dst.copy_from_slice(src)` with non-temporal stores for the aligned middle, 32 bytes at a
-/// time with AVX2, else 16 (why 32: docs/performance.md).
+/// `dst.copy_from_slice(src)`, streaming the aligned middle 32 bytes a time with AVX2, else 16.
 #[cfg(target_arch = "x86_64")]
 fn stream_copy(dst: &mut [u8], src: &[u8]) {
     debug_assert_eq!(dst.len(), src.len());

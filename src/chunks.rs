@@ -244,8 +244,7 @@ impl ChunkArena {
         first
     }
 
-    /// Stores `payload` in a new chain (`EMPTY_CHAIN` for no bytes); the caller checked
-    /// `available()`. Call `flush_writes` before another thread reads.
+    /// Stores `payload` in a new chain (`EMPTY_CHAIN` if empty) the caller checked room for.
     pub fn store(&mut self, payload: &[u8]) -> u32 {
         let count = self.chunks_for(payload.len());
         if count == 0 {
@@ -352,8 +351,7 @@ impl ChunkArena {
         runs
     }
 
-    /// Checks the allocator against the stored objects (first chunk, bytes): chain lengths, no
-    /// chunk held twice or held and free, free runs maximal, tagged and binned, nothing lost.
+    /// Checks the allocator against the stored objects, given as (first chunk, bytes).
     pub fn validate(&self, objects: impl Iterator<Item = (u32, usize)>) -> Result<(), String> {
         let fresh = self.fresh as usize;
         if fresh > self.num_chunks

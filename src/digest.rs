@@ -99,8 +99,7 @@ pub struct KeyCodec {
     numbers: HashMap<Box<[u8]>, u16, FixedState>,
     /// Recycled numbers.
     free: Vec<u16>,
-    /// The prefix interned last: nearly every vLLM key is of the current generation, so a lookup
-    /// compares against it before hashing the prefix.
+    /// The prefix interned last: vLLM's keys are nearly all of it, so lookups try it first.
     newest: u16,
     /// Entries held as text because the table was full; while any live, nothing is interned (a new
     /// prefix could be theirs, and they would no longer be found).
@@ -303,8 +302,7 @@ impl KeyCodec {
         }
     }
 
-    /// A digest's hash: three independent folded multiplies (the wyhash step), one multiply of
-    /// latency instead of a chain of six, mixed with the hasher's constants, prefix and tail.
+    /// A digest's hash: three independent folded multiplies (wyhash's step), one multiply deep.
     #[inline]
     fn digest_hash(&self, prefix: u16, digest: &[u8; DIGEST_BYTES], tail: &Tail) -> u32 {
         let word = |i: usize| u64::from_le_bytes(digest[i..i + 8].try_into().expect("8 bytes"));
@@ -376,8 +374,7 @@ fn split(key: &str) -> Option<(&[u8], [u8; DIGEST_BYTES], Tail)> {
     Some((&bytes[..end - HEX_DIGITS], digest, tail))
 }
 
-/// The digest spelled by the 64 bytes before `end`, if lowercase hex. Every key of every call is
-/// decoded, so it goes 16 digits at a time with SSE2, 8 in a `u64` elsewhere.
+/// The digest in the 64 bytes before `end`, if lowercase hex; SSE2 16 digits at a time.
 #[inline]
 fn decode(bytes: &[u8], end: usize) -> Option<[u8; DIGEST_BYTES]> {
     let hex: &[u8; HEX_DIGITS] = bytes.get(end.checked_sub(HEX_DIGITS)?..end)?.try_into().ok()?;

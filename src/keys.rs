@@ -132,8 +132,7 @@ impl<M: Copy + Default> KeyTable<M> {
         }
     }
 
-    /// Counts retains then releases against each key's references; the first count that would leave
-    /// `0..=u32::MAX` is the error. Touches only `mark`.
+    /// Counts retains, then releases, against each key; the first count out of `u32` is the error.
     pub fn validate_references(
         &mut self,
         retains: &[u32],

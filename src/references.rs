@@ -4,8 +4,7 @@
 
 use foldhash::{HashMap, HashMapExt};
 
-/// Calls `notify(entry, old, new)` per change, `refs(entry)` being the count now: forward, the
-/// retains (+1) then the releases (-1) as made; `undone`, newest first, releases (+1) then retains.
+/// Calls `notify(entry, old, new)` per change (`refs`: the count now), forward or undone.
 pub(crate) fn replay<E>(
     retains: &[u32],
     releases: &[u32],

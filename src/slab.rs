@@ -16,8 +16,7 @@ pub const PENDING_SLOT: u32 = u32::MAX - 1;
 /// `Link::prev` of a vacant entry, so `validate` can tell vacant entries from live ones.
 const VACANT: u32 = u32::MAX - 1;
 
-/// What the store knows about one key, in one cache line with the key (see `digest`), so a new
-/// key allocates nothing; `M` is the store's per-key data.
+/// What the store knows about one key, key included, in one cache line; `M` is the store's.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub struct Entry<M = ()> {
@@ -127,8 +126,7 @@ impl<M: Copy + Default> Slab<M> {
         Ok(())
     }
 
-    /// Commits the first `count` entries and links now, on huge pages (entries are read at random),
-    /// so no put pays a page fault for a new key; only this range, to commit no more than is used.
+    /// Commits the first `count` entries and links now, on huge pages, so no put faults on them.
     pub fn commit(&mut self, count: usize) {
         fn spare<T>(v: &mut Vec<T>, count: usize) -> (*const u8, usize) {
             let wanted = count.saturating_sub(v.len());

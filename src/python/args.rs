@@ -46,8 +46,7 @@ pub(crate) fn format_holds_objects(format: &[u8]) -> bool {
     false
 }
 
-/// A capacity hint from `len()`: exact for a list or tuple, so a call of thousands of keys
-/// reserves once; capped for anything else, whose `__len__` may lie.
+/// A capacity hint from `len()`: exact for a list or tuple, capped for a `__len__` that may lie.
 pub(crate) fn size_hint(value: &Bound<'_, PyAny>) -> usize {
     let len = value.len().unwrap_or(0);
     if value.is_exact_instance_of::<PyList>() || value.is_exact_instance_of::<PyTuple>() {

@@ -132,8 +132,7 @@ handle::store_methods!(NativeStore {
         Ok(out)
     }
 
-    /// Start address and length in bytes of the arena, for registering it with a driver
-    /// (`cudaHostRegister`). Valid until `close()` or a growth.
+    /// Start and length of the arena, for `cudaHostRegister`; valid until `close()` or a growth.
     fn arena_span(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
         self.handle.with_store(py, |s| s.arena_span())?.ok_or_else(|| to_py_err(StoreError::Closed))
     }

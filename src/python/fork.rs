@@ -1,5 +1,4 @@
-//! Process-wide state: the fork generation that retires objects made before `fork()`, and
-//! the refusal to load in a subinterpreter.
+//! Process-wide state: the fork generation, and the refusal to load in a subinterpreter.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Once;

@@ -1,5 +1,4 @@
-//! Batch arguments as raw byte views, read in one pass with the GIL held and their owning Python
-//! objects kept alive, so the store can read the bytes with the GIL released.
+//! Batch arguments as raw byte views taken with the GIL, owners kept, read without it.
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};

@@ -1,5 +1,4 @@
-//! The variable-size store's binding, with `NativeStore`'s conventions, plus a two-phase read so
-//! a result of unknown size is one `bytes` object filled in place.
+//! The variable-size store's binding, with a two-phase read into one `bytes` of unknown size.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -152,8 +151,7 @@ store_methods!(NativeVariableStore {
         Ok((data, missing, offsets))
     }
 
-    /// The payload of `key`, or `None` when not stored (a read miss; nothing moves), as vLLM's
-    /// background wrapper has it.
+    /// The payload of `key`, or `None` when not stored (nothing moves), as vLLM's wrapper has it.
     fn get_optional<'py>(
         &self,
         py: Python<'py>,

@@ -542,8 +542,7 @@ impl NativeWriter {
         self.raise_if_failed(py)
     }
 
-    /// Drains the queue, stops the thread, closes the store once, raises a latched error. A
-    /// concurrent caller waits for the close; a later or re-entrant one returns at once.
+    /// Drains the queue, stops the thread, closes the store once, raises a latched error.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.ensure_same_process()?;
         let me = std::thread::current().id();

@@ -66,8 +66,7 @@ pub enum RemoveReason {
 pub trait VictimPolicy {
     /// After each applied retain (+1) or release (-1), in call order.
     fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String>;
-    /// Exactly `count` distinct keys from `candidates` (eligible, oldest first), or `None` to
-    /// refuse the put; a `dyn` call per candidate is cheap next to the policy's own code.
+    /// Exactly `count` distinct keys from `candidates` (oldest first), or `None` to refuse.
     fn select_victims(
         &mut self,
         candidates: &mut dyn Iterator<Item = Cow<'_, str>>,

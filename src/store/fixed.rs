@@ -138,8 +138,7 @@ impl BlockStore {
         self.alloc.num_slots
     }
 
-    /// Copies the payloads of `keys`, in order, into `out`, then moves each evictable key to the
-    /// LRU tail; a missing key fails with `Missing` and changes nothing.
+    /// Copies the payloads of `keys` into `out`, keys to the LRU tail; a miss changes nothing.
     pub fn get_into(&mut self, keys: &[&str], out: &mut [u8]) -> Result<(), StoreError> {
         if self.alloc.arena.is_none() {
             return Err(StoreError::Closed);
@@ -176,8 +175,7 @@ impl BlockStore {
         Ok(())
     }
 
-    /// Starts the misses a read of `entries` will take (each slot, and for an evictable key the LRU
-    /// links its move rewrites) together, so they overlap as in a hash join.
+    /// Starts every miss a read of `entries` takes (slots, LRU links) at once, so they overlap.
     fn prefetch_for_read(&self, entries: &[u32]) {
         let (Some(arena), slab) = (self.alloc.arena.as_ref(), &self.core.keys.slab) else { return };
         let stored = |idx: u32| self.core.is_stored(idx);
@@ -194,8 +192,7 @@ impl BlockStore {
         }
     }
 
-    /// Copies the stored keys' payloads, in order, to the front of `out`, appends the positions of
-    /// the others to `missing` and returns the bytes written; only the keys read move in the LRU.
+    /// Copies the stored keys' payloads to the front of `out`, missing positions to `missing`.
     pub fn get_many_into(
         &mut self,
         keys: &[&str],
@@ -488,8 +485,7 @@ mod tests {
 
     #[test]
     fn a_put_that_retains_its_own_keys_in_order_acts_as_in_another_order() {
-        // Retains that are the objects' keys in order reuse their entries; in another order the
-        // objects are resolved again. Both must end alike.
+        // Retains that are the objects' keys reuse their entries, other orders resolve: alike.
         let calls: [&[(&str, u8)]; 5] = [
             &[("a", 1), ("b", 2), ("a", 3)],
             &[("c", 4), ("d", 5)],

@@ -12,8 +12,7 @@ use crate::keys::KeyTable;
 use crate::slab::{Entry, NIL, PENDING_SLOT};
 use std::borrow::Cow;
 
-/// Entries carry the payload length; vLLM's logprob keys are held as digest and tail, so an
-/// entry is one cache line as in the fixed store.
+/// Entries carry the payload length; vLLM's logprob keys fit the entry as digest and tail.
 type Keys = KeyTable<u32>;
 
 /// The chunk size of a store of 1 MiB or more (tail waste: docs/performance.md).
@@ -208,8 +207,7 @@ impl VariableStore {
         Ok(())
     }
 
-    /// Copies a planned read into `out` and moves evictable keys to the LRU tail; `false`, copying
-    /// nothing, if a put ran since the plan.
+    /// Copies a planned read into `out`, keys to the LRU tail; `false` if a put ran since the plan.
     pub fn read_planned(&mut self, plan: &ReadPlan, out: &mut [u8]) -> Result<bool, StoreError> {
         let Some(chunks) = self.alloc.chunks.as_ref() else {
             return Err(StoreError::Closed);
