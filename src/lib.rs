@@ -1,8 +1,5 @@
-//! aostore: the block store behind an LLM engine's auxiliary outputs.
-//!
-//! Fixed-size slots in one arena, reference counts per key, and an O(1) LRU that holds only
-//! evictable (stored, unreferenced) keys. The core has no Python in it; the PyO3 binding lives in
-//! `python` behind the `python` feature.
+//! aostore: a bounded block store for an LLM engine's auxiliary outputs, with reference counts
+//! and an O(1) LRU of evictable keys only. The PyO3 binding is `python`, behind its feature.
 
 mod arena;
 mod chunks;

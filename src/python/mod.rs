@@ -1,8 +1,4 @@
-//! The PyO3 binding, one concern per file: `errors` (the one exception mapping), `object`
-//! (`BlockObject`), `args` (argument conversion), `fork` (process-wide state), `policy` (the
-//! victim policy), `handle` (what both native stores share), `fixed` and `variable` (the two
-//! store classes), `gather` (a put's batch), `lock` (the store lock) and `writer` (the Rust
-//! writer). No store logic lives here.
+//! The PyO3 binding, one concern per file (docs/layout.md lists them); no store logic lives here.
 
 mod args;
 mod errors;

@@ -697,6 +697,28 @@ impl<M: Copy + Default> Core<M> {
         removed
     }
 
+    /// Before `write_batch`: the batch positions it will write (live pending keys, and the
+    /// stored keys it replaces), in batch order.
+    pub(super) fn writes_ahead<A: super::Allocator<Meta = M>>(
+        &self,
+        s: &Scratch,
+        written: &mut Vec<usize>,
+    ) {
+        let slab = &self.keys.slab;
+        let mut replaced = s.replaced.iter().peekable();
+        for &(idx, position) in &s.batch {
+            let in_place = replaced.next_if(|&&(r, _)| r == idx).is_some();
+            if !slab.is_live(idx) {
+                continue;
+            }
+            let entry = &slab[idx];
+            if entry.slot == PENDING_SLOT || (entry.has_slot() && (A::REPLACES_STORED || in_place))
+            {
+                written.push(position);
+            }
+        }
+    }
+
     /// Tells a policy of the evicted keys; the put is applied, so it counts if the policy fails.
     pub(super) fn report_evicted(
         &mut self,

@@ -259,6 +259,7 @@ impl Allocator for FixedSlots {
     type Report = PutReport;
     type Charge = OneSlot;
     const UNDO: bool = false;
+    const REPLACES_STORED: bool = false;
 
     fn is_open(&self) -> bool {
         self.arena.is_some()

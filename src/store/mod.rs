@@ -1,8 +1,5 @@
-//! A store is the engine of `core.rs` (keys, counts, the LRU of evictable keys) over an
-//! allocator: fixed-size slots (`fixed.rs`, `BlockStore`) or chunk chains (`variable.rs`,
-//! `VariableStore`). `Store<A>` holds the put sequence once; an allocator supplies only what
-//! differs: its checks, what a batch and a victim take, room when the batch does not fit, and the
-//! writes. See docs/semantics.md for the contract each follows.
+//! `Store<A>`: the put sequence once, over the engine of `core.rs` and an allocator (`fixed.rs`
+//! slots, `variable.rs` chunk chains) that supplies only what differs (docs/semantics.md).
 
 mod core;
 mod fixed;
@@ -32,8 +29,7 @@ pub enum Profile {
     Grow,
 }
 
-/// How a store is built, beyond its size: one value for both stores, each field saying which
-/// store reads it; a field the store does not read must keep its default.
+/// How a store is built beyond its size; a field the store does not read must keep its default.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StoreOptions {
     /// Fixed store: what a batch that does not fit does.
@@ -45,17 +41,14 @@ pub struct StoreOptions {
 }
 
 impl StoreOptions {
-    /// The options with `profile`.
     pub fn profile(self, profile: Profile) -> Self {
         Self { profile, ..self }
     }
 
-    /// The options with `prefault`.
     pub fn prefault(self, prefault: Prefault) -> Self {
         Self { prefault, ..self }
     }
 
-    /// The options with `chunk_nbytes`.
     pub fn chunk_nbytes(self, chunk_nbytes: usize) -> Self {
         Self { chunk_nbytes: Some(chunk_nbytes), ..self }
     }
@@ -67,8 +60,7 @@ mod sealed {
     use super::{BlockRef, Charge, Core, Placement, Scratch, StoreError};
     use crate::slab::Entry;
 
-    /// What a store's allocator supplies to the put sequence. Implemented by this crate's two
-    /// allocators only; monomorphized, so no `dyn` call happens per object.
+    /// What an allocator supplies to the put sequence; monomorphized, so no `dyn` call per object.
     pub trait Allocator: Sized + Send + 'static {
         /// What each key entry carries for the allocator.
         type Meta: Copy + Default + Send + 'static;
@@ -76,18 +68,17 @@ mod sealed {
         type Report: Default;
         /// What evicting a key frees.
         type Charge: Charge<Self::Meta>;
-        /// Whether a refused put undoes its count changes and LRU moves (vLLM's fixed store
-        /// keeps them; the variable store changes nothing).
+        /// Whether a refused put undoes its count changes and LRU moves (vLLM's fixed store keeps them).
         const UNDO: bool;
+        /// Whether a put rewrites every stored batch key (else only `grow`'s `Scratch::replaced`).
+        const REPLACES_STORED: bool;
 
-        /// Whether the store is open.
         fn is_open(&self) -> bool;
         /// Frees the arena; returns whether it was open.
         fn close(&mut self) -> bool;
         /// Checks of the whole call, and room it needs, before anything changes.
         fn admit(&mut self, objects: &[BlockRef<'_>]) -> Result<(), StoreError>;
-        /// What the batch's objects take, once the call is resolved and before any count
-        /// changes. An error is a capacity refusal.
+        /// What the batch takes, before any count changes; an error is a capacity refusal.
         fn charge_batch(
             &mut self,
             core: &Core<Self::Meta>,
@@ -100,8 +91,7 @@ mod sealed {
         fn charges(&self) -> Self::Charge;
         /// The refusal of a batch that does not fit.
         fn refusal(&self) -> StoreError;
-        /// With unit charges and fewer eligible keys than the need: room another way (profile
-        /// `grow`), after which every eligible key is evicted, or the refusal.
+        /// Too few eligible keys for unit charges: grow (then all eligible go) or refuse.
         fn make_room(
             &mut self,
             core: &mut Core<Self::Meta>,
@@ -127,8 +117,7 @@ mod sealed {
 }
 pub(crate) use sealed::Allocator;
 
-/// A bounded store with reference counts and O(1) eviction of unreferenced keys, over the
-/// allocator `A`.
+/// A bounded store with reference counts and O(1) eviction of unreferenced keys.
 #[derive(Debug)]
 pub struct Store<A: Allocator> {
     core: Core<A::Meta>,
@@ -140,10 +129,8 @@ impl<A: Allocator> Store<A> {
         Self { core, alloc }
     }
 
-    /// Stores a batch and applies reference changes (retains, then releases), evicting
-    /// unreferenced keys as needed. Bad input returns an error and changes nothing; a batch
-    /// that does not fit is refused (the fixed store keeps the call's count changes, as vLLM
-    /// does; the variable store changes nothing).
+    /// Stores a batch, applies retains then releases, and evicts as needed; bad input changes
+    /// nothing (docs/semantics.md says what a refused batch keeps).
     pub fn put(
         &mut self,
         objects: &[BlockRef<'_>],
@@ -161,12 +148,33 @@ impl<A: Allocator> Store<A> {
         release_keys: &[&str],
         policy: Option<&mut dyn VictimPolicy>,
     ) -> Result<A::Report, StoreError> {
-        self.alloc.admit(objects)?;
+        self.put_call((objects, retain_keys, release_keys), policy, None)
+    }
+
+    /// `put_with_policy`, appending the position in `objects` of each payload it stored (new or
+    /// replaced), one per distinct key in first-occurrence order; nothing when it fails.
+    pub fn put_reporting(
+        &mut self,
+        objects: &[BlockRef<'_>],
+        retain_keys: &[&str],
+        release_keys: &[&str],
+        policy: Option<&mut dyn VictimPolicy>,
+        written: &mut Vec<usize>,
+    ) -> Result<A::Report, StoreError> {
+        self.put_call((objects, retain_keys, release_keys), policy, Some(written))
+    }
+
+    fn put_call(
+        &mut self,
+        call: Call<'_>,
+        policy: Option<&mut dyn VictimPolicy>,
+        written: Option<&mut Vec<usize>>,
+    ) -> Result<A::Report, StoreError> {
+        self.alloc.admit(call.0)?;
         let mut scratch = std::mem::take(&mut self.core.scratch);
-        let call = (objects, retain_keys, release_keys);
         let result = match A::UNDO {
-            true => self.put_sequence::<true>(&mut scratch, call, policy),
-            false => self.put_sequence::<false>(&mut scratch, call, policy),
+            true => self.put_sequence::<true>(&mut scratch, call, policy, written),
+            false => self.put_sequence::<false>(&mut scratch, call, policy, written),
         };
         self.core.end_put(scratch, result)
     }
@@ -176,6 +184,7 @@ impl<A: Allocator> Store<A> {
         s: &mut Scratch,
         (objects, retain_keys, release_keys): Call<'_>,
         mut policy: Option<&mut dyn VictimPolicy>,
+        written: Option<&mut Vec<usize>>,
     ) -> Result<A::Report, StoreError> {
         let (core, alloc) = (&mut self.core, &mut self.alloc);
         core.resolve_call(s, objects, retain_keys, release_keys)?;
@@ -229,6 +238,9 @@ impl<A: Allocator> Store<A> {
             }
         }
         let removed = core.evict_victims(s, policy.is_some(), |slot, meta| alloc.free(slot, meta));
+        if let Some(written) = written {
+            core.writes_ahead::<A>(s, written);
+        }
         alloc.write_batch(core, s, objects);
         if UNDO {
             core.keys.forget_orphans(&s.orphans);
@@ -241,7 +253,6 @@ impl<A: Allocator> Store<A> {
         }
     }
 
-    /// Whether `close` was called.
     pub fn is_closed(&self) -> bool {
         !self.alloc.is_open()
     }
@@ -253,7 +264,6 @@ impl<A: Allocator> Store<A> {
         }
     }
 
-    /// Whether `key` is stored.
     pub fn contains(&self, key: &str) -> bool {
         self.core.contains(key)
     }
@@ -266,7 +276,7 @@ impl<A: Allocator> Store<A> {
         Ok(keys.iter().map(|key| self.contains(key)).collect())
     }
 
-    /// The reference count of `key` (0 when unknown).
+    /// 0 for an unknown key.
     pub fn reference_count(&self, key: &str) -> u32 {
         self.core.keys.reference_count(key)
     }
@@ -276,12 +286,12 @@ impl<A: Allocator> Store<A> {
         self.core.keys.lru_keys()
     }
 
-    /// Every key with a reference count above zero, with its count, in no particular order.
+    /// Referenced keys with their counts, in no particular order.
     pub fn references(&self) -> Vec<(Cow<'_, str>, u32)> {
         self.core.keys.references()
     }
 
-    /// Every stored key with its bytes, in no particular order. Touches no LRU position.
+    /// Stored keys with their bytes, in no particular order; touches no LRU position.
     pub fn objects(&self) -> Vec<(Cow<'_, str>, Cow<'_, [u8]>)> {
         if !self.alloc.is_open() {
             return Vec::new();
@@ -301,7 +311,6 @@ impl<A: Allocator> Store<A> {
         }
     }
 
-    /// Counters since construction.
     pub fn counters(&self) -> Counters {
         self.core.counters
     }

@@ -313,6 +313,7 @@ impl Allocator for ChunkChains {
     type Report = ();
     type Charge = Chunks;
     const UNDO: bool = true;
+    const REPLACES_STORED: bool = true;
 
     fn is_open(&self) -> bool {
         self.chunks.is_some()
