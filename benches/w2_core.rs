@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use aostore::{BlockRef, BlockStore, Prefault, Profile};
+use aostore::{BlockRef, BlockStore, Prefault, StoreOptions};
 
 fn key(i: u64) -> String {
     format!("vllm-artifact/0/{:064x}", u128::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15))
@@ -22,8 +22,12 @@ fn main() {
     let batches = args.get(2).copied().unwrap_or(4_000);
     let prefault =
         if args.get(3).copied().unwrap_or(0) == 1 { Prefault::Now } else { Prefault::OnWrite };
-    let mut store =
-        BlockStore::with_commit(slots * nbytes, nbytes, Profile::FailClosed, prefault).unwrap();
+    let mut store = BlockStore::with_options(
+        slots * nbytes,
+        nbytes,
+        StoreOptions::default().prefault(prefault),
+    )
+    .unwrap();
     let payload = vec![7u8; nbytes];
     let mut next = 0u64;
     while (next as usize) < slots {

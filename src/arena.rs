@@ -1,7 +1,4 @@
-//! One anonymous memory mapping cut into fixed-size slots.
-//!
-//! The mapping is made once; the kernel commits its pages on first write, so an arena sized for
-//! the worst case costs memory only for the slots that were used.
+//! One anonymous mapping cut into fixed-size slots; the kernel commits a page on its first write.
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,14 +8,14 @@ use std::thread::JoinHandle;
 use crate::error::StoreError;
 
 /// When the arena's pages are committed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Prefault {
-    /// On first write to each page (an arena sized for the worst case costs only what is used).
+    /// On first write to each page.
+    #[default]
     OnWrite,
-    /// All of them at construction, which waits for it.
+    /// All of them at construction.
     Now,
-    /// All of them, by a thread started at construction: construction does not wait, and a
-    /// put that writes a page before the thread got to it takes the fault itself.
+    /// All of them, from a thread: construction does not wait, a put may take a fault itself.
     Background,
 }
 
@@ -26,10 +23,7 @@ pub enum Prefault {
 struct Populator {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<()>,
-    /// The process that started the thread. A child forked while it ran has no such thread:
-    /// its handle names a thread of the parent (or, once the child starts threads of its own,
-    /// one of those that reused the handle's memory), so the child must neither join it nor
-    /// ask whether it finished.
+    /// The process that started the thread: a forked child must neither join nor query it.
     pid: u32,
 }
 
@@ -48,21 +42,19 @@ pub struct Arena {
     populator: Option<Populator>,
 }
 
-// SAFETY: the arena owns its mapping exclusively; shared access only reads (`&self`), writes need
-// `&mut self`, so the usual aliasing rules make it as thread-safe as a `Vec<u8>`.
+// SAFETY: the arena owns its mapping; reads take `&self`, writes `&mut self`, as for a `Vec<u8>`.
 unsafe impl Send for Arena {}
 // SAFETY: see `Send`: `&Arena` gives read-only access.
 unsafe impl Sync for Arena {}
 
 impl Arena {
-    /// Maps `num_slots * object_nbytes` bytes. Fails cleanly on overflow or when the OS refuses.
+    #[cfg(test)]
     pub fn new(num_slots: usize, object_nbytes: usize) -> Result<Self, StoreError> {
         Self::with_prefault(num_slots, object_nbytes, false)
     }
 
-    /// As `new`; with `prefault`, every page is committed now (in huge pages where the kernel
-    /// allows), so no put ever waits for a page fault. Without it pages are committed on first
-    /// write, and an arena sized for the worst case costs only what is used.
+    /// As `new`; with `prefault`, every page is committed now (in huge pages where allowed).
+    #[cfg(test)]
     pub fn with_prefault(
         num_slots: usize,
         object_nbytes: usize,
@@ -72,7 +64,6 @@ impl Arena {
         Self::with_commit(num_slots, object_nbytes, prefault)
     }
 
-    /// As `new`, with pages committed as `prefault` says.
     pub fn with_commit(
         num_slots: usize,
         object_nbytes: usize,
@@ -89,13 +80,11 @@ impl Arena {
         Ok(arena)
     }
 
-    /// Commits every page: huge pages first (fewer faults and TLB misses on random slots), then
-    /// a write fault on each page.
+    /// Commits every page: huge pages first (fewer faults and TLB misses), then a write per page.
     fn populate(&self) {
         self.advise_huge_pages();
         let base = self.base.as_ptr().cast::<libc::c_void>();
-        // SAFETY: base/len describe our own mapping; MADV_POPULATE_WRITE (Linux 5.14) faults
-        // pages in without changing their (zero) contents.
+        // SAFETY: our own mapping; MADV_POPULATE_WRITE faults pages in, bytes unchanged.
         let populated = unsafe { libc::madvise(base, self.len, MADV_POPULATE_WRITE) } == 0;
         if !populated {
             let page = 4096;
@@ -107,17 +96,13 @@ impl Arena {
     }
 
     fn advise_huge_pages(&self) {
-        // SAFETY: base/len describe our own mapping; madvise changes only how it is backed.
+        // SAFETY: our own mapping; madvise changes only how it is backed.
         unsafe {
             libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE);
         }
     }
 
-    /// Starts a thread that commits the pages chunk by chunk with `MADV_POPULATE_WRITE`, which
-    /// never changes a page's contents, so puts may write slots meanwhile. The thread stops
-    /// between chunks when asked (`stop_populating`: before the mapping is unmapped or moved).
-    /// Without that advice (kernels before 5.14) it stops at once: touching pages by writing
-    /// would race with puts.
+    /// Commits the pages from a thread with `MADV_POPULATE_WRITE`, which puts may race safely.
     fn populate_in_background(&mut self) {
         self.advise_huge_pages();
         let stop = Arc::new(AtomicBool::new(false));
@@ -130,9 +115,7 @@ impl Arena {
                 let mut offset = 0;
                 while offset < len && !flag.load(Ordering::Acquire) {
                     let n = CHUNK.min(len - offset);
-                    // SAFETY: [base + offset, +n) lies in the mapping, which stays mapped until
-                    // this thread is joined (`stop_populating` runs before munmap or mremap in
-                    // this process; a forked child has a copy of the mapping and no thread).
+                    // SAFETY: mapped until this thread is joined (before munmap/mremap).
                     let rc = unsafe {
                         libc::madvise((base + offset) as *mut libc::c_void, n, MADV_POPULATE_WRITE)
                     };
@@ -148,9 +131,7 @@ impl Arena {
         }
     }
 
-    /// Stops and joins the background populator, if any (at most one chunk's worth of work).
-    /// In a child forked while it ran, the handle is forgotten instead: the thread does not
-    /// exist there, and joining would wait for ever or panic.
+    /// Stops and joins the populator; a forked child forgets the handle (the thread is not there).
     fn stop_populating(&mut self) {
         if let Some(populator) = self.populator.take() {
             if !populator.in_this_process() {
@@ -162,8 +143,8 @@ impl Arena {
         }
     }
 
-    /// Whether a background populator is still committing pages (never in a forked child:
-    /// there it stopped at the fork, with the pages it had committed).
+    /// Whether a background populator is still committing pages (never in a forked child).
+    #[cfg(test)]
     pub fn is_populating(&self) -> bool {
         self.populator.as_ref().is_some_and(|p| p.in_this_process() && !p.thread.is_finished())
     }
@@ -177,33 +158,21 @@ impl Arena {
         )
     }
 
-    /// Number of slots.
+    #[cfg(test)]
     pub fn num_slots(&self) -> usize {
         self.num_slots
     }
 
-    /// Bytes per slot.
-    pub fn object_nbytes(&self) -> usize {
-        self.object_nbytes
-    }
-
-    /// Bytes mapped.
     pub fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether the arena maps no bytes (never true: a store holds at least one slot).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Start of the mapping, for callers that register it with a device driver.
+    /// Start of the mapping, for registering it with a device driver.
     pub fn as_ptr(&self) -> *const u8 {
         self.base.as_ptr()
     }
 
-    /// Starts loading the first cache lines of `slot` (up to 256 bytes; the hardware
-    /// prefetcher follows a longer copy), so a batch's slots arrive together.
+    /// Starts loading the first 256 bytes of `slot` (the hardware prefetcher follows the rest).
     #[inline]
     pub fn prefetch_slot(&self, slot: u32) {
         #[cfg(target_arch = "x86_64")]
@@ -212,8 +181,7 @@ impl Arena {
             let start = (slot as usize) * self.object_nbytes;
             let lines = self.object_nbytes.min(256);
             for offset in (0..lines).step_by(64) {
-                // SAFETY: a prefetch never faults and does not change memory; the address lies
-                // inside the slot, in the live mapping. SSE is in the x86_64 baseline.
+                // SAFETY: a prefetch never faults or writes; the address is in the mapping.
                 unsafe {
                     _mm_prefetch::<_MM_HINT_T0>(
                         self.base.as_ptr().add(start + offset).cast::<i8>(),
@@ -223,12 +191,11 @@ impl Arena {
         }
     }
 
-    /// The bytes of one slot.
     #[inline]
     pub fn slot(&self, slot: u32) -> &[u8] {
         let slot = slot as usize;
         assert!(slot < self.num_slots, "slot {slot} out of range");
-        // SAFETY: slot < num_slots, so the range lies inside the live mapping of `len` bytes.
+        // SAFETY: slot < num_slots, so the range lies inside the live mapping.
         unsafe {
             std::slice::from_raw_parts(
                 self.base.as_ptr().add(slot * self.object_nbytes),
@@ -237,7 +204,6 @@ impl Arena {
         }
     }
 
-    /// The bytes of one slot, writable.
     #[inline]
     pub fn slot_mut(&mut self, slot: u32) -> &mut [u8] {
         let slot = slot as usize;
@@ -251,11 +217,8 @@ impl Arena {
         }
     }
 
-    /// Copies `payload` (exactly `object_nbytes` bytes) into a slot.
-    ///
-    /// Large payloads go through non-temporal stores: a slot is written once and read much later,
-    /// so reading its old cache lines first (as plain stores must) and keeping the new ones in
-    /// cache only costs bandwidth. Call `flush_writes` before another thread may read the slot.
+    /// Copies `payload` into a slot, streaming when large: it is read much later, so loading its
+    /// old lines only costs bandwidth. Call `flush_writes` before another thread reads it.
     #[inline]
     pub fn write_slot(&mut self, slot: u32, payload: &[u8]) {
         let dst = self.slot_mut(slot);
@@ -268,17 +231,15 @@ impl Arena {
         dst.copy_from_slice(payload);
     }
 
-    /// `len` bytes from the start of slot `first`, running on through the slots after it.
     #[inline]
     pub fn span(&self, first: u32, len: usize) -> &[u8] {
         let start = first as usize * self.object_nbytes;
         assert!(start.checked_add(len).is_some_and(|end| end <= self.len), "span out of range");
-        // SAFETY: start + len <= self.len, so the range lies inside the live mapping.
+        // SAFETY: start + len <= self.len, inside the live mapping.
         unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(start), len) }
     }
 
-    /// Copies `payload` to the start of slot `first`, running on through the slots after it,
-    /// with `write_slot`'s streaming stores (call `flush_writes` before another thread reads).
+    /// `write_slot` for a payload that runs on through the slots after `first`.
     #[inline]
     pub fn write_span(&mut self, first: u32, payload: &[u8]) {
         let start = first as usize * self.object_nbytes;
@@ -294,10 +255,7 @@ impl Arena {
         dst.copy_from_slice(payload);
     }
 
-    /// As `write_span`, when the bytes after the payload up to the next 64-byte boundary are
-    /// the writer's too (the rest of an object's last chunk): the last, partial cache line is
-    /// streamed whole, padded with zeros. Streaming stores that leave a line part-written cost
-    /// the memory controller a read-modify-write of it.
+    /// As `write_span`, streaming the last partial line whole, zero-padded (no read-modify-write).
     #[inline]
     pub fn write_span_padded(&mut self, first: u32, payload: &[u8]) {
         let start = first as usize * self.object_nbytes;
@@ -323,8 +281,7 @@ impl Arena {
         }
     }
 
-    /// Orders earlier `write_slot` streaming stores before any later load or store, so a reader
-    /// that synchronizes with this thread (through the store's lock) sees the bytes.
+    /// Orders earlier streaming stores before later accesses, for a reader behind the lock.
     #[inline]
     pub fn flush_writes(&self) {
         #[cfg(target_arch = "x86_64")]
@@ -334,14 +291,12 @@ impl Arena {
         }
     }
 
-    /// Grows the arena to `num_slots` slots, keeping every slot's bytes at its index.
-    /// The base address may change.
+    /// Grows the arena to `num_slots` slots, keeping each slot's bytes; the base may move.
     pub fn grow(&mut self, num_slots: usize) -> Result<(), StoreError> {
         assert!(num_slots >= self.num_slots, "an arena never shrinks");
         let len = Self::checked_len(num_slots, self.object_nbytes)?;
         self.stop_populating();
-        // SAFETY: base/len describe our own live mapping; MREMAP_MAYMOVE lets the kernel move it,
-        // and we replace `base` with the result before anyone reads it again.
+        // SAFETY: our own live mapping; MREMAP_MAYMOVE may move it, and `base` is replaced at once.
         let moved =
             unsafe { libc::mremap(self.base.as_ptr().cast(), self.len, len, libc::MREMAP_MAYMOVE) };
         if moved == libc::MAP_FAILED {
@@ -366,7 +321,7 @@ impl std::fmt::Debug for Arena {
 impl Drop for Arena {
     fn drop(&mut self) {
         self.stop_populating();
-        // SAFETY: base/len describe a mapping we own and nothing borrows it past `drop`.
+        // SAFETY: a mapping we own, not borrowed past `drop`.
         let rc = unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
         debug_assert_eq!(rc, 0, "munmap failed");
     }
@@ -375,24 +330,19 @@ impl Drop for Arena {
 /// Payloads below this size are copied with plain stores: the stream setup is not worth it.
 const STREAMING_MIN_BYTES: usize = 512;
 
-/// `dst.copy_from_slice(src)` with non-temporal stores for the aligned middle part: 32 bytes at
-/// a time where the CPU has AVX2, 16 otherwise (`w2_core` at 5,888 B: put 749-840 ns an object
-/// against 1,050-1,128 with 16-byte stores on this project's VM).
+/// `dst.copy_from_slice(src)`, streaming the aligned middle 32 bytes a time with AVX2, else 16.
 #[cfg(target_arch = "x86_64")]
 fn stream_copy(dst: &mut [u8], src: &[u8]) {
     debug_assert_eq!(dst.len(), src.len());
-    // std caches the CPU's features after the first query: a load and a test.
     if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 is present, checked just above.
+        // SAFETY: AVX2 was detected just above.
         unsafe { stream_copy_avx2(dst, src) }
     } else {
         stream_copy_sse2(dst, src)
     }
 }
 
-/// Copies `src` to `dst` (same length): plain copies up to the first `LANE`-byte boundary of
-/// `dst` and after the last one, and `stream(d, s)` for each lane between them, where `d` is
-/// `LANE` bytes starting at a `LANE`-byte boundary and `s` the `LANE` bytes to go there.
+/// Copies `src` to `dst`: plain copies outside `dst`'s `LANE`-aligned middle, `stream` within.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn copy_by_lanes<const LANE: usize>(dst: &mut [u8], src: &[u8], stream: impl Fn(&mut [u8], &[u8])) {
@@ -410,8 +360,7 @@ fn copy_by_lanes<const LANE: usize>(dst: &mut [u8], src: &[u8], stream: impl Fn(
 fn stream_copy_sse2(dst: &mut [u8], src: &[u8]) {
     use std::arch::x86_64::{_mm_loadu_si128, _mm_stream_si128};
     copy_by_lanes::<16>(dst, src, |d, s| {
-        // SAFETY: `d` is 16 bytes at a 16-byte boundary and `s` 16 readable bytes
-        // (`copy_by_lanes`); unaligned loads are allowed. SSE2 is in the x86_64 baseline.
+        // SAFETY: `d` is 16 aligned bytes, `s` 16 readable (`copy_by_lanes`); SSE2 is baseline.
         unsafe { _mm_stream_si128(d.as_mut_ptr().cast(), _mm_loadu_si128(s.as_ptr().cast())) }
     });
 }
@@ -422,10 +371,8 @@ fn stream_copy_sse2(dst: &mut [u8], src: &[u8]) {
 #[target_feature(enable = "avx2")]
 unsafe fn stream_copy_avx2(dst: &mut [u8], src: &[u8]) {
     use std::arch::x86_64::{_mm256_loadu_si256, _mm256_stream_si256};
-    // The closure inherits this function's AVX2.
     copy_by_lanes::<32>(dst, src, |d, s| {
-        // SAFETY: `d` is 32 bytes at a 32-byte boundary and `s` 32 readable bytes
-        // (`copy_by_lanes`); unaligned loads are allowed. The caller vouches for AVX2.
+        // SAFETY: `d` is 32 aligned bytes and `s` 32 readable ones; the caller vouches for AVX2.
         unsafe { _mm256_stream_si256(d.as_mut_ptr().cast(), _mm256_loadu_si256(s.as_ptr().cast())) }
     });
 }
@@ -437,8 +384,7 @@ fn map_anonymous(len: usize) -> Result<NonNull<u8>, StoreError> {
             std::ptr::null_mut(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
-            // NORESERVE: an arena sized for the worst case should not fail on overcommit limits
-            // for pages it may never touch.
+            // NORESERVE: overcommit limits must not refuse pages a worst-case arena never touches.
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
             -1,
             0,
@@ -450,14 +396,10 @@ fn map_anonymous(len: usize) -> Result<NonNull<u8>, StoreError> {
     Ok(NonNull::new(base.cast()).expect("mmap returned null"))
 }
 
-/// `madvise` advice that faults pages in for writing (Linux 5.14); older kernels refuse it and
-/// the arena touches each page instead.
+/// `madvise` advice that faults pages in for writing (Linux 5.14; older kernels refuse it).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
-/// Commits the pages under `[start, start + len)` without changing a byte (`MADV_POPULATE_WRITE`,
-/// rounded out to whole pages), so a later first write pays no page fault. For memory the
-/// caller owns but has not written yet (a `Vec`'s reserved capacity). Returns whether the kernel
-/// did it (older kernels refuse the advice; the pages are then committed on first write).
+/// Commits the pages under `[start, start + len)` without changing a byte; whether it could.
 pub(crate) fn commit_pages(start: *const u8, len: usize) -> bool {
     if len == 0 {
         return true;
@@ -465,23 +407,17 @@ pub(crate) fn commit_pages(start: *const u8, len: usize) -> bool {
     let page = 4096;
     let first = (start as usize) & !(page - 1);
     let end = (start as usize).saturating_add(len).next_multiple_of(page);
-    // SAFETY: the advice only faults pages in (readable and writable as the mapping allows) and
-    // never changes their contents, so it cannot disturb memory the caller or anyone else uses;
-    // a range that is not mapped makes it fail with an error, not fault.
+    // SAFETY: the advice only faults pages in, never changes their bytes; an unmapped range fails.
     unsafe { libc::madvise(first as *mut libc::c_void, end - first, MADV_POPULATE_WRITE) == 0 }
 }
 
-/// Asks for huge pages under the whole 2 MiB extents of `[start, start + len)`, memory the caller
-/// owns and is about to write in full (the key table's buckets, committed entries): it is read
-/// at random, and with 4 KiB pages most of those reads miss the TLB too, a page walk on top of
-/// the cache miss. Advice only: the kernel may refuse it, and no byte changes.
+/// Asks for huge pages under `[start, start + len)`: random reads there miss the TLB otherwise.
 pub(crate) fn advise_huge_pages(start: *const u8, len: usize) {
     const HUGE: usize = 2 << 20;
     let first = (start as usize).next_multiple_of(HUGE);
     let end = (start as usize).saturating_add(len) & !(HUGE - 1);
     if end > first {
-        // SAFETY: the advice changes only how pages the caller owns are backed, never their
-        // contents; a range that is not mapped makes it fail with an error, not fault.
+        // SAFETY: the advice changes only how the caller's pages are backed; unmapped fails.
         unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
     }
 }
@@ -562,9 +498,7 @@ mod tests {
         }
     }
 
-    /// Both stream copies (the one the CPU does not pick is tested too), at every destination
-    /// alignment within 32 bytes and lengths around the store sizes: every byte copied, none
-    /// written outside the destination.
+    /// Both stream copies, at every alignment within 32 bytes and lengths around the store sizes.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn both_stream_copies_write_exactly_the_destination() {

@@ -1,25 +1,8 @@
-//! The variable-size store's allocator: the arena cut into equal chunks, each object a chain of
-//! them, free chunks kept as coalesced runs in size bins.
-//!
-//! An object of `n` bytes takes `ceil(n / chunk_nbytes)` chunks. They need not be adjacent: a
-//! dense `next` array (4 bytes a chunk) links an object's chunks in order. So any set of objects
-//! whose chunk counts sum to at most the arena's fits, whatever the history: there is no external
-//! fragmentation, eviction never has to free more than the bytes it needs, and nothing ever moves.
-//! The only waste is the unused tail of each object's last chunk.
-//!
-//! Adjacent chunks are still what makes copies fast (one copy per run of adjacent chunks, no
-//! pointer chasing), so the allocator works to keep objects in one piece:
-//! - free chunks form maximal runs: freeing merges a run with free neighbours on both sides
-//!   (boundary tags: a free run's first and last chunk hold its length, a bitmap says which
-//!   chunks are free);
-//! - runs sit in size bins (one per length up to 64 chunks, one per power of two above), each a
-//!   doubly linked list threaded through the runs' first chunks, with a bitmask of non-empty
-//!   bins; an object takes the smallest run that holds it whole (found with one bit scan), else
-//!   chunks never handed out (`fresh` onwards, taken last so untouched pages stay untouched),
-//!   else the largest runs until it is covered. Only that last case splits an object.
-//!
-//! Every operation is O(runs touched); nothing allocates per object (the arrays grow with
-//! `fresh`, once per chunk, ever).
+//! The variable store's allocator: equal chunks, each object a chain of them (a dense `next`
+//! array), so any objects whose chunk counts fit the arena fit, with no external fragmentation
+//! and nothing ever moved. Adjacent chunks copy fastest, so free chunks are kept as maximal runs
+//! (boundary tags and a free bitmap) in size bins (exact up to 64, then powers of two) and an
+//! object takes the smallest run that holds it, else fresh chunks, else the largest runs.
 
 use crate::arena::{Arena, Prefault};
 use crate::error::StoreError;
@@ -42,7 +25,6 @@ fn bin_of(len: u32) -> usize {
     if len <= EXACT_BINS {
         (len - 1) as usize
     } else {
-        // 65..127 -> 64, 128..255 -> 65, ...
         (EXACT_BINS + (31 - len.leading_zeros()) - EXACT_BINS.trailing_zeros()) as usize
     }
 }
@@ -53,8 +35,7 @@ pub struct ChunkArena {
     arena: Arena,
     chunk_nbytes: usize,
     num_chunks: usize,
-    /// In an object: the chunk after each chunk. In a free run's first chunk: the next run of
-    /// its bin.
+    /// In an object: the chunk after each. In a free run's first chunk: the next run of its bin.
     next: Vec<u32>,
     /// In a free run's first chunk: the previous run of its bin.
     prev: Vec<u32>,
@@ -72,13 +53,12 @@ pub struct ChunkArena {
 }
 
 impl ChunkArena {
-    /// An arena of `num_chunks` chunks of `chunk_nbytes` bytes (committed now with `prefault`).
+    #[cfg(test)]
     pub fn new(num_chunks: usize, chunk_nbytes: usize, prefault: bool) -> Result<Self, StoreError> {
         let prefault = if prefault { Prefault::Now } else { Prefault::OnWrite };
         Self::with_commit(num_chunks, chunk_nbytes, prefault)
     }
 
-    /// As `new`, with the arena's pages committed as `prefault` says.
     pub fn with_commit(
         num_chunks: usize,
         chunk_nbytes: usize,
@@ -106,17 +86,10 @@ impl ChunkArena {
         })
     }
 
-    /// Bytes per chunk.
-    pub fn chunk_nbytes(&self) -> usize {
-        self.chunk_nbytes
-    }
-
-    /// Chunks in the arena.
     pub fn num_chunks(&self) -> usize {
         self.num_chunks
     }
 
-    /// Bytes mapped.
     pub fn arena_bytes(&self) -> usize {
         self.arena.len()
     }
@@ -137,7 +110,6 @@ impl ChunkArena {
         self.free_bits[(chunk / 64) as usize] & (1 << (chunk % 64)) != 0
     }
 
-    /// Sets (`free`) or clears the free bits of `start..start + len`.
     fn mark(&mut self, start: u32, len: u32, free: bool) {
         let (mut at, end) = (start, start + len);
         while at < end {
@@ -186,8 +158,7 @@ impl ChunkArena {
         }
     }
 
-    /// Hands out `want` chunks starting at `head` from the free run `head..head + len`; the rest
-    /// stays a free run.
+    /// Hands out `want` chunks from the head of free run `head..head + len`; the rest stays free.
     fn take_from_run(&mut self, head: u32, len: u32, want: u32) {
         self.unlink_run(head, len);
         self.mark(head, want, false);
@@ -209,11 +180,10 @@ impl ChunkArena {
         head
     }
 
-    /// A run of exactly `want` adjacent chunks if one can be had: the smallest free run that
-    /// holds it, else fresh chunks.
+    /// `want` adjacent chunks if possible: the smallest free run that holds them, else fresh ones.
     fn take_whole(&mut self, want: u32) -> Option<u32> {
         let mut bin = bin_of(want);
-        // A shared bin may hold shorter runs; its first one is worth a look, the next bin is sure.
+        // A shared bin may hold shorter runs: try its first, then the next bin, which is sure.
         if want > EXACT_BINS {
             let head = self.bins[bin];
             if head != NIL && self.run_len[head as usize] >= want {
@@ -236,8 +206,7 @@ impl ChunkArena {
         None
     }
 
-    /// Allocates `count` chunks as one chain and returns its first chunk. One run when the free
-    /// space allows, else the largest runs first.
+    /// Allocates `count` chunks as one chain: one run if possible, else the largest runs first.
     fn allocate(&mut self, count: usize) -> u32 {
         assert!(count <= self.available(), "the arena has no room for {count} chunks");
         let want = count as u32;
@@ -275,9 +244,7 @@ impl ChunkArena {
         first
     }
 
-    /// Stores `payload` in a new chain and returns its first chunk (`EMPTY_CHAIN` for no bytes).
-    /// The caller made sure that `available()` covers it. Call `flush_writes` before another
-    /// thread reads.
+    /// Stores `payload` in a new chain (`EMPTY_CHAIN` if empty) the caller checked room for.
     pub fn store(&mut self, payload: &[u8]) -> u32 {
         let count = self.chunks_for(payload.len());
         if count == 0 {
@@ -302,8 +269,7 @@ impl ChunkArena {
         first
     }
 
-    /// The run of adjacent chunks starting at `chunk` in a chain (at most `limit` long): its
-    /// length, and the chunk after it (`NIL` at the end).
+    /// The run of adjacent chunks at `chunk` in a chain (at most `limit`): its length and the next.
     #[inline]
     fn run_at(&self, chunk: u32, limit: usize) -> (usize, u32) {
         let mut len = 1;
@@ -324,8 +290,7 @@ impl ChunkArena {
         self.arena.flush_writes();
     }
 
-    /// Frees the chain of an object of `nbytes` bytes, merging each of its runs with free
-    /// neighbours.
+    /// Frees the chain of an object of `nbytes` bytes, merging its runs with free neighbours.
     pub fn free(&mut self, first: u32, nbytes: usize) {
         let count = self.chunks_for(nbytes);
         if count == 0 {
@@ -343,7 +308,6 @@ impl ChunkArena {
         self.free_chunks += count;
     }
 
-    /// Returns `head..head + len` to the free runs, merged with the free runs around it.
     fn release_run(&mut self, head: u32, len: u32) {
         self.mark(head, len, true);
         let (mut start, mut total) = (head, len);
@@ -362,7 +326,6 @@ impl ChunkArena {
         self.link_run(start, total);
     }
 
-    /// Copies the `out.len()` bytes of the object whose chain starts at `first` into `out`.
     #[inline]
     pub fn read(&self, first: u32, out: &mut [u8]) {
         let count = self.chunks_for(out.len());
@@ -376,8 +339,7 @@ impl ChunkArena {
         }
     }
 
-    /// Runs of adjacent chunks in the chain of an object of `nbytes` bytes, for tests and
-    /// figures: how contiguous objects stay.
+    /// Runs of adjacent chunks in an object's chain: how contiguous objects stay.
     pub fn runs(&self, first: u32, nbytes: usize) -> usize {
         let (mut left, mut run, mut runs) = (self.chunks_for(nbytes), first, 0);
         while left > 0 {
@@ -389,10 +351,7 @@ impl ChunkArena {
         runs
     }
 
-    /// Checks the allocator's invariants against the stored objects, given as (first chunk,
-    /// bytes): every chain has exactly its object's chunk count, no chunk is held twice or is
-    /// both held and free, the free runs are maximal, tagged and binned by length, and the held
-    /// and free chunks are exactly the handed-out ones.
+    /// Checks the allocator against the stored objects, given as (first chunk, bytes).
     pub fn validate(&self, objects: impl Iterator<Item = (u32, usize)>) -> Result<(), String> {
         let fresh = self.fresh as usize;
         if fresh > self.num_chunks

@@ -1,17 +1,8 @@
-//! Keys as an entry holds them. vLLM's keys are `vllm-artifact/<namespace>/` and 64 lowercase hex
-//! digits (routed experts), or a prefix, 64 hex digits and `/<token>` (logprobs): a prefix shared
-//! by many keys, a 32-byte digest and a short tail. Such a key is held as the number of its
-//! prefix in a small table, the digest in binary and the tail (48 bytes instead of 80-130), so
-//! an entry and its key fit one cache line. Other keys are kept as text: short ones inside the
-//! entry, long ones on the heap.
-//!
-//! vLLM's prefix carries a generation that each prefix-cache reset (each RL weight sync) bumps,
-//! so prefixes come and go: each counts the entries that hold it and is recycled when none does,
-//! and a table of live prefixes is found by hash. A key looked up always takes the form it was
-//! stored in: a prefix is interned only while no stored key of that prefix is text, which holds
-//! because a digest-shaped key is kept as text only when its prefix cannot be interned (too
-//! long, or the table full of live prefixes), and while any such key lives, no new prefix is
-//! interned.
+//! Keys as an entry holds them. vLLM's keys (a shared prefix, 64 hex digits, maybe `/<token>`)
+//! are held as an interned prefix number, the 32-byte digest and the tail, so entry and key fit
+//! one cache line; other keys are text, inline or on the heap. Prefixes carry vLLM's generation,
+//! so they are counted and recycled; a prefix is interned only while no key of it is held as text
+//! (`overflowed`), so a key is always looked up in the form it was stored in.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -22,8 +13,7 @@ use foldhash::fast::FixedState;
 /// Bytes of a digest held in binary.
 pub const DIGEST_BYTES: usize = 32;
 const HEX_DIGITS: usize = 2 * DIGEST_BYTES;
-/// Live prefixes a table holds at once (every number but `TEXT`); keys with further prefixes
-/// stay text.
+/// Live prefixes a table holds at once (every number but `TEXT`); further ones stay text.
 const MAX_PREFIXES: usize = TEXT as usize;
 /// Longer prefixes are not interned.
 const MAX_PREFIX_BYTES: usize = 256;
@@ -46,7 +36,6 @@ pub enum StoredKey {
 }
 
 impl StoredKey {
-    /// The key of a vacant entry.
     pub const EMPTY: Self = Self::Inline { len: 0, bytes: [0; INLINE_KEY_BYTES] };
 
     /// Whether this is the key `key` was probed as.
@@ -110,14 +99,12 @@ pub struct KeyCodec {
     numbers: HashMap<Box<[u8]>, u16, FixedState>,
     /// Recycled numbers.
     free: Vec<u16>,
-    /// The prefix interned last (or `TEXT`): vLLM's keys are nearly all of the current
-    /// generation, so a lookup compares against it before it hashes the prefix.
+    /// The prefix interned last: vLLM's keys are nearly all of it, so lookups try it first.
     newest: u16,
-    /// Entries held as text only because the table was full when they came. While there are
-    /// any, no prefix is interned: it could be theirs, and they would no longer be found.
+    /// Entries held as text because the table was full; while any live, nothing is interned (a new
+    /// prefix could be theirs, and they would no longer be found).
     overflowed: usize,
     hasher: FixedState,
-    /// Constants a digest's words are mixed with, drawn from `hasher`.
     keys: [u64; 6],
 }
 
@@ -166,7 +153,7 @@ impl KeyCodec {
         }
     }
 
-    /// Counts an entry that now holds `key` (stored from `probe`).
+    /// Counts an entry that now holds `key`.
     #[inline]
     pub fn hold(&mut self, key: &StoredKey, probe: &Probe) {
         match key {
@@ -207,7 +194,7 @@ impl KeyCodec {
         }
     }
 
-    /// Live prefixes, and entries held as text because the table was full (for tests).
+    /// Live prefixes (for tests).
     pub fn live_prefixes(&self) -> usize {
         self.numbers.len()
     }
@@ -241,7 +228,6 @@ impl KeyCodec {
         Ok(())
     }
 
-    /// How an entry holds `key`, probed as `probe`.
     pub fn store(key: &str, probe: &Probe) -> StoredKey {
         if probe.prefix != TEXT {
             let (prefix, tail, digest) = (probe.prefix, probe.tail, probe.digest);
@@ -256,7 +242,6 @@ impl KeyCodec {
         }
     }
 
-    /// The text of a stored key.
     pub fn text<'a>(&'a self, key: &'a StoredKey) -> Cow<'a, str> {
         match key {
             StoredKey::Digest { prefix, tail, digest } => {
@@ -268,10 +253,9 @@ impl KeyCodec {
                     text.extend([HEX[usize::from(byte >> 4)], HEX[usize::from(byte & 0x0F)]]);
                 }
                 text.extend_from_slice(tail);
-                // A prefix and a tail cut from a key at ASCII bytes, and hex digits: UTF-8.
+                // Cut at ASCII bytes, plus hex digits: UTF-8.
                 Cow::Owned(String::from_utf8(text).expect("keys are UTF-8"))
             }
-            // Inline bytes were copied from a `&str` whole, so they are valid UTF-8.
             StoredKey::Inline { len, bytes } => Cow::Borrowed(
                 std::str::from_utf8(&bytes[..usize::from(*len)]).expect("keys are UTF-8"),
             ),
@@ -288,8 +272,7 @@ impl KeyCodec {
         }
     }
 
-    /// A new prefix's number; `Err(true)` when the table is full (or must stay so), `Err(false)`
-    /// when the prefix is never interned.
+    /// A new prefix's number; `Err(true)` when the table is full, `Err(false)` if never interned.
     fn intern(&mut self, prefix: &[u8]) -> Result<u16, bool> {
         let text = internable(prefix).ok_or(false)?;
         if self.overflowed > 0 || (self.free.is_empty() && self.prefixes.len() >= MAX_PREFIXES) {
@@ -310,8 +293,7 @@ impl KeyCodec {
         Ok(number)
     }
 
-    /// The hash of a stored key, the one its probe had: from the digest's words alone for a
-    /// digest (no text is made), so that entries need not keep their hashes.
+    /// A stored key's hash, its probe's: a digest's comes from its words, so no text is made.
     #[inline]
     pub fn hash_of(&self, key: &StoredKey) -> u32 {
         match key {
@@ -320,9 +302,7 @@ impl KeyCodec {
         }
     }
 
-    /// A digest's hash: three independent folded multiplies of its words (the wyhash step), so
-    /// the latency is one multiply, not a chain of six as hashing the fields one by one costs.
-    /// The words are mixed with the hasher's seed-derived constants and the prefix and tail.
+    /// A digest's hash: three independent folded multiplies (wyhash's step), one multiply deep.
     #[inline]
     fn digest_hash(&self, prefix: u16, digest: &[u8; DIGEST_BYTES], tail: &Tail) -> u32 {
         let word = |i: usize| u64::from_le_bytes(digest[i..i + 8].try_into().expect("8 bytes"));
@@ -365,16 +345,14 @@ fn fold(full: u64) -> u32 {
     (full ^ (full >> 32)) as u32
 }
 
-/// A prefix's text, if it may be interned: short enough, and whole UTF-8 (it ends before an
-/// ASCII digit of the key, so it is unless the key's text splits a character there).
+/// A prefix's text, if it may be interned: short enough and whole UTF-8.
 fn internable(prefix: &[u8]) -> Option<&str> {
     (prefix.len() <= MAX_PREFIX_BYTES).then(|| std::str::from_utf8(prefix).ok()).flatten()
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
-/// The prefix, digest and tail of a key that ends in 64 lowercase hex digits (empty tail) or,
-/// failing that, has them right before its last `/` with at most `TAIL_BYTES` bytes from there
-/// on. Uppercase digits do not count: the key's text must come back exactly from the digest.
+/// Prefix, digest and tail of a key ending in 64 lowercase hex digits, or with them before its
+/// last `/` and at most `TAIL_BYTES` after; lowercase only, so the text comes back exactly.
 #[inline]
 fn split(key: &str) -> Option<(&[u8], [u8; DIGEST_BYTES], Tail)> {
     let bytes = key.as_bytes();
@@ -389,17 +367,14 @@ fn split(key: &str) -> Option<(&[u8], [u8; DIGEST_BYTES], Tail)> {
     }
     let digest = digest?;
     let mut tail = Tail { len: (bytes.len() - end) as u8, bytes: [0; TAIL_BYTES] };
-    // Routed-expert keys have no tail: no copy (it was a call to `memcpy` of 0 bytes).
+    // Routed-expert keys have no tail: skip the copy.
     if end < bytes.len() {
         tail.bytes[..bytes.len() - end].copy_from_slice(&bytes[end..]);
     }
     Some((&bytes[..end - HEX_DIGITS], digest, tail))
 }
 
-/// The digest spelled by the 64 bytes before `end`, if they are lowercase hex digits. The
-/// decode is on every key of every call (a put decodes each key as a retain and later as a
-/// release, and as a batch key too unless its retains are its objects' keys), so it goes 16
-/// digits at a time where SSE2 is there (always on x86_64) and 8 at a time in a `u64` elsewhere.
+/// The digest in the 64 bytes before `end`, if lowercase hex; SSE2 16 digits at a time.
 #[inline]
 fn decode(bytes: &[u8], end: usize) -> Option<[u8; DIGEST_BYTES]> {
     let hex: &[u8; HEX_DIGITS] = bytes.get(end.checked_sub(HEX_DIGITS)?..end)?.try_into().ok()?;
@@ -418,12 +393,11 @@ fn decode_sse2(hex: &[u8; HEX_DIGITS]) -> Option<[u8; DIGEST_BYTES]> {
         _mm_srli_epi16, _mm_storeu_si128, _mm_sub_epi8,
     };
     let mut digest = [0u8; DIGEST_BYTES];
-    // SAFETY: SSE2 is in the x86_64 baseline; every load reads 16 bytes inside `hex` (64
-    // bytes) and every store writes 16 bytes inside `digest` (32 bytes); unaligned forms.
+    // SAFETY: SSE2 is baseline; loads read 16 bytes inside `hex` (64), stores write 16 inside
+    // `digest` (32), both unaligned forms.
     unsafe {
         let at = |c: u8| _mm_set1_epi8(c as i8);
-        // 16 digits to 16 nibbles, and the lanes that were lowercase hex digits. Bytes of
-        // 0x80 and up compare as negative, below every bound, so they fail both ranges.
+        // 16 digits to 16 nibbles, and which lanes were lowercase hex (0x80 and up: negative).
         let nibbles = |i: usize| -> (__m128i, __m128i) {
             let v = _mm_loadu_si128(hex.as_ptr().add(16 * i).cast());
             let digit =
@@ -434,7 +408,7 @@ fn decode_sse2(hex: &[u8; HEX_DIGITS]) -> Option<[u8; DIGEST_BYTES]> {
             let value = _mm_sub_epi8(_mm_sub_epi8(v, at(b'0')), _mm_and_si128(letter, at(39)));
             (value, _mm_or_si128(digit, letter))
         };
-        // Each 16-bit lane's two nibbles to one byte (first digit high), still in a lane.
+        // Each 16-bit lane's two nibbles to one byte, first digit high.
         let pairs = |value: __m128i| {
             let high = _mm_slli_epi16(_mm_and_si128(value, _mm_set1_epi16(0x00FF)), 4);
             _mm_or_si128(high, _mm_srli_epi16(value, 8))
@@ -461,15 +435,13 @@ fn decode_swar(hex: &[u8; HEX_DIGITS]) -> Option<[u8; DIGEST_BYTES]> {
     let mut valid = HIGH;
     for (out, chunk) in digest.chunks_exact_mut(4).zip(hex.chunks_exact(8)) {
         let x = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
-        // Bit 7 of each byte: ASCII, and in '0'..='9' or 'a'..='f'. For ASCII bytes no sum
-        // carries out of its byte; a non-ASCII byte may spoil its neighbours, but fails itself.
+        // Bit 7 of each byte: ASCII and in '0'..='9' or 'a'..='f' (a non-ASCII byte fails itself).
         let at_least = |c: u64| x.wrapping_add((0x80 - c) * ONES) & HIGH;
         let digit = at_least(0x30) & !at_least(0x3A);
         let letter = at_least(0x61) & !at_least(0x67);
         valid &= !x & (digit | letter);
         // A digit's value is its low nibble, a letter's that plus 9 (bit 6 marks letters).
         let nibbles = (x & (0x0F * ONES)) + ((x >> 6) & ONES) * 9;
-        // Each 16-bit lane: first digit high, second low; then the lanes' low bytes packed.
         let pairs = ((nibbles & EVEN) << 4) | ((nibbles >> 8) & EVEN);
         let packed = (pairs & 0xFF)
             | ((pairs >> 8) & 0xFF00)
@@ -573,7 +545,6 @@ mod tests {
         assert!(matches!(round_trip(&mut fresh, &long_prefix), StoredKey::Heap(_)));
     }
 
-    /// Holds `key` as an entry would; returns its stored form.
     fn hold(codec: &mut KeyCodec, key: &str) -> StoredKey {
         let probe = codec.probe_for_insert(key);
         let stored = KeyCodec::store(key, &probe);
@@ -634,8 +605,7 @@ mod tests {
         let overflow = format!("full/{hex}");
         let stored = hold(&mut codec, &overflow);
         assert!(matches!(stored, StoredKey::Heap(_)));
-        // A prefix is freed, but `full/` may not take it while its text key lives: that key
-        // would no longer be found, and neither may any other new prefix.
+        // A prefix is freed, but no new prefix may take it while `full/`'s text key lives.
         codec.release(&held.swap_remove(0));
         let other = hold(&mut codec, &format!("other/{hex}"));
         assert!(matches!(other, StoredKey::Heap(_)));

@@ -2,8 +2,7 @@
 
 use std::fmt;
 
-/// Why a store operation failed. Every failure leaves the store consistent; see each variant
-/// for what, if anything, it changed.
+/// Why a store operation failed; every failure leaves the store consistent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreError {
     /// The store was closed; nothing changed.
@@ -22,8 +21,7 @@ pub enum StoreError {
     NotReferenced { key: String },
     /// A retain of a key whose count would pass `u32::MAX`; nothing changed.
     ReferenceOverflow { key: String },
-    /// Too few evictable keys to make room for the batch. No victim was evicted and the
-    /// batch's new keys were not stored; the call's reference changes and LRU moves stay.
+    /// Too few evictable keys for the batch: nothing evicted or stored, counts and moves kept.
     CannotRetain { limit: usize },
     /// A read named a key that is not stored; nothing changed.
     Missing { key: String, used: usize, limit: usize, hint: bool },
@@ -35,8 +33,7 @@ pub enum StoreError {
     MissingObject { key: String, used: usize, limit: usize },
     /// A constructor argument out of range (Python: `ValueError`).
     InvalidArgument(String),
-    /// The allocator refused memory for the store's bookkeeping (Python: `MemoryError`). At
-    /// construction nothing was built; a put that gets this changed nothing.
+    /// The allocator refused memory for bookkeeping (Python: `MemoryError`); nothing changed.
     OutOfMemory { what: &'static str, bytes: usize },
 }
 

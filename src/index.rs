@@ -1,14 +1,7 @@
-//! The key index: an open-addressing table from a key's 32-bit hash to its slab entry.
-//!
-//! Each bucket packs `(hash << 32) | entry` in 8 bytes, eight to a cache line, with linear
-//! probing and backward-shift deletion (no tombstones, so churn never degrades it and never
-//! forces a rehash). A probe compares hashes only; the caller confirms the key in the entry.
-//! Because the home bucket follows from the hash alone, a batch can prefetch all its buckets
-//! before probing any of them.
-//!
-//! The bucket count is whatever the store asks for, not a power of two: a key's home is its hash
-//! scaled to the table (`hash * buckets >> 32`). Rounding up to a power of two would cost up to
-//! twice the memory, and rounding down would load the table past where probes stay short.
+//! The key index: open addressing from a key's 32-bit hash to its slab entry, `(hash << 32) |
+//! entry` per 8-byte bucket, linear probing and backward-shift deletion (no tombstones, so churn
+//! never degrades it). A key's home follows from its hash alone, so a batch prefetches all its
+//! buckets first; the bucket count is not rounded to a power of two (`home`).
 
 use crate::error::StoreError;
 
@@ -41,9 +34,7 @@ fn bucket_idx(bucket: u64) -> u32 {
     bucket as u32
 }
 
-/// `n` empty buckets, on huge pages where the kernel grants them (advised before the first
-/// write, as a page's backing is chosen when it is first touched), or an error when the
-/// allocator refuses them.
+/// `n` empty buckets, advised onto huge pages before their first write.
 fn empty_buckets(n: usize) -> Result<Vec<u64>, StoreError> {
     let mut buckets = Vec::new();
     buckets.try_reserve_exact(n).map_err(|_| StoreError::OutOfMemory {
@@ -79,24 +70,16 @@ impl KeyIndex {
         Ok(())
     }
 
-    /// Number of keys indexed.
     pub fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether no key is indexed.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The bucket where a probe for `hash` starts: the hash (uniform over 32 bits) scaled to
-    /// the table.
+    /// The bucket where a probe for `hash` starts: the hash scaled to the table.
     #[inline]
     fn home(&self, hash: u32) -> usize {
         ((u64::from(hash) * self.buckets.len() as u64) >> 32) as usize
     }
 
-    /// The bucket after `at`, wrapping at the end.
     #[inline]
     fn next(&self, at: usize) -> usize {
         if at + 1 == self.buckets.len() {
@@ -106,7 +89,6 @@ impl KeyIndex {
         }
     }
 
-    /// Buckets from `from` forward to `to`, wrapping.
     #[inline]
     fn distance(&self, from: usize, to: usize) -> usize {
         if to >= from {
@@ -123,8 +105,7 @@ impl KeyIndex {
         {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let bucket = &self.buckets[self.home(hash)];
-            // SAFETY: a prefetch never faults and does not change memory; the address is a
-            // live bucket. SSE is in the x86_64 baseline.
+            // SAFETY: a prefetch never faults or writes; the address is a live bucket.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(bucket).cast::<i8>()) };
         }
     }
@@ -163,8 +144,7 @@ impl KeyIndex {
         self.buckets[at] = bucket;
     }
 
-    /// Doubles the table; a put reserves first (`reserve`), so this runs only for callers
-    /// that did not, and an allocation failure there aborts as `Vec` growth does.
+    /// Doubles the table; puts `reserve` first, so only other callers get here.
     fn grow(&mut self) {
         let n = self.buckets.len() * 2;
         let doubled = empty_buckets(n).unwrap_or_else(|_| {
@@ -180,8 +160,7 @@ impl KeyIndex {
         }
     }
 
-    /// Removes entry `idx` (indexed under `hash`), shifting later buckets of the probe run back
-    /// so no tombstone is left.
+    /// Removes entry `idx`, shifting later buckets of its probe run back (no tombstone).
     pub fn remove(&mut self, hash: u32, idx: u32) {
         let wanted = pack(hash, idx);
         let mut hole = self.home(hash);
@@ -196,8 +175,7 @@ impl KeyIndex {
             if bucket == EMPTY {
                 break;
             }
-            // A bucket may move back to the hole when the hole lies on its probe path, i.e. its
-            // home is no nearer to it than the hole is.
+            // A bucket may move back to the hole if the hole lies on its probe path.
             let home = self.home(bucket_hash(bucket));
             if self.distance(home, at) >= self.distance(hole, at) {
                 self.buckets[hole] = bucket;
@@ -209,6 +187,7 @@ impl KeyIndex {
     }
 
     /// Every (hash, entry) pair, in bucket order.
+    #[cfg(test)]
     pub fn iter(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
         self.buckets.iter().filter(|&&b| b != EMPTY).map(|&b| (bucket_hash(b), bucket_idx(b)))
     }
@@ -227,8 +206,7 @@ mod tests {
         let mut state = 12_345u64;
         for step in 0..20_000u32 {
             state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            // Few distinct hashes, so collisions and long probe runs are common; spread over the
-            // 32 bits, so homes lie near the table's end too and runs wrap around.
+            // Few distinct hashes spread over 32 bits: long probe runs that wrap around.
             let hash = ((state >> 40) % 97) as u32 * (u32::MAX / 96);
             let present: Vec<u32> =
                 model.iter().filter(|(_, &h)| h == hash).map(|(&i, _)| i).collect();

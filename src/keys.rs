@@ -1,7 +1,5 @@
-//! A key table: the open-addressing index, the slab of entries and the hasher together, with
-//! the batched lookup that overlaps a call's cache misses.
-//!
-//! Both stores keep their keys here, parameterised by the per-key data `M`.
+//! The key table both stores use: index, slab and hasher, with the batched lookup that overlaps
+//! a call's cache misses; generic over the per-key data `M`.
 
 use std::borrow::Cow;
 
@@ -18,7 +16,6 @@ pub const NOT_IN_BATCH: u32 = u32::MAX;
 
 /// What a call's keys come as: key strings, or objects that carry one.
 pub trait Keyed {
-    /// The key.
     fn key(&self) -> &str;
 }
 
@@ -32,9 +29,8 @@ impl Keyed for &str {
 /// Keys to entries: an index by 32-bit hash, and the entries (key, count, slot, `M`).
 #[derive(Debug)]
 pub struct KeyTable<M> {
-    /// The index from hash to entry.
     pub index: KeyIndex,
-    /// The entries and the LRU over them.
+    /// The entries, and the LRU over them.
     pub slab: Slab<M>,
 }
 
@@ -44,8 +40,7 @@ impl<M: Copy + Default> KeyTable<M> {
         Self::with_reserve(capacity, capacity)
     }
 
-    /// A table whose index holds `index_capacity` keys before it rehashes and whose slab
-    /// reserves address space for `slab_reserve` entries (see `Slab::with_reserve`).
+    /// A table whose index holds `index_capacity` keys and whose slab reserves `slab_reserve`.
     pub fn with_reserve(index_capacity: usize, slab_reserve: usize) -> Result<Self, StoreError> {
         Ok(Self {
             index: KeyIndex::with_capacity(index_capacity)?,
@@ -53,8 +48,7 @@ impl<M: Copy + Default> KeyTable<M> {
         })
     }
 
-    /// Makes room for `additional` new keys in the index and the slab, so that a call can be
-    /// refused for want of memory before it changes anything.
+    /// Makes room for `additional` new keys: a call short of memory is refused unchanged.
     pub fn reserve(&mut self, additional: usize) -> Result<(), StoreError> {
         self.index.reserve(additional)?;
         self.slab.try_reserve(additional)
@@ -67,13 +61,11 @@ impl<M: Copy + Default> KeyTable<M> {
         self.index.find(probe.hash, |idx| slab[idx].is_key(key, probe))
     }
 
-    /// The entry of `key`, if the table knows it.
     pub fn lookup(&self, key: &str) -> Option<u32> {
         self.find(key, &self.slab.codec.probe(key))
     }
 
-    /// The entry of `key`, created (unreferenced, without a slot) and recorded in `created`
-    /// when missing.
+    /// The entry of `key`, created (unreferenced, no slot) and recorded in `created` when missing.
     pub fn find_or_insert(&mut self, key: &str, probe: &Probe, created: &mut Vec<u32>) -> u32 {
         if let Some(idx) = self.find(key, probe) {
             return idx;
@@ -84,17 +76,11 @@ impl<M: Copy + Default> KeyTable<M> {
         idx
     }
 
-    /// Resolves `keys` to entries, appending to `out`, in passes so that their cache misses
-    /// overlap: prepare each key (its hash, its digest) and prefetch its home bucket at once, so
-    /// the next key's preparation runs under this one's miss; take each key's candidate from
-    /// the buckets' hashes alone and prefetch the candidate's entry; then confirm each key.
-    /// Missing keys get new entries (recorded in `created`) when `created` is given, and
-    /// resolve to `NIL` otherwise.
-    ///
-    /// The passes run over `RESOLVE_CHUNK` keys at a time: that keeps far more misses in flight
-    /// than the CPU can track, while the probes stay in cache and a call of thousands of keys
-    /// (W3's first puts retain 5,000-7,500) needs no large scratch, whose first use in a store
-    /// page-faulted (about 100 faults, 0.2-0.5 ms on this project's VM).
+    /// Resolves `keys` to entries (appended to `out`) in passes that overlap their cache misses:
+    /// prepare each key and prefetch its bucket, pick each candidate from the bucket hashes and
+    /// prefetch its entry, then confirm. Missing: new entries with `created`, else `NIL`.
+    /// `RESOLVE_CHUNK` keys a pass: plenty of misses in flight, probes kept in cache, and no large
+    /// scratch to page-fault in (docs/performance.md).
     pub fn resolve<K: Keyed>(
         &mut self,
         keys: &[K],
@@ -146,9 +132,7 @@ impl<M: Copy + Default> KeyTable<M> {
         }
     }
 
-    /// Counts each retain and release against the key's references, in call order (retains
-    /// first); the first count that would leave `0..=u32::MAX` is the error. Touches nothing
-    /// but `mark`.
+    /// Counts retains, then releases, against each key; the first count out of `u32` is the error.
     pub fn validate_references(
         &mut self,
         retains: &[u32],
@@ -179,10 +163,8 @@ impl<M: Copy + Default> KeyTable<M> {
         Ok(())
     }
 
-    /// Dedupes a batch of `(entry, payload index)` in place: the first occurrence fixes the
-    /// position, the last payload wins (Python dict semantics). Afterwards a batch entry's
-    /// `mark` is its position in `batch`, and a released key's is `NOT_IN_BATCH` unless it is
-    /// in the batch too.
+    /// Dedupes `(entry, payload index)` in place (first occurrence fixes the position, last payload
+    /// wins); then a batch key's `mark` is its position, a released key's `NOT_IN_BATCH` otherwise.
     pub fn dedupe_batch(&mut self, batch: &mut Vec<(u32, usize)>, releases: &[u32]) {
         let slab = &mut self.slab;
         for &(idx, _) in batch.iter() {
@@ -216,12 +198,12 @@ impl<M: Copy + Default> KeyTable<M> {
         }
     }
 
-    /// Evictable keys, oldest first. For tests and debugging: O(n).
+    /// Evictable keys, oldest first (O(n), for tests).
     pub fn lru_keys(&self) -> Vec<Cow<'_, str>> {
         self.slab.lru_iter().map(|idx| self.slab.key(idx)).collect()
     }
 
-    /// Every key with a reference count above zero, with its count, in no particular order.
+    /// Every referenced key with its count, in no particular order.
     pub fn references(&self) -> Vec<(Cow<'_, str>, u32)> {
         let slab = &self.slab;
         slab.live_indices()
@@ -246,8 +228,7 @@ impl<M: Copy + Default> KeyTable<M> {
         self.slab.remove(idx);
     }
 
-    /// Checks that every live entry is found by its key under its current hash, and that the
-    /// index holds nothing else.
+    /// Checks that every live entry is found by its key and the index holds nothing else.
     pub fn validate(&self) -> Result<(), String> {
         self.slab.validate()?;
         let mut live = 0usize;

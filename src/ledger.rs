@@ -1,6 +1,5 @@
-//! The ledger `check()` keeps in both stores: every object written and not yet removed is
-//! stored, so a stored key lost any way other than eviction or replacement (a rollback
-//! forgetting it, say) breaks an equation that no structural count can see.
+//! `check()`'s ledger: a stored key lost other than by eviction or replacement (a rollback that
+//! forgets it) breaks `stored == written - evicted - replaced`, which no structural count sees.
 
 /// Stored objects removed by eviction, and objects whose bytes a re-put replaced.
 #[derive(Debug, Default, Clone, Copy)]
@@ -10,7 +9,7 @@ pub(crate) struct Ledger {
 }
 
 impl Ledger {
-    /// `stored == written - evicted_stored - replaced`, or the invariant's name.
+    /// The ledger's equation, or the invariant's name.
     pub(crate) fn check(&self, written: u64, stored: usize) -> Result<(), String> {
         let ledger = written - self.evicted_stored - self.replaced;
         if ledger == stored as u64 {

@@ -1,22 +1,19 @@
-//! aostore: the block store behind an LLM engine's auxiliary outputs.
-//!
-//! Fixed-size slots in one arena, reference counts per key, and an O(1) LRU that holds only
-//! evictable (stored, unreferenced) keys. The core has no Python in it; the PyO3 binding lives in
-//! `python` behind the `python` feature.
+//! aostore: a bounded block store for an LLM engine's auxiliary outputs, with reference counts
+//! and an O(1) LRU of evictable keys only. The PyO3 binding is `python`, behind its feature.
 
-pub mod arena;
-pub mod chunks;
-mod core;
-pub mod digest;
-pub mod error;
-pub mod index;
-pub mod keys;
+mod arena;
+mod chunks;
+mod digest;
+mod error;
+mod index;
+mod keys;
 mod ledger;
 mod references;
-pub mod sched;
+mod sched;
+// Public only for the slab benchmark in benches/store.rs; not part of the API.
+#[doc(hidden)]
 pub mod slab;
-pub mod store;
-pub mod variable;
+mod store;
 
 #[cfg(feature = "python")]
 mod python;
@@ -24,6 +21,7 @@ mod python;
 pub use arena::Prefault;
 pub use error::StoreError;
 pub use store::{
-    BlockRef, BlockStore, Counters, Profile, PutReport, RemoveReason, Stats, VictimPolicy,
+    BlockRef, BlockStore, ChunkChains, Counters, FixedSlots, Profile, PutReport, ReadPlan,
+    RemoveReason, Stats, Store, StoreOptions, VariableStats, VariableStore, VictimPolicy,
+    MAX_OBJECT_NBYTES, MAX_SLOTS,
 };
-pub use variable::{ReadPlan, VariableStats, VariableStore};

@@ -1,22 +1,10 @@
-//! Replaying one put's reference-count changes to a victim policy, shared by both stores.
-//!
-//! A policy hears each retain and release in call order with the key's count before and after
-//! it. The core applies all of a call's changes first and tells the policy afterwards (a policy
-//! runs Python, which must not see a half-applied call), so each key's count at the start of the
-//! replay is reconstructed from its count now. One hash map from entry to running count keeps
-//! this linear in the number of changes: vLLM's worker releases every held key in one put on a
-//! generation reset, hundreds of thousands of them, under the store lock.
+//! Replaying one put's count changes to a victim policy, after the call is applied (Python must
+//! not see it half done). A map of running counts keeps it linear: a generation reset releases
+//! hundreds of thousands of keys in one put, under the store lock.
 
 use foldhash::{HashMap, HashMapExt};
 
-/// Calls `notify(entry, old, new)` for each change of one call, in the order the policy must
-/// hear them.
-///
-/// `retains` and `releases` are the call's entries in call order (an entry may repeat);
-/// `refs(entry)` is its count now. Forward (`undone == false`), the counts are final and the
-/// changes are replayed as made: retains (+1 each), then releases (-1 each). With `undone`, the
-/// call was rolled back, the counts are the original ones again, and the changes are undone
-/// newest first: releases backwards (+1 each), then retains backwards (-1 each).
+/// Calls `notify(entry, old, new)` per change (`refs`: the count now), forward or undone.
 pub(crate) fn replay<E>(
     retains: &[u32],
     releases: &[u32],
@@ -25,8 +13,7 @@ pub(crate) fn replay<E>(
     mut notify: impl FnMut(u32, u32, u32) -> Result<(), E>,
 ) -> Result<(), E> {
     let mut counts: HashMap<u32, i64> = HashMap::with_capacity(retains.len() + releases.len());
-    // Each entry's count where the replay starts: forward, before the call (undo the call's
-    // changes from the final count); undone, after it (redo them on the original count).
+    // Each entry's count where the replay starts: before the call forward, after it when undone.
     let sign = if undone { 1 } else { -1 };
     for &idx in retains {
         *counts.entry(idx).or_insert_with(|| i64::from(refs(idx))) += sign;

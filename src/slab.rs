@@ -1,10 +1,6 @@
-//! The key slab: one entry per key the store knows (stored, referenced, or both), a free list
-//! threaded through vacant entries, and the LRU of evictable keys as an intrusive doubly linked
-//! list over the same indices, so insert, unlink and move-to-tail are O(1) and allocation-free.
-//!
-//! Each key's LRU links live in a dense array beside the entries (8 bytes a key, small enough to
-//! stay in cache), so the eviction walk can follow the LRU without reading any entry; the
-//! victims' entries are then prefetched together.
+//! The key slab: one entry per known key, a free list through vacant entries, and the LRU of
+//! evictable keys as an intrusive list whose links sit in a dense array beside the entries, so
+//! the eviction walk reads no entry (the victims' are prefetched together afterwards).
 
 use std::borrow::Cow;
 
@@ -15,17 +11,12 @@ use crate::error::StoreError;
 pub const NIL: u32 = u32::MAX;
 /// `Entry::slot` of a key that has no slot in the arena.
 pub const NO_SLOT: u32 = u32::MAX;
-/// `Entry::slot` of a batch key that is being stored by the current put and has no slot yet.
-/// Such a key is in the LRU (when unreferenced) exactly like a stored one, as in vLLM.
+/// `Entry::slot` of a batch key the current put is storing; in the LRU like a stored one.
 pub const PENDING_SLOT: u32 = u32::MAX - 1;
 /// `Link::prev` of a vacant entry, so `validate` can tell vacant entries from live ones.
 const VACANT: u32 = u32::MAX - 1;
 
-/// What the store knows about one key: one cache line, key included (vLLM's keys are held as
-/// a digest, see `digest`), so reading an entry costs one line and a new key allocates nothing.
-///
-/// `M` is per-key data a store keeps beside the count (nothing for the fixed store, a payload
-/// length for the variable one).
+/// What the store knows about one key, key included, in one cache line; `M` is the store's.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub struct Entry<M = ()> {
@@ -34,8 +25,7 @@ pub struct Entry<M = ()> {
     pub refs: u32,
     /// Arena slot, `NO_SLOT`, or `PENDING_SLOT`.
     pub slot: u32,
-    /// Scratch for the put in progress (validation counts, batch positions); meaningless between
-    /// calls.
+    /// Scratch for the put in progress (validation counts, batch positions).
     pub mark: u32,
     /// The store's own per-key data; reset to `M::default()` when the entry is created.
     pub meta: M,
@@ -64,8 +54,7 @@ impl<M: Copy + Default> Entry<M> {
     }
 }
 
-/// LRU neighbours of one entry (`NIL` at the ends; `prev == VACANT` for a vacant entry, whose
-/// `next` threads the free list).
+/// LRU neighbours (`NIL` at the ends; a vacant entry has `prev == VACANT`, `next` the free list).
 #[derive(Debug, Clone, Copy)]
 struct Link {
     prev: u32,
@@ -93,15 +82,14 @@ impl Default for Slab {
 }
 
 impl Slab {
-    /// An empty slab of the fixed store's layout with room for `capacity` entries before it
-    /// reallocates.
+    /// An empty slab of the fixed store's layout with room for `capacity` entries.
     pub fn with_capacity(capacity: usize) -> Self {
         Self::with_room(capacity)
     }
 }
 
 impl<M: Copy + Default> Slab<M> {
-    /// An empty slab of any layout with room for `capacity` entries before it reallocates.
+    /// An empty slab of any layout with room for `capacity` entries.
     pub fn with_room(capacity: usize) -> Self {
         Self {
             codec: KeyCodec::default(),
@@ -115,12 +103,9 @@ impl<M: Copy + Default> Slab<M> {
         }
     }
 
-    /// An empty slab that holds `capacity` entries before it reallocates, if the allocator
-    /// grants that much address space; otherwise it reserves what it can (up to 2^20 entries)
-    /// and grows later, or fails when even that is refused.
+    /// An empty slab with address space for `capacity` entries, or what it can get (down to 2^20).
     pub fn with_reserve(capacity: usize) -> Result<Self, StoreError> {
         let mut slab = Self::with_room(0);
-        // Large reservations are fresh anonymous mappings: untouched pages cost nothing.
         if slab.try_reserve(capacity).is_err() {
             slab = Self::with_room(0);
             slab.try_reserve(capacity.min(1 << 20))?;
@@ -141,12 +126,7 @@ impl<M: Copy + Default> Slab<M> {
         Ok(())
     }
 
-    /// Commits the memory of the first `count` entries (entries and links) now, so that
-    /// no put pays a page fault for a new key later (`prefault`). Contents are unchanged.
-    ///
-    /// The committed range is asked for huge pages first: entries are read at random, and with
-    /// 4 KiB pages most such reads miss the TLB as well as the cache. Only this range: huge
-    /// pages beyond it would commit up to 2 MiB more than the entries in use.
+    /// Commits the first `count` entries and links now, on huge pages, so no put faults on them.
     pub fn commit(&mut self, count: usize) {
         fn spare<T>(v: &mut Vec<T>, count: usize) -> (*const u8, usize) {
             let wanted = count.saturating_sub(v.len());
@@ -160,12 +140,10 @@ impl<M: Copy + Default> Slab<M> {
         }
     }
 
-    /// Number of live entries.
     pub fn len(&self) -> usize {
         self.live
     }
 
-    /// Whether no entry is live.
     pub fn is_empty(&self) -> bool {
         self.live == 0
     }
@@ -175,8 +153,7 @@ impl<M: Copy + Default> Slab<M> {
         self.links.get(idx as usize).is_some_and(|l| l.prev != VACANT)
     }
 
-    /// The 32-bit hash the index files entry `idx` under (computed from its key: cheap for a
-    /// digest, which is the common key).
+    /// The 32-bit hash the index files entry `idx` under, from its key (cheap for a digest).
     #[inline]
     pub fn hash(&self, idx: u32) -> u32 {
         self.codec.hash_of(&self.entries[idx as usize].key)
@@ -189,8 +166,7 @@ impl<M: Copy + Default> Slab<M> {
         if let Some(entry) = self.entries.get(idx as usize) {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let line = std::ptr::from_ref(entry).cast::<i8>();
-            // SAFETY: a prefetch never faults and does not change memory; every address lies in
-            // the entry (a multiple of 64 bytes, 64-byte aligned). SSE is in the x86_64 baseline.
+            // SAFETY: a prefetch never faults or writes; every address lies in the aligned entry.
             unsafe {
                 for offset in (0..std::mem::size_of::<Entry<M>>()).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(line.add(offset));
@@ -199,8 +175,7 @@ impl<M: Copy + Default> Slab<M> {
         }
     }
 
-    /// Starts loading the LRU links of entry `idx` and of its two neighbours, which a move to
-    /// the LRU tail rewrites: three more cache misses per key on a read of cold keys.
+    /// Starts loading the LRU links of `idx` and its neighbours, which a move to the tail rewrites.
     #[inline]
     pub fn prefetch_lru_neighbourhood(&self, idx: u32) {
         #[cfg(target_arch = "x86_64")]
@@ -208,28 +183,24 @@ impl<M: Copy + Default> Slab<M> {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             for neighbour in [link.prev, link.next] {
                 if let Some(other) = self.links.get(neighbour as usize) {
-                    // SAFETY: a prefetch never faults and does not change memory; the address is
-                    // an element of `links`. SSE is in the x86_64 baseline.
+                    // SAFETY: a prefetch never faults or writes; the address is in `links`.
                     unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(other).cast::<i8>()) };
                 }
             }
         }
     }
 
-    /// Starts loading the LRU links of entry `idx` (the dense `links` array, apart from the
-    /// entry itself).
+    /// Starts loading the LRU links of entry `idx`.
     #[inline]
     pub fn prefetch_links(&self, idx: u32) {
         #[cfg(target_arch = "x86_64")]
         if let Some(link) = self.links.get(idx as usize) {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // SAFETY: a prefetch never faults and does not change memory; the address is an
-            // element of `links`. SSE is in the x86_64 baseline.
+            // SAFETY: a prefetch never faults or writes; the address is an element of `links`.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(link).cast::<i8>()) };
         }
     }
 
-    /// Number of entries in the LRU.
     pub fn lru_len(&self) -> usize {
         self.lru_len
     }
@@ -260,8 +231,7 @@ impl<M: Copy + Default> Slab<M> {
         self.codec.text(&entry.key)
     }
 
-    /// Creates an entry for `key`, prepared as `probe` (unreferenced, no slot, not in the LRU),
-    /// and returns its index.
+    /// Creates an unreferenced entry for `key` (no slot, not in the LRU) and returns its index.
     pub fn insert(&mut self, key: &str, probe: &Probe) -> u32 {
         let stored = KeyCodec::store(key, probe);
         self.codec.hold(&stored, probe);
@@ -341,16 +311,14 @@ impl<M: Copy + Default> Slab<M> {
         self.lru_len -= 1;
     }
 
-    /// The entries before and after `idx` in the LRU (`NIL` at the ends), so that a caller can
-    /// later put it back where it was with `relink`.
+    /// The LRU neighbours of `idx` (`NIL` at the ends), for `relink`.
     #[inline]
     pub fn lru_neighbours(&self, idx: u32) -> (u32, u32) {
         let link = self.links[idx as usize];
         (link.prev, link.next)
     }
 
-    /// Puts an entry that is not in the LRU back between `prev` and `next`, which must be
-    /// neighbours (`NIL` for an end): undoes an `unlink` when changes are undone newest first.
+    /// Puts an entry back between neighbours `prev` and `next`: undoes an `unlink`, newest first.
     pub fn relink(&mut self, idx: u32, prev: u32, next: u32) {
         debug_assert!({
             let link = self.links[idx as usize];
@@ -394,7 +362,6 @@ impl<M: Copy + Default> Slab<M> {
         })
     }
 
-    /// Iterates the indices of live entries.
     pub fn live_indices(&self) -> impl Iterator<Item = u32> + '_ {
         self.links
             .iter()
@@ -403,8 +370,7 @@ impl<M: Copy + Default> Slab<M> {
             .map(|(idx, _)| idx as u32)
     }
 
-    /// Verifies the slab's own invariants: the free list, the live count, and that the LRU is a
-    /// well-formed list holding exactly the evictable entries.
+    /// Checks the free list, the live count, and that the LRU holds exactly the evictable entries.
     pub fn validate(&self) -> Result<(), String> {
         if self.links.len() != self.entries.len() {
             return Err("dense arrays and entries differ in length".into());

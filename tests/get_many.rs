@@ -38,7 +38,7 @@ proptest! {
         let mut expected_missing = Vec::new();
         for (i, k) in wanted.iter().enumerate() {
             if present[i] {
-                expected.extend(store.objects().into_iter().find(|(s, _)| s == k).unwrap().1);
+                expected.extend(store.objects().into_iter().find(|(s, _)| s == k).unwrap().1.iter());
             } else {
                 expected_missing.push(i);
             }

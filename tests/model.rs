@@ -1,13 +1,12 @@
 //! Model-based test of both stores: random operation sequences run against `BlockStore` and
-//! `VariableStore` and against naive models written straight from the SPEC (section 2 for the
-//! fixed store, section 13 for the variable one: Vec LRUs, HashMaps, a snapshot to roll back
-//! to), with `check()` after every step and the full contents compared. One runner, one set of
-//! operation generators and one `Subject` trait serve both stores and both models.
+//! `VariableStore` and against naive models written from docs/semantics.md (Vec LRUs,
+//! HashMaps, a snapshot to roll back to), with `check()` after every step and the full contents
+//! compared. One runner, one set of operation generators and one `Subject` trait serve both.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use aostore::{BlockRef, BlockStore, Profile, StoreError, VariableStore};
+use aostore::{BlockRef, BlockStore, Profile, StoreError, StoreOptions, VariableStore};
 use proptest::prelude::*;
 
 /// The fixed store's object size in the model runs.
@@ -164,7 +163,11 @@ impl Subject for VariableStore {
         State {
             lru: self.lru_keys().into_iter().map(Cow::into_owned).collect(),
             refs: owned(self.references()),
-            objects: self.objects().into_iter().map(|(k, p)| (k.into_owned(), p)).collect(),
+            objects: self
+                .objects()
+                .into_iter()
+                .map(|(k, p)| (k.into_owned(), p.into_owned()))
+                .collect(),
             gauge: ("stored_bytes", self.stats().stored_bytes),
         }
     }
@@ -358,8 +361,8 @@ impl<R: Rule> Subject for Model<R> {
     }
 }
 
-/// SPEC section 2: fixed slots; a refused put keeps its reference changes and LRU moves, as
-/// vLLM does; `grow` is vLLM 0.33's profile.
+/// The fixed store (docs/semantics.md): a refused put keeps its reference changes and LRU
+/// moves, as vLLM does; `grow` is vLLM 0.33's profile.
 #[derive(Debug, Clone, Default)]
 struct Fixed {
     num_slots: usize,
@@ -428,7 +431,7 @@ impl Rule for Fixed {
     }
 }
 
-/// SPEC section 13: objects of any size charged in whole chunks; a refused put changes nothing.
+/// The variable store (docs/semantics.md): whole chunks are charged; a refusal changes nothing.
 #[derive(Debug, Clone, Default)]
 struct Variable {
     capacity_chunks: usize,
@@ -612,7 +615,12 @@ fn cases() -> u32 {
 
 fn fixed_pair(num_slots: usize, grow: bool) -> (BlockStore, Model<Fixed>) {
     let profile = if grow { Profile::Grow } else { Profile::FailClosed };
-    let store = BlockStore::with_profile(num_slots * NBYTES, NBYTES, profile).unwrap();
+    let store = BlockStore::with_options(
+        num_slots * NBYTES,
+        NBYTES,
+        StoreOptions::default().profile(profile),
+    )
+    .unwrap();
     (store, Model { rule: Fixed { num_slots, grow }, c: Contents::default() })
 }
 
@@ -645,7 +653,7 @@ proptest! {
         ops in all_ops(variable_length()),
     ) {
         prop_assume!(chunk <= max_bytes);
-        let mut store = VariableStore::with_options(max_bytes, Some(chunk), false).unwrap();
+        let mut store = VariableStore::with_options(max_bytes, StoreOptions::default().chunk_nbytes(chunk)).unwrap();
         let rule = Variable { capacity_chunks: max_bytes / chunk, chunk };
         let mut model = Model { rule, c: Contents::default() };
         run(&mut store, &mut model, ops)?;
@@ -683,8 +691,8 @@ impl Evicting for VariableStore {
     }
 }
 
-/// The seed's property: with 9,000 of 10,000 keys referenced, each evicting put of 64 fresh
-/// `nbytes`-byte objects visits only about its victims (`visits_ok` says how near).
+/// The eviction bound (docs/semantics.md, "Eviction"): with 9,000 of 10,000 keys referenced, an
+/// evicting put of 64 fresh `nbytes`-byte objects visits only about its victims (`visits_ok`).
 fn evicting_put_visits_only_victims(
     store: &mut impl Evicting,
     nbytes: usize,
@@ -713,7 +721,8 @@ fn evicting_put_visits_only_victims(
 fn evicting_put_does_not_visit_referenced_keys() {
     let mut fixed = BlockStore::new(10_000 * NBYTES, NBYTES).unwrap();
     evicting_put_visits_only_victims(&mut fixed, NBYTES, |visits| visits <= 64 + 64);
-    let mut variable = VariableStore::with_options(10_000 * 8, Some(8), false).unwrap();
+    let mut variable =
+        VariableStore::with_options(10_000 * 8, StoreOptions::default().chunk_nbytes(8)).unwrap();
     evicting_put_visits_only_victims(&mut variable, 8, |visits| visits == 64);
 }
 
@@ -747,11 +756,11 @@ fn constructor_rejects_bad_sizes() {
     ));
     assert!(matches!(VariableStore::new(0), Err(StoreError::InvalidArgument(_))));
     assert!(matches!(
-        VariableStore::with_options(4, Some(0), false),
+        VariableStore::with_options(4, StoreOptions::default().chunk_nbytes(0)),
         Err(StoreError::InvalidArgument(_))
     ));
     assert!(matches!(
-        VariableStore::with_options(4, Some(8), false),
+        VariableStore::with_options(4, StoreOptions::default().chunk_nbytes(8)),
         Err(StoreError::InvalidArgument(_))
     ));
     assert!(matches!(VariableStore::new(usize::MAX), Err(StoreError::CapacityTooLarge { .. })));
@@ -761,7 +770,8 @@ fn constructor_rejects_bad_sizes() {
 /// accounted for, and a re-put that grows a key evicts only what it must.
 #[test]
 fn churn_keeps_the_allocator_exact() {
-    let mut store = VariableStore::with_options(64 << 10, Some(256), false).unwrap();
+    let mut store =
+        VariableStore::with_options(64 << 10, StoreOptions::default().chunk_nbytes(256)).unwrap();
     let mut state = 7u64;
     let mut next = || {
         state =
@@ -788,7 +798,8 @@ fn churn_keeps_the_allocator_exact() {
 
 #[test]
 fn an_object_larger_than_the_store_is_refused_and_changes_nothing() {
-    let mut store = VariableStore::with_options(16, Some(4), false).unwrap();
+    let mut store =
+        VariableStore::with_options(16, StoreOptions::default().chunk_nbytes(4)).unwrap();
     store.put(&[BlockRef { key: "a", payload: b"aaaa" }], &[], &[]).unwrap();
     let big = vec![0u8; 17];
     let err = store.put(&[BlockRef { key: "b", payload: &big }], &["a"], &[]).unwrap_err();

@@ -1,9 +1,4 @@
-//! Batch arguments as raw byte views, with the Python objects that own the bytes kept alive.
-//!
-//! One pass over the arguments with the GIL held: each key's UTF-8 text and each payload's
-//! bytes are recorded as pointer and length, and their owners are kept (one reference per list
-//! item; a `BlockObject`'s key and payload are borrowed through it). The store then reads the
-//! bytes with the GIL released.
+//! Batch arguments as raw byte views taken with the GIL, owners kept, read without it.
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
@@ -23,11 +18,8 @@ pub(crate) struct RawBytes {
     pub(crate) len: usize,
 }
 
-// SAFETY: the bytes belong to `str`/`bytes` objects or exported buffers that the batch keeps
-// alive (an export also keeps a bytearray or numpy array from resizing), so the memory stays
-// valid and in place while the owners live. They are only read. A caller may still write a
-// writable buffer from another thread while it is read: the copy then holds whichever bytes it
-// saw (documented for `put` and `put_blocks`), as a `memcpy` of shared memory would.
+// SAFETY: the bytes belong to owners the batch keeps alive (an export also stops a resize), and
+// are only read; a concurrent writer races as a `memcpy` of shared memory would.
 unsafe impl Send for RawBytes {}
 
 impl RawBytes {
@@ -38,7 +30,7 @@ impl RawBytes {
     /// # Safety
     /// The owner recorded with these bytes must still be alive.
     pub(crate) unsafe fn get<'a>(self) -> &'a [u8] {
-        // SAFETY: per the contract above, the memory is live and not written.
+        // SAFETY: the contract above: the memory is live and not written.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
@@ -53,7 +45,7 @@ impl RawBytes {
 /// The owners of a batch's bytes and the views into them.
 #[derive(Default)]
 pub(crate) struct Gathered<'py> {
-    /// Unbound as they are recorded, so that a batch handed to the writer moves them whole.
+    /// Unbound, so a batch handed to the writer moves them whole.
     objects: Vec<Py<PyAny>>,
     buffers: Vec<PyUntypedBuffer>,
     /// (key, payload) per object, in call order.
@@ -71,11 +63,9 @@ pub(crate) fn flat_view<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, P
     view.call_method1("cast", ("B",))
 }
 
-/// Calls `f` with each item of `sequence`, in order. A list or tuple (exactly those types) is
-/// read by index rather than through an iterator, which makes no Python object (so no
-/// collection, and no finalizer, starts in the middle of a put); a list's length is read again
-/// before every item, since `f` may run code that changes it (a duck-typed object's `.key`), as
-/// an iterator would see. Any other iterable is iterated.
+/// Calls `f` with each item of `sequence`. A list or tuple is read by index, making no Python
+/// object (so no GC or finalizer runs mid-put), its length re-read each item as `f` may change
+/// it; any other iterable is iterated.
 fn for_each_item<'py>(
     sequence: &Bound<'py, PyAny>,
     mut f: impl FnMut(Bound<'py, PyAny>) -> PyResult<()>,
@@ -84,8 +74,7 @@ fn for_each_item<'py>(
     if let Ok(list) = sequence.cast_exact::<PyList>() {
         let mut i = 0;
         while i < list.len() {
-            // SAFETY: `i` is below the list's length and the GIL is held, so the borrowed item is
-            // live; it becomes a new reference before any other code runs.
+            // SAFETY: `i` is below the length, GIL held; the item is owned before code runs.
             f(unsafe {
                 Bound::from_borrowed_ptr(
                     py,
@@ -114,9 +103,7 @@ fn is_exactly(object: &Bound<'_, PyAny>, kind: *mut ffi::PyTypeObject) -> bool {
     unsafe { ffi::Py_TYPE(object.as_ptr()) == kind }
 }
 
-/// A batch's owners, for a batch that outlives the call (the writer thread): moved out of the
-/// batch whole, with no work per object. Dropping them needs the GIL (a `PyUntypedBuffer`
-/// releases its export by taking it).
+/// A batch's owners, moved out whole for the writer thread; dropping them needs the GIL.
 #[derive(Default)]
 pub(crate) struct Owners {
     pub(crate) objects: Vec<Py<PyAny>>,
@@ -125,11 +112,8 @@ pub(crate) struct Owners {
 }
 
 impl<'py> Gathered<'py> {
-    /// Records the objects of a `put`: our `BlockObject` or anything with `.key`/`.payload`.
-    ///
-    /// A list or tuple is read by index (`for_each_item`) and a `BlockObject` is recognized by
-    /// its type pointer (the class is final): a batch of `BlockObject`s in a list is recorded
-    /// without making a Python object.
+    /// Records the objects of a `put`: our `BlockObject` (recognized by type pointer, the class is
+    /// final, so a list of them makes no Python object) or anything with `.key`/`.payload`.
     pub(crate) fn objects(&mut self, objects: &Bound<'py, PyAny>) -> PyResult<()> {
         let py = objects.py();
         let block_type = BlockObject::type_object_raw(py);
@@ -151,16 +135,14 @@ impl<'py> Gathered<'py> {
         })
     }
 
-    /// The key and payload of an object that is not a `BlockObject`, read through `.key` and
-    /// `.payload`; what those return is kept with the batch (it may be a new object).
+    /// Key and payload through `.key` and `.payload`; what they return is kept with the batch.
     fn duck_typed(&mut self, item: &Bound<'py, PyAny>) -> PyResult<(RawBytes, RawBytes)> {
         let py = item.py();
         let parts = item
             .getattr(intern!(py, "key"))
             .and_then(|key| Ok((key, item.getattr(intern!(py, "payload"))?)));
         let (key_object, payload_object) = parts.map_err(|error| {
-            // A missing attribute is a wrong type; anything the object raised itself
-            // propagates as it was.
+            // A missing attribute is a wrong type; the object's own errors propagate as they were.
             if !error.is_instance_of::<PyAttributeError>(py) {
                 return error;
             }
@@ -202,8 +184,7 @@ impl<'py> Gathered<'py> {
         Ok(())
     }
 
-    /// Records the arguments of `put_blocks`: `keys` and one C-contiguous buffer holding
-    /// `len(keys) * object_nbytes` bytes.
+    /// Records `put_blocks`' `keys` and its one buffer of `len(keys) * object_nbytes` bytes.
     pub(crate) fn rows_of(
         &mut self,
         keys: &Bound<'py, PyAny>,
@@ -224,9 +205,8 @@ impl<'py> Gathered<'py> {
         Ok(())
     }
 
-    /// `put_blocks`' one buffer, checked here only (the façade converts tensors and checks
-    /// nothing else): C-contiguous plain data, either flat bytes or shaped `(count, ...)` with
-    /// rows of `object_nbytes` bytes. Each error says which of these it is not.
+    /// `put_blocks`' buffer, checked only here: C-contiguous plain data, flat or shaped
+    /// `(count, ...)` with rows of `object_nbytes` bytes; each error says which it is not.
     fn blocks(
         &mut self,
         blocks: &Bound<'py, PyAny>,
@@ -297,9 +277,7 @@ impl<'py> Gathered<'py> {
     /// The text of one key; the caller keeps its owner.
     fn key(&mut self, key: &Bound<'py, PyAny>) -> PyResult<RawBytes> {
         let mut len: ffi::Py_ssize_t = 0;
-        // SAFETY: `key` is a live object and the GIL is held; for a `str` (or a subclass) the
-        // result is its UTF-8 text, cached in the object and valid while it lives; anything
-        // else gives NULL with an exception set.
+        // SAFETY: a live object, GIL held: a `str` gives its cached UTF-8, else NULL and an error.
         let text = unsafe { ffi::PyUnicode_AsUTF8AndSize(key.as_ptr(), &raw mut len) };
         if text.is_null() {
             // Not a str, or one that is not valid UTF-8: the message says which.
@@ -323,8 +301,7 @@ impl<'py> Gathered<'py> {
         })
     }
 
-    /// The bytes of a readable C-contiguous buffer, kept exported while the batch lives (a
-    /// `bytes` object must be kept by the caller).
+    /// The bytes of a readable C-contiguous buffer, exported while the batch lives.
     fn buffer(
         &mut self,
         value: &Bound<'py, PyAny>,
@@ -353,10 +330,8 @@ impl<'py> Gathered<'py> {
         Ok(self.hold(buffer))
     }
 
-    /// The bytes of a checked C-contiguous export, which the batch holds until it is dropped.
     fn hold(&mut self, buffer: PyUntypedBuffer) -> RawBytes {
-        // SAFETY: C-contiguous (checked by the caller), exported until `buffer` is dropped with
-        // this batch.
+        // SAFETY: C-contiguous (the caller checked), exported until `buffer` drops with the batch.
         let bytes = unsafe {
             std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes())
         };
@@ -371,15 +346,13 @@ impl<'py> Gathered<'py> {
     }
 
     /// The batch as the store takes it.
-    ///
     /// # Safety
-    /// `self` must outlive the returned views (it owns what they point into).
+    /// `self` must outlive the returned views.
     pub(crate) unsafe fn views(&self) -> Result<BatchViews<'_>, StoreError> {
         // SAFETY: every RawBytes was recorded from an owner held by `self`.
         unsafe { batch_views(&self.blocks, &self.retains, &self.releases) }
     }
 
-    /// Whether the batch has no object, retain or release.
     pub(crate) fn is_empty(&self) -> bool {
         self.blocks.is_empty() && self.retains.is_empty() && self.releases.is_empty()
     }
@@ -394,11 +367,10 @@ impl<'py> Gathered<'py> {
 /// A batch as the store takes it: objects, retains, releases.
 pub(crate) type BatchViews<'a> = (Vec<BlockRef<'a>>, Vec<&'a str>, Vec<&'a str>);
 
-/// The store's view of recorded keys and payloads. A batch too large for the memory left is
-/// refused (`OutOfMemory`, raised or latched as `MemoryError`) rather than aborting the process.
-///
+/// The store's view of recorded keys and payloads; a batch too large for memory is refused
+/// (`OutOfMemory`) rather than aborting.
 /// # Safety
-/// Every `RawBytes` must point into memory that stays alive and unchanged for `'a`.
+/// Every `RawBytes` must point into memory alive and unchanged for `'a`.
 pub(crate) unsafe fn batch_views<'a>(
     blocks: &'a [(RawBytes, RawBytes)],
     retains: &'a [RawBytes],

@@ -1,6 +1,5 @@
-//! The one handle both native stores are built on: the core behind its lock, the fork check,
-//! the closed state, the victim policy and its part in cycle collection, and the methods whose
-//! Python face is the same for both stores (`store_methods!` exposes them on each class).
+//! What both native stores are built on: the store behind its lock, the fork check, the closed
+//! state, the victim policy, and the Python methods they share (`store_methods!`).
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,122 +7,42 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyAssertionError;
 use pyo3::gc::PyVisit;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::PyTraverseError;
 
 use super::gather::Gathered;
 use super::lock::{Held, StoreLock};
-use super::{
-    as_texts, collect_keys, fork_generation, forked_error, log_growth, to_py_err, PyPolicy,
-};
+use super::{as_texts, collect_keys, fork_generation, forked_error, to_py_err, PyPolicy};
 use crate::error::StoreError;
-use crate::store::{BlockRef, BlockStore, Counters, PutReport, VictimPolicy};
-use crate::variable::VariableStore;
+use crate::store::{Allocator, Counters, Store, VictimPolicy};
 
-/// Every key a store knows, copied out under the lock: the LRU (oldest first), the reference
-/// counts, and the stored objects' bytes.
+/// `retain_keys` and `release_keys` as a put takes them.
+pub(crate) type References<'a, 'py> =
+    (Option<&'a Bound<'py, PyAny>>, Option<&'a Bound<'py, PyAny>>);
+
+/// Every key a store knows, copied out under the lock: LRU (oldest first), counts, bytes.
 pub(crate) type Contents = (Vec<String>, Vec<(String, u32)>, Vec<(String, Vec<u8>)>);
 
-/// What the handle needs of a store's core; both cores implement it by delegating, so each
-/// call is a direct, monomorphized one.
-pub(crate) trait Core: Send + 'static {
-    /// A put; `Some(slots)` when the arena grew (the fixed store's profile `grow`).
-    fn put(
-        &mut self,
-        blocks: &[BlockRef<'_>],
-        retains: &[&str],
-        releases: &[&str],
-        policy: Option<&mut dyn VictimPolicy>,
-    ) -> Result<Option<usize>, StoreError>;
-    fn close(&mut self);
-    fn check(&self) -> Result<(), String>;
-    fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError>;
-    fn reference_count(&self, key: &str) -> u32;
-    fn contents(&self) -> Contents;
-}
-
-/// What a successful put reports, as the handle sees it: `Some(slots)` when the arena grew.
-trait Grown {
-    fn grown_to(self) -> Option<usize>;
-}
-
-impl Grown for PutReport {
-    fn grown_to(self) -> Option<usize> {
-        self.grown_to
-    }
-}
-
-impl Grown for () {
-    fn grown_to(self) -> Option<usize> {
-        None
-    }
-}
-
-/// `Core` for a store, by delegating to its methods of the same names.
-macro_rules! delegate_core {
-    ($($store:ty),*) => {$(
-        impl Core for $store {
-            fn put(
-                &mut self,
-                blocks: &[BlockRef<'_>],
-                retains: &[&str],
-                releases: &[&str],
-                policy: Option<&mut dyn VictimPolicy>,
-            ) -> Result<Option<usize>, StoreError> {
-                self.put_with_policy(blocks, retains, releases, policy).map(Grown::grown_to)
-            }
-            fn close(&mut self) {
-                <$store>::close(self);
-            }
-            fn check(&self) -> Result<(), String> {
-                <$store>::check(self)
-            }
-            fn contains_many(&self, keys: &[&str]) -> Result<Vec<bool>, StoreError> {
-                <$store>::contains_many(self, keys)
-            }
-            fn reference_count(&self, key: &str) -> u32 {
-                <$store>::reference_count(self, key)
-            }
-            fn contents(&self) -> Contents {
-                (
-                    self.lru_keys().into_iter().map(Cow::into_owned).collect(),
-                    self.references().into_iter().map(|(k, c)| (k.into_owned(), c)).collect(),
-                    self.objects().into_iter().map(|(k, p)| (k.into_owned(), p.into())).collect(),
-                )
-            }
-        }
-    )*};
-}
-
-delegate_core!(BlockStore, VariableStore);
-
-/// A core behind its mutex, shared by threads, with the state every native store keeps.
-///
-/// The mutex is only ever taken with the GIL released, so a thread holding it can always get
-/// the GIL back and no two threads wait on each other. The one exception is a victim policy,
-/// which runs Python while the lock is held: see `lock.rs`.
-pub(crate) struct Handle<S> {
-    /// Shared with a Rust writer thread (`NativeWriter`), which applies batches to it directly
-    /// and never holds the Python object.
-    inner: Arc<Mutex<S>>,
-    /// The victim policy; behind its own small lock only so `__clear__` can drop it (never while
-    /// the store lock is held).
+/// A store behind its mutex, which is only taken with the GIL released (a victim policy is the
+/// one exception: see `lock.rs`).
+pub(crate) struct Handle<A: Allocator> {
+    /// Shared with a `NativeWriter` thread, which never holds the Python object.
+    inner: Arc<Mutex<Store<A>>>,
+    /// Behind its own lock only so `__clear__` can drop it (never under the store lock).
     policy: Mutex<Option<Py<PyAny>>>,
-    /// Whether a policy was given: then a thread waiting for the lock must watch `in_policy`,
-    /// and a put takes the policy lock (a store without one never does).
+    /// Without a policy, a put never takes the policy lock nor watches `in_policy`.
     has_policy: bool,
-    /// Set while a policy callback runs (with the store lock held).
     in_policy: AtomicBool,
     /// Set by `close()`; read without the lock so a closed store fails before argument checks.
     closed: AtomicBool,
-    /// `fork_generation()` at construction: a forked child must not touch a lock that another
-    /// thread of the parent may have held at fork time.
+    /// A forked child must not touch a lock another thread of the parent may have held.
     generation: u64,
 }
 
-impl<S: Core> Handle<S> {
-    pub(crate) fn new(core: S, policy: Option<Py<PyAny>>) -> Self {
+impl<A: Allocator> Handle<A> {
+    pub(crate) fn new(core: Store<A>, policy: Option<Py<PyAny>>) -> Self {
         Self {
             inner: Arc::new(Mutex::new(core)),
             has_policy: policy.is_some(),
@@ -134,7 +53,7 @@ impl<S: Core> Handle<S> {
         }
     }
 
-    fn lock(&self) -> Result<Held<'_, S>, StoreError> {
+    fn lock(&self) -> Result<Held<'_, Store<A>>, StoreError> {
         StoreLock {
             mutex: &self.inner,
             owner: std::ptr::from_ref(self) as usize,
@@ -151,8 +70,7 @@ impl<S: Core> Handle<S> {
         Ok(())
     }
 
-    /// The core, for a writer thread.
-    pub(crate) fn core(&self) -> PyResult<Arc<Mutex<S>>> {
+    pub(crate) fn core(&self) -> PyResult<Arc<Mutex<Store<A>>>> {
         self.ensure_same_process()?;
         Ok(Arc::clone(&self.inner))
     }
@@ -170,14 +88,13 @@ impl<S: Core> Handle<S> {
     pub(crate) fn with_store<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut S) -> T + Send,
+        f: impl FnOnce(&mut Store<A>) -> T + Send,
     ) -> PyResult<T> {
         self.ensure_same_process()?;
         py.detach(|| self.lock().map(|mut held| f(&mut held.guard))).map_err(to_py_err)
     }
 
-    /// A new reference to the policy, taken with the GIL held so that a put can use it while
-    /// `__clear__` may run; dropped by the caller after the store lock is released.
+    /// Taken with the GIL held, so a put can use it while `__clear__` runs; dropped after the lock.
     pub(crate) fn policy_ref(&self, py: Python<'_>) -> Option<Py<PyAny>> {
         if !self.has_policy {
             return None;
@@ -186,9 +103,29 @@ impl<S: Core> Handle<S> {
         policy.as_ref().map(|p| p.clone_ref(py))
     }
 
-    /// The common tail of every put: the core call with the GIL released, the policy's own
-    /// exception, and the growth warning.
-    pub(crate) fn put_gathered(&self, py: Python<'_>, batch: &Gathered<'_>) -> PyResult<()> {
+    /// `put` and `put_reporting`: `objects` gathered, then put.
+    pub(crate) fn put_objects(
+        &self,
+        py: Python<'_>,
+        objects: &Bound<'_, PyAny>,
+        (retain_keys, release_keys): References<'_, '_>,
+        written: Option<&mut Vec<String>>,
+    ) -> PyResult<()> {
+        self.ensure_open()?;
+        let mut batch = Gathered::default();
+        batch.objects(objects)?;
+        batch.references(retain_keys, release_keys)?;
+        self.put_gathered_reporting(py, &batch, written)
+    }
+
+    /// Every put's tail: the store call without the GIL, the policy's own exception, the growth
+    /// warning, and with `written` the keys whose payload the put stored.
+    pub(crate) fn put_gathered_reporting(
+        &self,
+        py: Python<'_>,
+        batch: &Gathered<'_>,
+        written: Option<&mut Vec<String>>,
+    ) -> PyResult<()> {
         // SAFETY: `batch` outlives the views, which are dropped at the end of this call.
         let (blocks, retains, releases) = unsafe { batch.views() }.map_err(to_py_err)?;
         let policy_object = self.policy_ref(py);
@@ -197,9 +134,15 @@ impl<S: Core> Handle<S> {
             active: &self.in_policy,
             error: None,
         });
-        let result = self.with_store(py, |s| {
+        let reporting = written.is_some();
+        let (result, positions) = self.with_store(py, |s| {
             let policy = policy.as_mut().map(|p| p as &mut dyn VictimPolicy);
-            s.put(&blocks, &retains, &releases, policy)
+            let mut positions = Vec::new();
+            let result = match reporting {
+                true => s.put_reporting(&blocks, &retains, &releases, policy, &mut positions),
+                false => s.put_with_policy(&blocks, &retains, &releases, policy),
+            };
+            (result.map(|r| A::grown_to(&r)), positions)
         })?;
         if let Some(error) = policy.and_then(|p| p.error) {
             return Err(error);
@@ -207,19 +150,21 @@ impl<S: Core> Handle<S> {
         if let Some(num_slots) = result.map_err(to_py_err)? {
             log_growth(py, num_slots);
         }
+        if let Some(written) = written {
+            written.extend(positions.into_iter().map(|i| blocks[i].key.to_owned()));
+        }
         Ok(())
     }
 
     pub(crate) fn close(&self, py: Python<'_>) -> PyResult<()> {
         // Closed for good only once the core has closed (a policy calling back in is refused).
-        self.with_store(py, S::close)?;
+        self.with_store(py, Store::close)?;
         self.closed.store(true, Ordering::Release);
         Ok(())
     }
 
     pub(crate) fn closed(&self) -> bool {
-        // Set once the core has closed, so it needs neither the lock nor a GIL release (the
-        // façade checks it before every tensor call).
+        // Needs neither the lock nor a GIL release: the façade checks it before every tensor call.
         self.closed.load(Ordering::Acquire)
     }
 
@@ -267,7 +212,13 @@ impl<S: Core> Handle<S> {
     }
 
     pub(crate) fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (lru, refs, objects) = self.with_store(py, |s| s.contents())?;
+        let (lru, refs, objects) = self.with_store(py, |s| -> Contents {
+            (
+                s.lru_keys().into_iter().map(Cow::into_owned).collect(),
+                s.references().into_iter().map(|(k, c)| (k.into_owned(), c)).collect(),
+                s.objects().into_iter().map(|(k, p)| (k.into_owned(), p.into_owned())).collect(),
+            )
+        })?;
         let references = PyDict::new(py);
         for (key, count) in refs {
             references.set_item(key, count)?;
@@ -284,8 +235,7 @@ impl<S: Core> Handle<S> {
     }
 }
 
-/// `stats()`: the store's own occupancy figures first, then the counters both stores keep
-/// (`growths` only where the store can grow).
+/// `stats()`: occupancy, then the counters (`growths` only where the store can grow).
 pub(crate) fn stats_dict<'py>(
     py: Python<'py>,
     occupancy: &[(&str, u64)],
@@ -318,18 +268,15 @@ pub(crate) fn stats_dict<'py>(
     Ok(dict)
 }
 
-/// The `#[pymethods]` block of a native store class: its own `$extra` methods, then the ones
-/// both stores expose the same way through their `handle` field. One block per class, as pyo3
-/// wants, with the shared methods written once.
+/// A store class's one `#[pymethods]` block (as pyo3 wants): its `$extra` methods, then the shared ones.
 macro_rules! store_methods {
     ($class:ty { $($extra:tt)* }) => {
         #[pymethods]
         impl $class {
             $($extra)*
 
-            /// Stores `objects` (each with `.key` and a payload) and applies `retain_keys` (+1
-            /// each), then `release_keys` (-1 each), evicting unreferenced keys as needed. Bad
-            /// input raises and changes nothing.
+            /// Stores `objects`, applies `retain_keys` (+1) then `release_keys` (-1), evicting
+            /// unreferenced keys as needed. Bad input raises and changes nothing.
             #[pyo3(signature = (objects, *, retain_keys = None, release_keys = None))]
             fn put(
                 &self,
@@ -338,11 +285,23 @@ macro_rules! store_methods {
                 retain_keys: Option<&Bound<'_, PyAny>>,
                 release_keys: Option<&Bound<'_, PyAny>>,
             ) -> PyResult<()> {
-                self.handle.ensure_open()?;
-                let mut batch = $crate::python::gather::Gathered::default();
-                batch.objects(objects)?;
-                batch.references(retain_keys, release_keys)?;
-                self.handle.put_gathered(py, &batch)
+                self.handle.put_objects(py, objects, (retain_keys, release_keys), None)
+            }
+
+            /// `put`, returning the distinct keys whose payload it stored (a new key, or bytes
+            /// replaced), in first-occurrence order; nothing is stored when it raises.
+            #[pyo3(signature = (objects, *, retain_keys = None, release_keys = None))]
+            fn put_reporting(
+                &self,
+                py: Python<'_>,
+                objects: &Bound<'_, PyAny>,
+                retain_keys: Option<&Bound<'_, PyAny>>,
+                release_keys: Option<&Bound<'_, PyAny>>,
+            ) -> PyResult<Vec<String>> {
+                let mut written = Vec::new();
+                let references = (retain_keys, release_keys);
+                self.handle.put_objects(py, objects, references, Some(&mut written))?;
+                Ok(written)
             }
 
             /// The payloads of `keys`, concatenated in order, as `bytes`; a key that is not
@@ -413,3 +372,14 @@ macro_rules! store_methods {
 }
 
 pub(crate) use store_methods;
+
+/// Profile `grow`'s warning via `aostore._log.store_grew`; a logging failure is unraisable, so it
+/// never loses a batch or skips a close.
+pub(crate) fn log_growth(py: Python<'_>, num_slots: usize) {
+    let logged = py
+        .import(intern!(py, "aostore._log"))
+        .and_then(|log| log.call_method1(intern!(py, "store_grew"), (num_slots,)));
+    if let Err(error) = logged {
+        error.write_unraisable(py, None);
+    }
+}

@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::StoreError;
 
-/// How long a thread waits for a store whose lock is held by a victim policy callback before it
-/// gives up with an error.
+/// How long a thread waits on a store whose lock a victim policy callback holds.
 pub(crate) const POLICY_WAIT_LIMIT: Duration = Duration::from_secs(2);
 
 thread_local! {
@@ -56,8 +55,7 @@ impl<'a, T> StoreLock<'a, T> {
                 "a victim policy must not call back into its store".to_owned(),
             ));
         }
-        // A panic inside the core is a bug; the store's state is still memory-safe to use, and
-        // `check()` tells whether it is consistent.
+        // A panic in the core is a bug; the state stays memory-safe and `check()` tells the rest.
         let guard = match self.mutex.try_lock() {
             Ok(guard) => guard,
             Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),

@@ -1,7 +1,4 @@
-//! The binding of the variable-size store: the same conventions as `NativeStore` (arguments
-//! gathered as raw views with the GIL held, the store lock taken only with the GIL released, one
-//! error mapping), plus the two-phase read that lets a result of unknown size be one `bytes`
-//! object filled in place.
+//! The variable-size store's binding, with a two-phase read into one `bytes` of unknown size.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -13,16 +10,15 @@ use super::{
     PrefaultArg,
 };
 use crate::arena::Prefault;
-use crate::variable::{ReadPlan, VariableStore};
+use crate::store::{ChunkChains, ReadPlan, StoreOptions, VariableStore};
 
-/// A planned read that a put overtook is planned again this many times before it is copied in
-/// one locked call through a private buffer instead.
+/// Replans of a read overtaken by puts before it falls back to one locked private copy.
 const READ_ATTEMPTS: usize = 3;
 
 /// The native variable-size store: a `VariableStore` behind the handle both stores share.
 #[pyclass(module = "aostore._native", subclass, frozen, name = "NativeVariableStore")]
 pub struct NativeVariableStore {
-    pub(crate) handle: Handle<VariableStore>,
+    pub(crate) handle: Handle<ChunkChains>,
     max_bytes: usize,
     chunk_nbytes: usize,
 }
@@ -33,9 +29,8 @@ impl NativeVariableStore {
         Ok(self.read(py, texts, true)?.0)
     }
 
-    /// Reads `keys` into one new `bytes` object: plan under the lock (sizes and places), make the
-    /// object with the GIL, copy into it under the lock if no put ran in between. With
-    /// `require_all`, a missing key raises.
+    /// Reads `keys` into one new `bytes`: plan under the lock, make the object with the GIL, copy
+    /// under the lock if no put ran between. With `require_all`, a missing key raises.
     fn read<'py>(
         &self,
         py: Python<'py>,
@@ -60,9 +55,8 @@ impl NativeVariableStore {
             let bytes = new_uninit_bytes(py, len)?;
             let ptr = bytes_ptr(&bytes) as usize;
             let (returned, copied) = self.handle.with_store(py, move |s| {
-                // SAFETY: for `len > 0`, `bytes` is a new object of `len` bytes that no one else
-                // can see yet, held for the duration of the call; for `len == 0` CPython returns
-                // its shared empty bytes object, and the empty slice writes nothing.
+                // SAFETY: for `len > 0` a new object of `len` bytes no one else sees, held for the
+                // call; for `len == 0` CPython's shared empty bytes, and nothing is written.
                 let out = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
                 let copied = s.read_planned(&plan, out);
                 (plan, copied)
@@ -114,8 +108,8 @@ store_methods!(NativeVariableStore {
             }
         };
         let max_bytes = usize::try_from(max_bytes).map_err(|_| too_large(max_bytes))?;
-        let store =
-            VariableStore::with_commit(max_bytes, chunk_nbytes, prefault).map_err(to_py_err)?;
+        let options = StoreOptions { chunk_nbytes, prefault, ..StoreOptions::default() };
+        let store = VariableStore::with_options(max_bytes, options).map_err(to_py_err)?;
         let chunk_nbytes = store.chunk_nbytes();
         let policy = policy.filter(|p| !p.is_none()).map(|p| p.clone().unbind());
         Ok(Self { handle: Handle::new(store, policy), max_bytes, chunk_nbytes })
@@ -140,12 +134,9 @@ store_methods!(NativeVariableStore {
     }
 
 
-    /// Reads what is stored and reports what is not, in one call:
-    /// `(data, missing, offsets)`. `data` holds the payloads of the stored keys in order;
-    /// key `i`'s bytes are `data[offsets[i]:offsets[i + 1]]` (`len(keys) + 1` offsets; a
-    /// missing key has an empty range); `missing` lists the keys that are not stored, once per
-    /// occurrence, in order. Keys read move to the LRU tail as a successful read does; missing
-    /// ones touch nothing.
+    /// Reads what is stored and reports what is not: `(data, missing, offsets)`, key `i` at
+    /// `data[offsets[i]:offsets[i + 1]]` (empty if missing), the missing keys in order. Only keys
+    /// read move in the LRU.
     fn get_many<'py>(
         &self,
         py: Python<'py>,
@@ -160,9 +151,7 @@ store_methods!(NativeVariableStore {
         Ok((data, missing, offsets))
     }
 
-    /// The payload of `key`, or `None` when it is not stored (no error; a miss moves nothing and
-    /// counts as a read miss). vLLM's background wrapper has this method; a wrapper around this
-    /// store calls it.
+    /// The payload of `key`, or `None` when not stored (nothing moves), as vLLM's wrapper has it.
     fn get_optional<'py>(
         &self,
         py: Python<'py>,

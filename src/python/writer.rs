@@ -1,17 +1,8 @@
-//! The background writer in Rust: `put` hands a batch over and returns; a plain OS thread applies
-//! it to the store without ever taking the GIL, so the engine thread keeps the interpreter.
-//!
-//! Ownership rules (each one a deadlock or a crash we had):
-//! - The thread never owns a Python reference. A job's owners (the objects whose memory the views
-//!   point into) travel with it, and a finished job goes to a "done" list that only a thread
-//!   holding the GIL drops: the main thread through a pending call scheduled right after the job
-//!   is applied (so exports such as a bytearray's are released at once), or the next call from
-//!   Python, whichever comes first.
-//! - No Python object is created, dropped or called while the state mutex is held: what must be
-//!   dropped is taken out first and dropped after the guard.
-//! - The thread holds the store's core (`SharedCore`), not the Python store object, so an
-//!   abandoned writer does not keep a Python object alive from a thread that cannot release it;
-//!   dropping the writer joins the thread (with the GIL released) and then drops what is left.
+//! The Rust background writer: `put` hands a batch over and returns; an OS thread applies it
+//! without ever taking the GIL. Rules, each from a deadlock or crash: the thread never owns a
+//! Python reference (finished jobs are dropped by a GIL holder, soon via a pending call); no
+//! Python object is made, dropped or called under the state mutex; the thread holds the core
+//! (`SharedCore`), not the Python store, and dropping the writer joins it with the GIL released.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -32,17 +23,15 @@ use pyo3::PyTraverseError;
 
 use super::gather::{batch_views, Gathered, OwnedViews, Owners};
 use super::variable::NativeVariableStore;
-use super::{
-    fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore, SharedCore,
-};
+use super::{fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore};
 use crate::error::StoreError;
 use crate::store::BlockRef;
-use crate::variable::VariableStore;
+use crate::store::{Allocator, Store};
 
 /// One queued `put` or `put_blocks`: views into Python memory, and the objects that own it.
 struct Job {
     views: OwnedViews,
-    /// Held so the memory stays alive and in place; dropped only by a thread holding the GIL.
+    /// Keep the memory alive and in place; dropped only with the GIL.
     owners: Owners,
 }
 
@@ -51,25 +40,22 @@ struct State {
     queue: VecDeque<Job>,
     busy: bool,
     stop: bool,
-    /// The writer polls for work on a timer (see `wait_for_work`): a `put` need not wake it.
+    /// The writer polls on a timer (`wait_for_work`), so a `put` need not wake it.
     polling: bool,
     /// `close()` has started: no more puts.
     closing: bool,
     /// `close()` has finished (the store is closed): later closers stop waiting.
     closed: bool,
-    /// The thread running `close()`, so a re-entrant close from that thread does not wait for
-    /// itself.
+    /// The thread running `close()`, so a re-entrant close does not wait for itself.
     closer: Option<ThreadId>,
     /// The first error; later jobs are skipped.
     error: Option<StoreError>,
     /// A panic in the writer thread, latched like an error.
     panic: Option<String>,
-    /// The owners of the job being applied (taken off the queue, so the queue's length counts
-    /// only waiting jobs, as `queue.Queue(maxsize)` does in vLLM).
+    /// Owners of the job being applied, off the queue so its length counts waiting jobs as vLLM's.
     in_flight: Option<Owners>,
-    /// Finished jobs, to be dropped by a thread holding the GIL.
     done: Vec<Job>,
-    /// Profile `grow`: arena growths to log from a thread holding the GIL.
+    /// Profile `grow`: growths to log with the GIL.
     growths: Vec<usize>,
 }
 
@@ -77,13 +63,12 @@ struct Shared {
     state: Mutex<State>,
     /// Signalled when a job is queued or the writer must stop.
     work: Condvar,
-    /// Signalled when a job finishes (room in the queue; maybe idle) or `close()` finishes.
+    /// Signalled when a job finishes or `close()` does.
     finished: Condvar,
     capacity: usize,
     /// A pending call that drops `done` is scheduled and has not run yet.
     release_scheduled: AtomicBool,
-    /// `fork_generation()` when the writer was made: a child runs the parent's queued pending
-    /// calls, and there the state's lock may be held for ever by a thread that does not exist.
+    /// `fork_generation()` at creation: a child runs the parent's pending calls, with a dead lock.
     generation: u64,
 }
 
@@ -92,44 +77,37 @@ impl Shared {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Finished jobs and growths, taken out under the lock; the caller drops them after it.
+    /// Finished jobs and growths, taken under the lock and dropped after it.
     fn take_done(&self) -> (Vec<Job>, Vec<usize>) {
         let mut state = self.lock();
         (std::mem::take(&mut state.done), std::mem::take(&mut state.growths))
     }
 }
 
-/// The core a writer applies batches to: either store's, chosen once when the writer is made,
-/// so telling them apart costs one match per batch and nothing per object.
-#[derive(Clone)]
-enum Core {
-    Fixed(SharedCore),
-    Variable(Arc<Mutex<VariableStore>>),
-}
-
-impl Core {
+/// The store a writer applies batches to, either kind: one `dyn` call per batch.
+trait Target: Send + Sync {
     /// Applies one batch; the fixed store in profile `grow` reports the slots it grew to.
     fn put(
         &self,
         blocks: &[BlockRef<'_>],
         retains: &[&str],
         releases: &[&str],
+    ) -> Result<Option<usize>, StoreError>;
+}
+
+impl<A: Allocator> Target for Mutex<Store<A>> {
+    fn put(
+        &self,
+        blocks: &[BlockRef<'_>],
+        retains: &[&str],
+        releases: &[&str],
     ) -> Result<Option<usize>, StoreError> {
-        match self {
-            Core::Fixed(core) => {
-                let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
-                store.put(blocks, retains, releases).map(|report| report.grown_to)
-            }
-            Core::Variable(core) => {
-                let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
-                store.put(blocks, retains, releases).map(|()| None)
-            }
-        }
+        let mut store = self.lock().unwrap_or_else(PoisonError::into_inner);
+        store.put(blocks, retains, releases).map(|report| A::grown_to(&report))
     }
 }
 
-/// A writer thread in front of one aostore store, fixed or variable-size (see
-/// `aostore.BackgroundBlockObjectStore`).
+/// A writer thread in front of one aostore store (see `aostore.BackgroundBlockObjectStore`).
 #[pyclass(module = "aostore._native", frozen, name = "NativeWriter")]
 pub struct NativeWriter {
     shared: Arc<Shared>,
@@ -138,14 +116,13 @@ pub struct NativeWriter {
     /// The fixed store's object size, for `put_blocks`; `None` for the variable store.
     object_nbytes: Option<usize>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    /// An argument error raised on a caller's thread, latched like a writer error. Read and
-    /// written only with the GIL held, never under a Rust mutex.
+    /// An argument error from a caller's thread, latched; touched only with the GIL.
     input_error: PyOnceLock<Py<PyBaseException>>,
     /// `fork_generation()` at construction: in a forked child the thread does not exist.
     generation: u64,
 }
 
-fn run(shared: &Arc<Shared>, core: &Core) {
+fn run(shared: &Arc<Shared>, core: &dyn Target) {
     crate::sched::yield_to_running_threads();
     loop {
         let (views, skip) = {
@@ -193,14 +170,11 @@ fn run(shared: &Arc<Shared>, core: &Core) {
     }
 }
 
-/// How long the writer keeps polling for work after its last job before it sleeps until woken.
+/// How long the writer polls after its last job before it sleeps until woken.
 const POLL_FOR: Duration = Duration::from_millis(50);
 
-/// Waits for a job. While the engine is active (a job within `POLL_FOR`), the writer wakes from
-/// its own timer (every 200 µs for 2 ms, then every 1 ms) and a `put` need not wake it: waking a
-/// thread that sleeps on another, idle CPU costs the waker an inter-processor interrupt, 15 µs
-/// of the engine thread's time per put on this project's VM. After that the writer sleeps and the
-/// next `put` wakes it (`State::polling` tells which).
+/// Waits for a job: within `POLL_FOR` of the last the writer polls, so `put` need not wake it
+/// (waking an idle CPU costs the engine an interrupt: docs/performance.md); then it sleeps.
 fn wait_for_work<'a>(
     shared: &'a Shared,
     mut state: MutexGuard<'a, State>,
@@ -219,39 +193,31 @@ fn wait_for_work<'a>(
     }
 }
 
-/// How long a `put` that finds the queue full waits for room with the GIL held before it waits
-/// with the GIL released: a job of the burst's size takes the writer microseconds, and a
-/// bounded wait keeps a writer stuck on a huge job from holding other Python threads for long.
+/// How long a `put` on a full queue waits with the GIL held (the writer frees room in µs).
 const FULL_QUEUE_WAIT_WITH_GIL: Duration = Duration::from_millis(1);
 
 /// The writer's polling period once the engine has been quiet for 2 ms.
 const POLL_PERIOD: Duration = Duration::from_millis(1);
 
-fn apply(core: &Core, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
-    // SAFETY: every view borrows from the owners of this job, kept in `State::in_flight` until
-    // this returns and dropped only later, by a thread holding the GIL.
+fn apply(core: &dyn Target, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
+    // SAFETY: the views borrow from this job's owners, kept in `State::in_flight` until after this.
     let (blocks, retains, releases) =
         unsafe { batch_views(&views.blocks, &views.retains, &views.releases) }?;
     core.put(&blocks, &retains, &releases)
 }
 
-/// Whether the interpreter may still be asked for a pending call, and how many writer threads
-/// are between checking that and `Py_AddPendingCall` returning. `interpreter_exiting`, an
-/// `atexit` callback, closes the gate at the start of `Py_FinalizeEx` and waits until none is
-/// inside; both sides use sequentially consistent order, so a thread either sees the gate
-/// closed or is counted before the callback looks. So once the callback returns, no writer
-/// thread is inside the interpreter and none will enter it, however long the process lives on
-/// (`Py_IsFinalizing()` alone is racy). No lock is held across the call: a child forked while
-/// a thread was inside would inherit that lock held for ever; the count is reset in the child
-/// instead (`after_fork_in_child`), where those threads do not exist.
+/// Whether the interpreter may still take a pending call, and how many writer threads are
+/// inside that check. `interpreter_exiting` (atexit) closes the gate and waits for none inside;
+/// with SeqCst, once it returns no writer enters the interpreter (`Py_IsFinalizing()` races).
+/// No lock spans the call, as a forked child would inherit it held; the child resets the count.
 static INTERPRETER_ALIVE: AtomicBool = AtomicBool::new(true);
 static SCHEDULING: AtomicUsize = AtomicUsize::new(0);
 
-/// Registered with `atexit` when the module loads: no pending call is scheduled after it ran.
+/// Registered with `atexit`: no pending call is scheduled after it ran.
 #[pyfunction]
 pub(crate) fn interpreter_exiting() {
     INTERPRETER_ALIVE.store(false, Ordering::SeqCst);
-    // A thread inside holds no lock the interpreter's main thread needs: it returns promptly.
+    // A thread inside holds no lock the main thread needs, so it returns promptly.
     while SCHEDULING.load(Ordering::SeqCst) != 0 {
         std::thread::yield_now();
     }
@@ -262,10 +228,8 @@ pub(crate) fn forget_scheduling_threads() {
     SCHEDULING.store(0, Ordering::SeqCst);
 }
 
-/// Asks the interpreter to drop finished jobs on its main thread soon (`Py_AddPendingCall`
-/// needs neither the GIL nor a thread state), so exports are released once a batch is applied
-/// and not at the next call. At most one such call is outstanding; if the interpreter refuses
-/// (its queue is full) or is exiting, the next call from Python, if any, collects instead.
+/// Asks the main thread to drop finished jobs soon (`Py_AddPendingCall` needs no GIL), so
+/// exports are released once applied. At most one outstanding; if refused, the next call collects.
 fn schedule_release(shared: &Arc<Shared>) {
     SCHEDULING.fetch_add(1, Ordering::SeqCst);
     if !INTERPRETER_ALIVE.load(Ordering::SeqCst)
@@ -275,14 +239,12 @@ fn schedule_release(shared: &Arc<Shared>) {
         return;
     }
     let arg = Arc::into_raw(Arc::clone(shared)).cast_mut().cast::<c_void>();
-    // SAFETY: `release_done` takes back the reference passed as `arg` exactly once; the
-    // interpreter exists: `interpreter_exiting` waits while this thread is counted.
+    // SAFETY: `release_done` takes `arg` back once; the interpreter lives while we are counted.
     let status = unsafe { ffi::Py_AddPendingCall(Some(release_done), arg) };
     SCHEDULING.fetch_sub(1, Ordering::SeqCst);
     if status != 0 {
         shared.release_scheduled.store(false, Ordering::Release);
-        // SAFETY: the interpreter did not take `arg`; take back the reference made above (not
-        // the last one: the writer object holds another while this thread runs).
+        // SAFETY: not taken by the interpreter: take back the reference (the writer holds another).
         drop(unsafe { Arc::from_raw(arg.cast_const().cast::<Shared>()) });
     }
 }
@@ -292,8 +254,7 @@ extern "C" fn release_done(arg: *mut c_void) -> c_int {
     // SAFETY: `arg` is the reference `schedule_release` made with `Arc::into_raw`.
     let shared = unsafe { Arc::from_raw(arg.cast_const().cast::<Shared>()) };
     if shared.generation != fork_generation() {
-        // The parent's call, run in a forked child: lock nothing and drop nothing (the jobs'
-        // owners are the parent's); leak this reference instead.
+        // The parent's call in a forked child: the owners are the parent's; lock and drop nothing.
         std::mem::forget(shared);
         return 0;
     }
@@ -307,8 +268,7 @@ extern "C" fn release_done(arg: *mut c_void) -> c_int {
             log_growth(py, num_slots);
         }
     }
-    // Drops the writer's shared state if this was the last reference (the writer object and
-    // its thread are gone): with the GIL held, as dropping owners requires.
+    // The last reference drops the shared state here, with the GIL held as owners require.
     drop(shared);
     0
 }
@@ -329,7 +289,6 @@ impl NativeWriter {
         self.drop_finished(py, self.shared.take_done());
     }
 
-    /// Drops finished jobs taken out under the lock, after it, and logs the growths.
     fn drop_finished(&self, py: Python<'_>, (done, growths): (Vec<Job>, Vec<usize>)) {
         drop(done);
         for num_slots in growths {
@@ -366,14 +325,9 @@ impl NativeWriter {
 
     fn enqueue(&self, py: Python<'_>, job: Job) -> PyResult<()> {
         let shared = &self.shared;
-        // An argument error latched earlier: a cell read with the GIL, no Rust lock needed.
         let input_failed = self.input_error.get(py).is_some();
-        // With room in the queue, hand the job over without releasing the GIL: the writer thread
-        // never waits for the GIL, and other holders of this lock hold it only briefly and never
-        // wait for the GIL while holding it, so taking it with the GIL held cannot deadlock. The
-        // engine thread pays for this lock once per put: the closed and failed checks, the
-        // finished jobs to drop and the hand-over all happen under it; what must be dropped or
-        // logged waits until it is released.
+        // Hand over with the GIL held: no holder of this lock waits for the GIL, so this cannot
+        // deadlock; checks, drops and hand-over share this one lock a put.
         let mut state = shared.lock();
         let finished = (std::mem::take(&mut state.done), std::mem::take(&mut state.growths));
         let refused = if state.closing {
@@ -392,8 +346,7 @@ impl NativeWriter {
         }
         if state.queue.len() < shared.capacity {
             state.queue.push_back(job);
-            // A polling writer finds the job on its next tick, unless the queue is filling
-            // faster than that: from half full on, wake it now, before a put finds no room.
+            // A polling writer finds the job on its next tick; from half full on, wake it now.
             let wake = !state.polling || 2 * state.queue.len() >= shared.capacity;
             drop(state);
             if wake {
@@ -406,10 +359,8 @@ impl NativeWriter {
         self.drop_finished(py, finished);
         let job = {
             let mut state = shared.lock();
-            // Full: the writer is woken and, since it never takes the GIL, frees a place while
-            // this thread keeps the GIL. Waiting here briefly is cheaper than releasing the GIL:
-            // another Python thread would take it, and getting it back can cost a whole
-            // switch interval (5 ms).
+            // Full: the writer frees a place without the GIL, so wait briefly with it held;
+            // getting a released GIL back can cost a whole switch interval (5 ms).
             shared.work.notify_one();
             let deadline = Instant::now() + FULL_QUEUE_WAIT_WITH_GIL;
             while state.queue.len() >= shared.capacity && !state.closing {
@@ -433,8 +384,7 @@ impl NativeWriter {
             }
             job
         };
-        // A full queue: wait for room with the GIL released. A refused job comes back out and
-        // is dropped here, with the GIL held again.
+        // Full: wait with the GIL released; a refused job comes back and is dropped with the GIL.
         let refused = py.detach(move || {
             let mut state = shared.lock();
             while state.queue.len() >= shared.capacity && !state.closing {
@@ -457,7 +407,7 @@ impl NativeWriter {
 
     /// Latches an argument error like a writer error and raises "publication failed".
     fn latch_input(&self, py: Python<'_>, error: PyErr) -> PyErr {
-        // A second error is dropped here, after `set` returned it: no lock is held.
+        // A second error is dropped here, with no lock held.
         let _ = self.input_error.set(py, error.into_value(py));
         self.raise_if_failed(py).expect_err("just latched")
     }
@@ -487,12 +437,11 @@ impl NativeWriter {
         self.shared.work.notify_all();
         let thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(thread) = thread {
-            // A panic outside `apply` would be a bug in this file; `apply`'s are latched.
+            // A panic outside `apply` is a bug here; `apply`'s are latched.
             let _ = py.detach(|| thread.join());
         }
     }
 
-    /// Marks the close finished and wakes the callers waiting for it.
     fn finish_close(&self) {
         let mut state = self.shared.lock();
         state.closed = true;
@@ -513,16 +462,17 @@ impl NativeWriter {
         if max_pending_batches == 0 {
             return Err(PyValueError::new_err("max_pending_batches must be at least 1"));
         }
-        let (core, object_nbytes) = if let Ok(fixed) = store.cast::<NativeStore>() {
-            (Core::Fixed(fixed.get().handle.core()?), Some(fixed.get().object_nbytes()))
-        } else if let Ok(variable) = store.cast::<NativeVariableStore>() {
-            (Core::Variable(variable.get().handle.core()?), None)
-        } else {
-            return Err(PyTypeError::new_err(format!(
-                "NativeWriter needs an aostore store, not {}",
-                store.get_type().name()?
-            )));
-        };
+        let (core, object_nbytes): (Arc<dyn Target>, _) =
+            if let Ok(fixed) = store.cast::<NativeStore>() {
+                (fixed.get().handle.core()?, Some(fixed.get().object_nbytes()))
+            } else if let Ok(variable) = store.cast::<NativeVariableStore>() {
+                (variable.get().handle.core()?, None)
+            } else {
+                return Err(PyTypeError::new_err(format!(
+                    "NativeWriter needs an aostore store, not {}",
+                    store.get_type().name()?
+                )));
+            };
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             work: Condvar::new(),
@@ -534,7 +484,7 @@ impl NativeWriter {
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("aostore-writer".to_owned())
-            .spawn(move || run(&thread_shared, &core))
+            .spawn(move || run(&thread_shared, &*core))
             .map_err(|e| PyRuntimeError::new_err(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             shared,
@@ -593,10 +543,6 @@ impl NativeWriter {
     }
 
     /// Drains the queue, stops the thread, closes the store once, raises a latched error.
-    ///
-    /// A caller that arrives while another close runs returns only once the store is closed,
-    /// and raises the latched error too; a close after a finished one, or from inside the
-    /// first one (the store's `close` calling back), returns at once.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.ensure_same_process()?;
         let me = std::thread::current().id();
@@ -652,8 +598,7 @@ impl NativeWriter {
         if let Some(error) = self.input_error.get(unsafe_py_for_traverse()) {
             visit.call(error)?;
         }
-        // Queued and finished jobs' objects; skipped if the writer holds the lock right now
-        // (traversal must not block), which only hides them from this one collection.
+        // Skipped while the writer holds the lock (traversal must not block), for this pass only.
         if let Ok(state) = self.shared.state.try_lock() {
             let jobs = state.queue.iter().chain(&state.done).map(|job| &job.owners);
             for owners in jobs.chain(&state.in_flight) {
@@ -666,11 +611,9 @@ impl NativeWriter {
     }
 }
 
-/// `PyOnceLock::get` wants a GIL token, which traversal may not create; the collector holds
-/// the GIL while it traverses, so reading the cell is sound.
+/// A GIL token for `__traverse__`, which holds the GIL but may not create one.
 fn unsafe_py_for_traverse() -> Python<'static> {
-    // SAFETY: only called from `__traverse__`, which CPython runs with the GIL held; the token
-    // is used for a read of a cell and nothing else.
+    // SAFETY: only from `__traverse__`, run with the GIL held; used for one cell read.
     unsafe { Python::assume_attached() }
 }
 
@@ -680,7 +623,7 @@ impl NativeWriter {
         match gathered {
             Ok(batch) if batch.is_empty() => Ok(()),
             Ok(batch) => {
-                // `enqueue` refuses it on a closed store, under the lock it takes anyway.
+                // `enqueue` refuses it on a closed store, under its lock.
                 let (views, owners) = batch.into_owned();
                 self.enqueue(py, Job { views, owners })
             }
@@ -699,15 +642,13 @@ impl NativeWriter {
 impl Drop for NativeWriter {
     fn drop(&mut self) {
         if self.generation != fork_generation() {
-            // A forked child: the thread does not exist here and its lock may be held forever.
-            // Leak the handle rather than join or lock.
+            // A forked child: the thread is not here and its lock may be held: leak the handle.
             if let Ok(mut thread) = self.thread.try_lock() {
                 std::mem::forget(thread.take());
             }
             return;
         }
-        // An abandoned writer (never closed): let the thread apply what is queued and exit,
-        // then drop every job here. Deallocation runs with the GIL held.
+        // An abandoned writer: the thread finishes the queue and exits; jobs drop with the GIL.
         Python::attach(|py| {
             self.stop_and_join(py);
             self.collect(py);

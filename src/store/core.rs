@@ -1,14 +1,7 @@
-//! The one put engine under both stores: keys, reference counts, the LRU of evictable keys, the
-//! victim policy, batch validation, dedup and ordering, victim choice, rollback, and the entry
-//! half of `check()`.
-//!
-//! A store is this core plus an allocator (fixed slots in `store.rs`, chunk chains in
-//! `variable.rs`) and the few rules where the contracts differ, each a parameter here rather
-//! than a copy: what a victim frees (`charge`), and what a refused put undoes (`UNDO`). The fixed
-//! store keeps a refused put's count changes and LRU moves, as vLLM does, and passes
-//! `UNDO = false`, so its hot path records nothing; the variable store undoes everything and
-//! passes `UNDO = true`, logging each LRU move to replay it backwards. Both are monomorphized:
-//! no `dyn` call and no allocation per object.
+//! The one put engine under both stores: keys, counts, the LRU, the victim policy, batch dedup
+//! and ordering, victim choice, rollback and the entry half of `check()`. Where the contracts
+//! differ a phase takes a parameter: what a victim frees (`Charge`) and what a refused put undoes
+//! (`UNDO`: false for the fixed store, which keeps vLLM's count changes and so logs nothing).
 
 use std::borrow::Cow;
 
@@ -27,40 +20,8 @@ pub struct BlockRef<'a> {
     pub payload: &'a [u8],
 }
 
-/// The public put entry points, the same for both stores: `put` and `put_with_policy`, which
-/// runs the store's `admit` (its argument checks, before anything changes), then its
-/// `put_inner` with the core's scratch taken out.
-macro_rules! put_entry_points {
-    ($report:ty, $doc:literal) => {
-        #[doc = $doc]
-        pub fn put(
-            &mut self,
-            objects: &[BlockRef<'_>],
-            retain_keys: &[&str],
-            release_keys: &[&str],
-        ) -> Result<$report, StoreError> {
-            self.put_with_policy(objects, retain_keys, release_keys, None)
-        }
-
-        /// `put`, with a victim policy consulted for reference changes, victims and removals.
-        pub fn put_with_policy(
-            &mut self,
-            objects: &[BlockRef<'_>],
-            retain_keys: &[&str],
-            release_keys: &[&str],
-            policy: Option<&mut dyn VictimPolicy>,
-        ) -> Result<$report, StoreError> {
-            self.admit(objects)?;
-            let mut scratch = std::mem::take(&mut self.core.scratch);
-            let result = self.put_inner(&mut scratch, (objects, retain_keys, release_keys), policy);
-            self.core.end_put(scratch, result)
-        }
-    };
-}
-pub(crate) use put_entry_points;
-
 /// One call's arguments: its objects, the keys it retains and the keys it releases.
-pub(crate) type Call<'a> = (&'a [BlockRef<'a>], &'a [&'a str], &'a [&'a str]);
+pub type Call<'a> = (&'a [BlockRef<'a>], &'a [&'a str], &'a [&'a str]);
 
 /// Monotonic counters, for `stats()`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -87,7 +48,7 @@ pub struct Counters {
     pub bytes_written: u64,
     /// Payload bytes copied out of the arena.
     pub bytes_read: u64,
-    /// LRU entries visited while choosing victims (the seed's "no rescan" property).
+    /// LRU entries visited while choosing victims (bounded: docs/semantics.md, "Eviction").
     pub eviction_visits: u64,
 }
 
@@ -100,20 +61,12 @@ pub enum RemoveReason {
     Rollback,
 }
 
-/// vLLM's `ExpertCachePolicy` contract, the one policy trait of both stores. An `Err` fails the
-/// put with that message; the store stays consistent.
-///
-/// The fixed store asks `select_victims` once for the number of keys it must evict. The
-/// variable store, whose budget is bytes, asks for the number of keys the LRU order would take
-/// to cover what is still missing, and asks again while the keys chosen free too little; a put
-/// it refuses changes nothing, and the policy then hears each reference change undone (old and
-/// new swapped), newest first.
+/// vLLM's `ExpertCachePolicy` contract, the one policy trait of both stores; an `Err` fails the
+/// put with its message and leaves the store consistent (docs/semantics.md, "Victim policy").
 pub trait VictimPolicy {
     /// After each applied retain (+1) or release (-1), in call order.
     fn on_reference_change(&mut self, key: &str, old: u32, new: u32) -> Result<(), String>;
-    /// Exactly `count` distinct keys from `candidates` (eligible keys, oldest first, none
-    /// chosen yet), or `None` to refuse the put. Only on the policy's path: a call per
-    /// candidate through `dyn` costs nothing next to the policy's own code.
+    /// Exactly `count` distinct keys from `candidates` (oldest first), or `None` to refuse.
     fn select_victims(
         &mut self,
         candidates: &mut dyn Iterator<Item = Cow<'_, str>>,
@@ -123,60 +76,49 @@ pub trait VictimPolicy {
     fn on_remove(&mut self, keys: &[&str], reason: RemoveReason) -> Result<(), String>;
 }
 
-// `Entry::mark` during a put: a batch key's position in `Scratch::batch` (with `RELEASED` when
-// this call released it, which makes it a possible victim), or `CHOSEN | i` for the victim at
-// `Scratch::victims[i]`. `KeyTable::dedupe_batch` gives every other key of the call
-// `NOT_IN_BATCH`, all bits set. Marks of keys outside the call are stale, so every reading
-// confirms the position it names.
+// `Entry::mark` during a put: a batch key's position in `Scratch::batch` (`| RELEASED` if this
+// call released it, making it a possible victim) or `CHOSEN | i` for `Scratch::victims[i]`. Marks
+// of keys outside the call are stale, so every reading confirms the position it names.
 const RELEASED: u32 = 1 << 31;
 const CHOSEN: u32 = 1 << 30;
 const POSITION: u32 = CHOSEN - 1;
 
 /// One LRU change of the put in progress, so a refused put can undo it.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Undo {
+pub(super) enum Undo {
     /// `idx` left the LRU from between `prev` and `next`.
     Unlinked { idx: u32, prev: u32, next: u32 },
     /// `idx` was appended at the tail.
     Pushed { idx: u32 },
 }
 
-/// Scratch vectors reused by every call, so a put allocates only for new keys too long to be held
-/// in their entry.
+/// Vectors reused by every call, so a put allocates only for keys too long for their entry.
 #[derive(Debug, Default)]
-pub(crate) struct Scratch {
-    /// The keys being resolved, prepared for the key table.
-    pub probes: Vec<Probe>,
-    /// Entries of the keys being resolved (a batch's keys, a read's keys), in call order.
-    pub entries: Vec<u32>,
+pub struct Scratch {
+    pub(super) probes: Vec<Probe>,
+    pub(super) entries: Vec<u32>,
     /// Unique batch keys in first-occurrence order: (entry, index of the last payload).
-    pub batch: Vec<(u32, usize)>,
+    pub(super) batch: Vec<(u32, usize)>,
     /// What each unique batch key's new payload takes (variable store: chunks).
-    pub charges: Vec<usize>,
-    pub retains: Vec<u32>,
-    pub releases: Vec<u32>,
+    pub(super) charges: Vec<usize>,
+    pub(super) retains: Vec<u32>,
+    pub(super) releases: Vec<u32>,
     /// Keys whose count reached zero in this call and that are in the LRU, in release order.
-    pub released: Vec<u32>,
+    pub(super) released: Vec<u32>,
     /// Released keys that are neither stored nor in the batch: forgotten by the store.
-    pub orphans: Vec<u32>,
-    /// Entries created by this call.
-    pub created: Vec<u32>,
+    pub(super) orphans: Vec<u32>,
+    pub(super) created: Vec<u32>,
     /// (entry, what its eviction frees).
-    pub victims: Vec<(u32, usize)>,
-    /// The index hashes of the first victims, as `take_victims` computed them to prefetch their
-    /// buckets, so that evicting them does not decode and hash their keys again.
-    pub victim_hashes: Vec<u32>,
-    /// Profile `grow`: batch keys stored and unreferenced when the call started, whose bytes
-    /// are replaced in place once the put is sure to succeed.
-    pub replaced: Vec<(u32, usize)>,
+    pub(super) victims: Vec<(u32, usize)>,
+    /// Index hashes of the first victims, kept from `take_victims`'s prefetch to avoid rehashing.
+    pub(super) victim_hashes: Vec<u32>,
+    /// Profile `grow`: batch keys stored and unreferenced at the start, replaced once it is safe.
+    pub(super) replaced: Vec<(u32, usize)>,
     undo: Vec<Undo>,
 }
 
 impl Scratch {
-    /// Room for a put of `objects` objects, `retains` retains and `releases` releases, taken
-    /// before the put changes anything, so that a refusal of memory refuses the put whole.
-    /// Victims past the batch's count (the variable store's, for a large object) still grow
-    /// their vector as they come.
+    /// Room for a put's scratch, taken first so a refusal of memory refuses the put whole.
     fn reserve(
         &mut self,
         objects: usize,
@@ -205,7 +147,7 @@ impl Scratch {
         room(&mut self.undo, 2 * keys)
     }
 
-    pub fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.probes.clear();
         self.entries.clear();
         self.batch.clear();
@@ -223,20 +165,19 @@ impl Scratch {
 }
 
 /// What evicting a key frees, in the units the store's capacity is counted in.
-pub(crate) trait Charge<M> {
+pub trait Charge<M> {
     /// Every key frees one unit (one slot), so the count of victims is the need itself.
     const UNIT: bool;
-    /// What evicting `entry` frees: its new payload's charge if it is the batch key at
-    /// `position` (pending, or about to be replaced), else its stored object's.
+    /// What evicting `entry` frees: its new payload's charge at batch `position`, else its own.
     fn charge(&self, s: &Scratch, position: Option<usize>, entry: &Entry<M>) -> usize;
 }
 
 /// Where a put's keys landed in the LRU.
-pub(crate) struct Placement {
+pub struct Placement {
     /// Keys of the batch that were not stored.
-    pub new_keys: usize,
+    pub(super) new_keys: usize,
     /// Eligible keys older than the batch, at the LRU front.
-    pub older: usize,
+    pub(super) older: usize,
 }
 
 /// The batch position of `idx`, if it is in the batch and not chosen as a victim.
@@ -259,9 +200,7 @@ fn is_chosen<M: Copy + Default>(slab: &Slab<M>, victims: &[(u32, usize)], idx: u
         && victims.get((mark & POSITION) as usize).is_some_and(|&(i, _)| i == idx)
 }
 
-/// A lazy walk of the keys a put may evict, oldest first: the LRU's older keys, then the keys
-/// this put released; the batch's own keys are skipped without being visited, and so are keys
-/// already chosen.
+/// A lazy walk of the keys a put may evict, oldest first, skipping batch keys and chosen ones.
 struct Walk<'a, M: Copy + Default> {
     slab: &'a Slab<M>,
     cursor: u32,
@@ -314,27 +253,25 @@ impl Keyed for BlockRef<'_> {
     }
 }
 
-/// Whether the objects' keys are `keys`, in the same order. Comparing a key's bytes costs a
-/// fraction of resolving it again (its digest decoded, its hash, its bucket and its entry).
+/// Whether the objects' keys are `keys`, in order: comparing bytes is cheaper than resolving.
 fn same_keys(objects: &[BlockRef<'_>], keys: &[&str]) -> bool {
     objects.len() == keys.len() && objects.iter().zip(keys).all(|(o, k)| o.key == *k)
 }
 
 /// Keys, counts, the LRU and the figures every store keeps about them.
 #[derive(Debug)]
-pub(crate) struct Core<M> {
+pub struct Core<M> {
     /// Keys to entries: each key's text, count, slot, allocator data (`M`) and LRU links.
-    pub keys: KeyTable<M>,
-    pub stored: usize,
-    pub referenced: usize,
-    pub counters: Counters,
-    /// For `check()`: see `Ledger`.
-    pub ledger: Ledger,
-    pub scratch: Scratch,
+    pub(super) keys: KeyTable<M>,
+    pub(super) stored: usize,
+    pub(super) referenced: usize,
+    pub(super) counters: Counters,
+    pub(super) ledger: Ledger,
+    pub(super) scratch: Scratch,
 }
 
 impl<M: Copy + Default> Core<M> {
-    pub fn new(keys: KeyTable<M>) -> Self {
+    pub(super) fn new(keys: KeyTable<M>) -> Self {
         Self {
             keys,
             stored: 0,
@@ -345,9 +282,8 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
-    /// Ends a put that ran with the scratch taken out of the core (so that the put could borrow
-    /// its store whole): puts the cleared scratch back, and counts the put if it succeeded.
-    pub fn end_put<T>(
+    /// Puts back the scratch a put borrowed out of the core, and counts the put if it succeeded.
+    pub(super) fn end_put<T>(
         &mut self,
         mut scratch: Scratch,
         result: Result<T, StoreError>,
@@ -360,8 +296,13 @@ impl<M: Copy + Default> Core<M> {
         result
     }
 
+    pub(super) fn count_references(&mut self, s: &Scratch) {
+        self.counters.retains += s.retains.len() as u64;
+        self.counters.releases += s.releases.len() as u64;
+    }
+
     /// Frees every key (the store was closed).
-    pub fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.keys = KeyTable::with_capacity(0).expect("an empty key table's 16 buckets");
         self.scratch = Scratch::default();
         self.stored = 0;
@@ -370,20 +311,16 @@ impl<M: Copy + Default> Core<M> {
 
     /// Whether entry `idx` holds an object (not a key that is only referenced or pending).
     #[inline]
-    pub fn is_stored(&self, idx: u32) -> bool {
+    pub(super) fn is_stored(&self, idx: u32) -> bool {
         idx != NIL && !matches!(self.keys.slab[idx].slot, NO_SLOT | PENDING_SLOT)
     }
 
-    /// Whether `key` is stored.
-    pub fn contains(&self, key: &str) -> bool {
+    pub(super) fn contains(&self, key: &str) -> bool {
         self.keys.lookup(key).is_some_and(|idx| self.is_stored(idx))
     }
 
-    /// Resolves a call's keys to entries once, checks its reference changes, and dedupes its
-    /// batch (the last payload of a key wins, its first occurrence fixes its position). Entries
-    /// created here are unreferenced and have no slot, so they are invisible until something
-    /// gives them a count or a slot; on an error they are forgotten and nothing changed.
-    pub fn resolve_call(
+    /// Resolves a call's keys once, checks its reference changes and dedupes its batch.
+    pub(super) fn resolve_call(
         &mut self,
         s: &mut Scratch,
         objects: &[BlockRef<'_>],
@@ -394,8 +331,7 @@ impl<M: Copy + Default> Core<M> {
         self.keys.reserve(objects.len() + retain_keys.len() + release_keys.len())?;
         self.keys.resolve(retain_keys, &mut s.probes, &mut s.retains, Some(&mut s.created));
         self.keys.resolve(release_keys, &mut s.probes, &mut s.releases, Some(&mut s.created));
-        // A key whose last reference goes joins the LRU, which writes its links (apart from its
-        // entry): start those misses now, under the rest of the call's resolving.
+        // A key whose last reference goes joins the LRU: start the misses on its links now.
         for &idx in &s.releases {
             self.keys.slab.prefetch_links(idx);
         }
@@ -440,10 +376,8 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
-    /// Applies the call's retains, then its releases; keys whose count reached zero go to
-    /// `s.released`, in release order. A key leaves the LRU at its first reference and joins
-    /// it when its last goes, if it is stored.
-    pub fn apply_references<const UNDO: bool>(&mut self, s: &mut Scratch) {
+    /// Applies retains, then releases; keys whose count reached zero go to `s.released`.
+    pub(super) fn apply_references<const UNDO: bool>(&mut self, s: &mut Scratch) {
         for &idx in &s.retains {
             let entry = &mut self.keys.slab[idx];
             entry.refs += 1;
@@ -469,11 +403,12 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
-    /// Moves unreferenced batch keys to the LRU tail in batch order (new ones enter as pending),
-    /// then released keys in release order, so a finishing request's tail block (released
-    /// first) goes first. Released keys that are neither stored nor in the batch go to
-    /// `s.orphans`; `s.released` keeps the ones in the LRU.
-    pub fn order_batch_and_released<const UNDO: bool>(&mut self, s: &mut Scratch) -> Placement {
+    /// Moves unreferenced batch keys to the LRU tail in batch order, then released keys in release
+    /// order (a finishing request's tail block goes first); unstored ones go to `s.orphans`.
+    pub(super) fn order_batch_and_released<const UNDO: bool>(
+        &mut self,
+        s: &mut Scratch,
+    ) -> Placement {
         let mut new_keys = 0usize;
         let mut unreferenced_in_batch = 0usize;
         for i in 0..s.batch.len() {
@@ -520,10 +455,8 @@ impl<M: Copy + Default> Core<M> {
         charge.charge(s, batch_position(&self.keys.slab, &s.batch, idx), &self.keys.slab[idx])
     }
 
-    /// Victims without a policy: the shortest prefix of the eligible keys, oldest first, whose
-    /// charges cover `need`. The walk visits those keys and no other, however many keys are
-    /// referenced. Returns whether they cover it.
-    pub fn take_victims(
+    /// Victims without a policy: the shortest oldest-first prefix of eligible keys covering `need`.
+    pub(super) fn take_victims(
         &mut self,
         s: &mut Scratch,
         older: usize,
@@ -551,8 +484,7 @@ impl<M: Copy + Default> Core<M> {
             freed += cost;
         }
         self.counters.eviction_visits += s.victims.len() as u64;
-        // The walk read only the dense links; fetch the victims' entries all at once, then
-        // (their hashes come from their keys) their index buckets.
+        // The walk read only the dense links: prefetch the victims' entries, then their buckets.
         for &(victim, _) in &s.victims {
             self.keys.slab.prefetch(victim);
         }
@@ -564,10 +496,8 @@ impl<M: Copy + Default> Core<M> {
         freed >= need
     }
 
-    /// Victims chosen by a policy, each round from a lazy walk of the eligible keys not chosen
-    /// yet, for as many keys as the LRU order would still take (with unit charges, simply what
-    /// is missing: no counting walk); checked to be that many distinct eligible keys.
-    pub fn ask_victims<C: Charge<M>>(
+    /// Victims from a policy, asked each round for what the LRU order would still take; checked.
+    pub(super) fn ask_victims<C: Charge<M>>(
         &mut self,
         s: &mut Scratch,
         older: usize,
@@ -626,10 +556,8 @@ impl<M: Copy + Default> Core<M> {
         Ok(())
     }
 
-    /// Replays the call's count changes to a policy, each with its old and new value: forward
-    /// (the counts are final now) or, with `undone`, backward, newest first (the counts are the
-    /// original ones again).
-    pub fn notify_reference_changes(
+    /// Replays the call's count changes to a policy, forward or (`undone`) newest first.
+    pub(super) fn notify_reference_changes(
         &self,
         s: &Scratch,
         policy: &mut dyn VictimPolicy,
@@ -648,7 +576,7 @@ impl<M: Copy + Default> Core<M> {
     }
 
     /// The keys of the batch's new (pending) entries, for a policy's `Rollback`.
-    pub fn pending_keys(&self, s: &Scratch) -> Vec<String> {
+    pub(super) fn pending_keys(&self, s: &Scratch) -> Vec<String> {
         let slab = &self.keys.slab;
         s.batch
             .iter()
@@ -657,11 +585,13 @@ impl<M: Copy + Default> Core<M> {
             .collect()
     }
 
-    /// Undoes what a refused put did to the LRU and the batch's slots: with `UNDO`, every LRU
-    /// move newest first and every count change; without, only the new keys (their counts
-    /// stay, as vLLM keeps them). The entries the call created are left for the caller to
-    /// forget (a policy may still need their keys).
-    pub fn roll_back<const UNDO: bool>(&mut self, s: &mut Scratch, referenced_before: usize) {
+    /// Undoes a refused put: with `UNDO` every LRU move and count change, without only the new keys
+    /// (counts stay, as vLLM keeps them). Created entries are left to the caller.
+    pub(super) fn roll_back<const UNDO: bool>(
+        &mut self,
+        s: &mut Scratch,
+        referenced_before: usize,
+    ) {
         s.victims.clear();
         s.victim_hashes.clear();
         if !UNDO {
@@ -699,10 +629,8 @@ impl<M: Copy + Default> Core<M> {
         self.referenced = referenced_before;
     }
 
-    /// A refused put: `roll_back::<UNDO>`, then the entries the call created forgotten. When
-    /// the store refused (not when the policy failed), the refusal is counted and a policy
-    /// hears of the new keys (`Rollback`) and, with `UNDO`, of each count change undone.
-    pub fn refuse<const UNDO: bool>(
+    /// A refused put: rolled back, counted and told to the policy, created entries forgotten.
+    pub(super) fn refuse<const UNDO: bool>(
         &mut self,
         s: &mut Scratch,
         referenced_before: usize,
@@ -738,9 +666,8 @@ impl<M: Copy + Default> Core<M> {
         error
     }
 
-    /// Evicts `s.victims` (each stored, or pending in this put), handing each stored one's slot
-    /// and allocator data to `free`; returns their keys when a policy wants to hear of them.
-    pub fn evict_victims(
+    /// Evicts `s.victims`, handing each stored one's slot and data to `free`; returns their keys.
+    pub(super) fn evict_victims(
         &mut self,
         s: &Scratch,
         keep_keys: bool,
@@ -770,9 +697,30 @@ impl<M: Copy + Default> Core<M> {
         removed
     }
 
-    /// Tells a policy of the keys a successful put evicted. The put is applied (its victims are
-    /// gone, its objects written): it counts as one, and the policy's error is raised after it.
-    pub fn report_evicted(
+    /// Before `write_batch`: the batch positions it will write (live pending keys, and the
+    /// stored keys it replaces), in batch order.
+    pub(super) fn writes_ahead<A: super::Allocator<Meta = M>>(
+        &self,
+        s: &Scratch,
+        written: &mut Vec<usize>,
+    ) {
+        let slab = &self.keys.slab;
+        let mut replaced = s.replaced.iter().peekable();
+        for &(idx, position) in &s.batch {
+            let in_place = replaced.next_if(|&&(r, _)| r == idx).is_some();
+            if !slab.is_live(idx) {
+                continue;
+            }
+            let entry = &slab[idx];
+            if entry.slot == PENDING_SLOT || (entry.has_slot() && (A::REPLACES_STORED || in_place))
+            {
+                written.push(position);
+            }
+        }
+    }
+
+    /// Tells a policy of the evicted keys; the put is applied, so it counts if the policy fails.
+    pub(super) fn report_evicted(
         &mut self,
         policy: &mut dyn VictimPolicy,
         removed: &[String],
@@ -788,7 +736,7 @@ impl<M: Copy + Default> Core<M> {
     }
 
     /// After a read: moves each evictable key read (`NIL`: missing) to the LRU tail, in order.
-    pub fn touch_read(&mut self, entries: &[u32]) {
+    pub(super) fn touch_read(&mut self, entries: &[u32]) {
         for &idx in entries {
             if self.is_stored(idx) && self.keys.slab[idx].refs == 0 {
                 self.keys.slab.move_to_back(idx);
@@ -796,10 +744,8 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
-    /// The entry half of `check()`: the key table, then per live entry that no put is in
-    /// progress and that it is stored or referenced; `stored_entry` checks each stored one.
-    /// Returns (stored, referenced) as counted.
-    pub fn check_entries(
+    /// The entry half of `check()`, `stored_entry` per stored entry; returns (stored, referenced).
+    pub(super) fn check_entries(
         &self,
         mut stored_entry: impl FnMut(u32, &Entry<M>) -> Result<(), String>,
     ) -> Result<(usize, usize), String> {
@@ -828,7 +774,7 @@ impl<M: Copy + Default> Core<M> {
     }
 
     /// `check()`'s closing equations: the ledger, and the counters against the contents.
-    pub fn check_counts(&self, stored: usize, referenced: usize) -> Result<(), String> {
+    pub(super) fn check_counts(&self, stored: usize, referenced: usize) -> Result<(), String> {
         self.ledger.check(self.counters.objects_written, stored)?;
         if stored != self.stored || referenced != self.referenced {
             return Err(format!(
