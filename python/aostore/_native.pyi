@@ -13,9 +13,9 @@ __all__ = [
     "BlockObject",
     "BlockObjectStoreError",
     "NativeStore",
-    "ObjectMissingError",
     "NativeVariableStore",
     "NativeWriter",
+    "ObjectMissingError",
     "VictimCandidates",
 ]
 
@@ -83,6 +83,21 @@ class NativeStore:
         retain_keys: Iterable[str] | None = None,
         release_keys: Iterable[str] | None = None,
     ) -> None: ...
+    def put_reporting(
+        self,
+        objects: Iterable[Any],
+        *,
+        retain_keys: Iterable[str] | None = None,
+        release_keys: Iterable[str] | None = None,
+    ) -> list[str]: ...
+    def put_blocks_reporting(
+        self,
+        keys: Iterable[str],
+        blocks: _Buffer,
+        *,
+        retain_keys: Iterable[str] | None = None,
+        release_keys: Iterable[str] | None = None,
+    ) -> list[str]: ...
     def get_concatenated(self, keys: Iterable[str]) -> bytes: ...
     def get_into(self, keys: Iterable[str], out: _Buffer) -> _Buffer: ...
     def get_many(self, keys: Iterable[str]) -> tuple[bytes, list[str]]: ...
@@ -123,6 +138,13 @@ class NativeVariableStore:
         retain_keys: Iterable[str] | None = None,
         release_keys: Iterable[str] | None = None,
     ) -> None: ...
+    def put_reporting(
+        self,
+        objects: Iterable[Any],
+        *,
+        retain_keys: Iterable[str] | None = None,
+        release_keys: Iterable[str] | None = None,
+    ) -> list[str]: ...
     def get_concatenated(self, keys: Iterable[str]) -> bytes: ...
     def get_many(self, keys: Iterable[str]) -> tuple[bytes, list[str], list[int]]: ...
     def get_optional(self, key: str) -> bytes | None: ...

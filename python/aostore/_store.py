@@ -134,6 +134,23 @@ class BlockObjectStore(BufferReads, NativeStore):
         data = _buffers.host_rows(blocks, len(keys), self.object_nbytes)
         super().put_blocks(keys, data, retain_keys=retain_keys, release_keys=release_keys)
 
+    def put_blocks_reporting(
+        self,
+        keys: Iterable[str],
+        blocks: Any,
+        *,
+        retain_keys: Iterable[str] | None = (),
+        release_keys: Iterable[str] | None = (),
+    ) -> list[str]:
+        """``put_blocks``, returning the distinct keys whose payload it stored (new, or
+        replaced in profile ``grow``), in first-occurrence order."""
+        self._ensure_open()
+        keys = list(keys)
+        data = _buffers.host_rows(blocks, len(keys), self.object_nbytes)
+        return super().put_blocks_reporting(
+            keys, data, retain_keys=retain_keys, release_keys=release_keys
+        )
+
     def _check_readable(self) -> None:
         self._ensure_open()
 

@@ -11,13 +11,17 @@ def put_and_report(
     local: Any, method: str, *args: Any, keys: list[str], **options: Any
 ) -> list[str]:
     """Runs ``local.<method>(*args, **options)`` (``put`` or ``put_blocks``) and returns which
-    of the put's distinct ``keys`` (in first-occurrence order) it wrote: stored new, or
-    replaced (``grow``: a stored key nothing references). Those are published.
+    of the put's distinct ``keys`` (in first-occurrence order) it stored: new, or replaced
+    (``grow``: a stored key nothing references; the variable store: every re-put). Those are
+    published.
 
-    The native stores do not report their writes yet, so this asks before the put
-    (check-then-act, sound only under the tier's write lock). Once they do, this body becomes
-    ``return getattr(local, method + "_reporting")(*args, **options)``.
+    aostore's stores say so themselves (``put_reporting``); a local store without that is
+    asked before the put (check-then-act, sound only under the tier's write lock).
     """
+    reporting = getattr(local, method + "_reporting", None)
+    if reporting is not None:
+        written: list[str] = reporting(*args, **options)
+        return written
     written = keys
     if keys:
         stored = local.contains(keys)
