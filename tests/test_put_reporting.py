@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import random
 
+import aostore
 import numpy as np
 import pytest
-
-import aostore
 
 NBYTES = 4
 
@@ -61,12 +60,11 @@ def test_put_reporting_names_what_each_store_wrote(seed: int) -> None:
             retains = [_key(rng.randrange(20)) for _ in range(rng.randrange(3))]
             releases = [k for k in held if held[k] > 0 and rng.random() < 0.3]
             before = store.snapshot()["objects"]
-            unreferenced = {k for k, c in zip(keys, store.reference_counts(keys)) if c == 0}
-            objects = [aostore.BlockObject(k, p) for k, p in zip(keys, payloads)]
+            counts = store.reference_counts(keys)
+            unreferenced = {k for k, c in zip(keys, counts, strict=True) if c == 0}
+            objects = [aostore.BlockObject(k, p) for k, p in zip(keys, payloads, strict=True)]
             try:
-                written = store.put_reporting(
-                    objects, retain_keys=retains, release_keys=releases
-                )
+                written = store.put_reporting(objects, retain_keys=retains, release_keys=releases)
             except aostore.BlockObjectStoreError:
                 assert written_nothing(store, before)
                 if rule != "variable":  # vLLM's fixed store keeps a refused put's counts
@@ -81,7 +79,7 @@ def test_put_reporting_names_what_each_store_wrote(seed: int) -> None:
                 held[k] -= 1
             after = store.snapshot()["objects"]
             assert written == _expected(rule, keys, before, unreferenced, after), (rule, seed)
-            last = {k: p for k, p in zip(keys, payloads)}
+            last = {k: p for k, p in zip(keys, payloads, strict=True)}
             for k in written:
                 assert after[k] == last[k]
         store.check()
