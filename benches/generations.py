@@ -1,4 +1,4 @@
-"""Costs over an RL run (SPEC section 11): vLLM's key namespace carries a generation that every
+"""Costs over an RL run (docs/guarantees.md): vLLM's key namespace carries a generation that every
 prefix-cache reset (every weight sync) bumps. T2-shaped puts (64 new objects of 64 B, 64
 retains, 64 releases, vLLM-shaped keys) into a full store, at generation 0 and after the store
 went through 10,000 generations, alternated in one run; and T6's memory beyond the arena per

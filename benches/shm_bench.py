@@ -7,7 +7,7 @@ package index, so the first column is **a model of it**: ``aostore.bench.shm_mod
 is not the branch's code: its constant costs are its own, but its walk over the referenced keys is
 the branch's.
 
-W1 as in SPEC section 9: a full store of 64-byte objects whose oldest 0% or 99% are
+W1 as in docs/workloads.md: a full store of 64-byte objects whose oldest 0% or 99% are
 referenced, then evicting puts of 1 (or 64) new objects; the median time per put, and 99% / 0%.
 
     PYTHONPATH=python python benches/shm_bench.py [--slots 100000 300000] [--puts 100]

@@ -8,7 +8,7 @@ Logprob-like rows of 1.3-4.5 KB under 110-130-byte keys. Contenders, in one run:
   ``BackgroundBlockObjectStore`` gives it (vLLM's class when ``vllm`` is importable, else
   aostore's Python writer, which is the same queue-and-thread design);
 - ``fixed/rust``: the fixed store behind the Rust writer with objects of the rows' mean size,
-  the reference T11 is judged against (SPEC section 10: "as T4 and T7 for the fixed store").
+  the reference T11 is judged against (docs/workloads.md: "as T4 and T7 for the fixed store").
 
 W4: ~200 µs of pure-Python engine work, then a put of 64 rows, 400 times; speed against the
 same loop with a no-op store run beside it (median of 15 pairs, in alternating order). T7: the

@@ -1,4 +1,4 @@
-"""Mooncake as vLLM's Mooncake branch uses it, for aostore's interop tests (SPEC section 14).
+"""Mooncake as vLLM's Mooncake branch uses it, for aostore's interop tests (docs/mooncake.md).
 
 The branch (vllm#57968; ``vllm/distributed/aux_output_connector/mooncake.py`` at commit
 8f0833bf of vllm-project/vllm) is not on the package index, so the tests cannot import it.

@@ -1,11 +1,11 @@
-"""Reference model of the aostore block store, profile ``fail-closed`` (SPEC section 2).
+"""Reference model of the aostore block store, profile ``fail-closed`` (docs/semantics.md).
 
 This is the contract written as plain Python: dicts, an ``OrderedDict`` for the LRU
 of evictable keys, and ``bytes`` copies for payloads. It favours being obviously
 correct over being fast. The differential test runs it beside the Rust store and
 requires identical results, errors and ``snapshot()`` after every step.
 
-Choices where SPEC section 2 is silent:
+Choices where docs/semantics.md is silent:
 
 * Validation order: the closed check first, then each object in batch order (its
   ``key``/``payload`` attributes, the key's type, the payload's buffer type and

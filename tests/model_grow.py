@@ -1,4 +1,5 @@
-"""Reference model of profile ``grow``: the store semantics vLLM 0.33.0 ships (SPEC section 3).
+"""Reference model of profile ``grow``: the store semantics vLLM 0.33.0 ships (docs/semantics.md,
+profile grow).
 
 Written from reading vLLM 0.33.0's ``vllm/distributed/aux_output_connector/store.py`` and kept
 as plain Python: a dict of stored bytes, a dict of reference counts and an ``OrderedDict`` LRU

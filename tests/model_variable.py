@@ -1,11 +1,11 @@
-"""Reference model of the variable-size store (SPEC section 13), written as plain Python.
+"""Reference model of the variable-size store (docs/variable-store.md), written as plain Python.
 
 Dicts for payloads and counts, an ``OrderedDict`` for the LRU of evictable keys, and a deep
 copy of the state to roll back to: obviously correct rather than fast. The differential test
 runs it beside ``aostore.VariableBlockObjectStore`` and requires identical results, errors,
 ``snapshot()`` and counters after every step.
 
-The contract, where SPEC section 13 leaves room:
+The contract, where docs/variable-store.md leaves room:
 
 * Capacity is ``max_bytes`` counted in chunks of ``chunk_nbytes``: an object of ``n`` bytes
   takes ``ceil(n / chunk_nbytes)`` of the ``max_bytes // chunk_nbytes`` chunks (zero bytes:

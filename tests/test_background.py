@@ -1,4 +1,4 @@
-"""BackgroundBlockObjectStore (SPEC section 5), with a Mock store and with real stores.
+"""BackgroundBlockObjectStore (docs/api.md), with a Mock store and with real stores.
 
 Every wait has a timeout, so a broken writer fails a test instead of hanging the run.
 """

@@ -1,4 +1,4 @@
-"""The background wrapper's flush() and non-raising reads (SPEC section 13): they see every
+"""The background wrapper's flush() and non-raising reads (docs/variable-store.md): they see every
 queued update, report misses without raising, and surface a latched error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad input raises the documented exception and changes nothing (SPEC section 2, rule 2, and
+"""Bad input raises the documented exception and changes nothing (docs/semantics.md, rule 2, and
 section 13 for the variable-size store).
 
 Every case runs against both stores, each as aostore and as its reference model

@@ -1,4 +1,4 @@
-"""Threads sharing one store (SPEC section 11, issue 5 part 3).
+"""Threads sharing one store (docs/guarantees.md, issue 5 part 3).
 
 Several threads put, retain, release and read one store; a background writer serves
 concurrent readers; a store is closed from another thread while others work. Each test runs

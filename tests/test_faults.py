@@ -1,5 +1,5 @@
 """Faults: writer errors, policy errors, full queues, close() at any point, process exit,
-and memory returned to the OS (SPEC sections 5 and 11, issue 5 part 4).
+and memory returned to the OS (docs/api.md, docs/guarantees.md, issue 5 part 4).
 
 A writer error is latched: later updates are skipped and the next ``put``,
 ``get_concatenated`` or ``close`` raises ``BlockObjectStoreError("... publication failed")``

@@ -1,4 +1,5 @@
-"""Garbage collection and memory lifetime (SPEC section 11): a store, its writer, its policy and its
+"""Garbage collection and memory lifetime (docs/guarantees.md): a store, its writer, its policy and
+its
 objects in reference cycles are collected, and an arena goes back to the OS once the last reference
 to its store (or an abandoned writer) goes. The arena's memory is measured in subprocesses.
 """

@@ -1,4 +1,5 @@
-"""Profile ``grow`` (SPEC section 3): aostore against ``model_grow``, vLLM 0.33.0's semantics.
+"""Profile ``grow`` (docs/semantics.md, profile grow): aostore against ``model_grow``, vLLM
+0.33.0's semantics.
 
 The stateful test drives ``BlockObjectStore(..., profile="grow")`` and ``model_grow.GrowModel``
 with the same calls (duplicate keys, retains, balanced releases, re-puts that replace bytes,

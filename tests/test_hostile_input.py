@@ -1,4 +1,4 @@
-"""Hostile input at every Python entry point of both stores (SPEC section 11, issue 5 part 1).
+"""Hostile input at every Python entry point of both stores (docs/guarantees.md, issue 5 part 1).
 
 Every call gets wrong types, wrong sizes, huge and negative numbers, NaN, keys with lone
 surrogates, NUL bytes and 1 MB of text, strided and object buffers, and user objects whose

@@ -1,4 +1,5 @@
-"""Differential test: both stores against their reference models (SPEC sections 11 and 13).
+"""Differential test: both stores against their reference models (docs/guarantees.md,
+docs/variable-store.md).
 
 One hypothesis state machine drives a store and its model with the same calls: batches with
 duplicate keys, retains, blind and balanced releases (so ``KeyError`` happens), re-puts of
@@ -200,7 +201,7 @@ class Fixed(Kind):
             raise AssertionError(f"{what}: undocumented error {subject.describe()}")
 
     def check_visits(self, machine: Any, step: dict[str, Any]) -> None:
-        # The seed's bound: an evicting put visits at most need + len(batch) keys.
+        # The upstream report's bound: an evicting put visits at most need + len(batch) keys.
         what, reference, extra = step["what"], step["reference"], step["extra"]
         visits = step["visits"]
         batch_keys = {key for key, _, _ in step["batch"]}

@@ -1,4 +1,4 @@
-"""aostore.mooncake (SPEC section 8) against a real Mooncake master on 127.0.0.1.
+"""aostore.mooncake (docs/mooncake.md) against a real Mooncake master on 127.0.0.1.
 
 The ``mooncake``-marked tests start ``mooncake_master`` and a segment holder themselves (free
 ports, loopback only) and stop them by PID. Without the Mooncake package they skip with the
@@ -879,7 +879,7 @@ def test_master_stopped_mid_run_fails_clearly(tmp_path: Path) -> None:
             direct.close()
 
 
-# -- interop with vLLM's Mooncake branch (SPEC section 14) ---------------------------------
+# -- interop with vLLM's Mooncake branch (docs/mooncake.md) ---------------------------------
 #
 # tests/branch_mooncake.py uses Mooncake as the branch's MooncakeBlockObjectStore does (its
 # docstring lists the calls, batching, keys and values). aostore's stores and it must read each

@@ -1,4 +1,4 @@
-"""The Mooncake tier under faults (SPEC section 8): once running, it never stops inference.
+"""The Mooncake tier under faults (docs/mooncake.md): once running, it never stops inference.
 
 With the tier on, the engine sees nothing it would not see with the tier off: a publication
 that fails is retried with backoff and recorded as unpublished, a put never waits for

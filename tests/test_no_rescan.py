@@ -1,4 +1,5 @@
-"""The seed's property: eviction never rescans referenced keys (SPEC section 2, rule 6).
+"""The upstream report's property: eviction never rescans referenced keys (docs/semantics.md, rule
+6).
 
 The seed counted hashes of a str subclass to see every lookup of a referenced key.
 A Rust store copies keys into its own strings, so that probe sees nothing there;
@@ -110,7 +111,7 @@ def test_walk_with_all_referenced_but_one_visits_one_key(impl, make_store):
 
 
 class RescanningModel(model.ModelStore):
-    """The store before the seed: one LRU for all stored keys, walked from the oldest."""
+    """The store before the fix: one LRU for all stored keys, walked from the oldest."""
 
     def put(self, objects, *, retain_keys=(), release_keys=()):
         objects = list(objects)

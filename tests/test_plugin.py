@@ -1,4 +1,4 @@
-"""The vLLM plugin (SPEC sections 7 and 12), against throwaway ``vllm`` trees and a real vLLM.
+"""The vLLM plugin (docs/vllm-plugin.md), against throwaway ``vllm`` trees and a real vLLM.
 
 Each fake tree is written to disk and imported like the real package, so the plugin sees real
 modules, source files and classes. Layouts:
@@ -1039,7 +1039,7 @@ def test_vllm_without_the_store_module_is_left_alone(make_tree: TreeMaker) -> No
     assert STORE not in sys.modules
 
 
-# -- The surface check (SPEC section 12) -------------------------------------------------------
+# -- The surface check (docs/vllm-plugin.md) -------------------------------------------------------
 
 
 def test_surface_reads_methods_instance_attributes_fields_and_keywords(

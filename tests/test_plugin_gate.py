@@ -246,7 +246,8 @@ def test_a_failure_inside_the_differential_keeps_vllms_classes(
 
 
 def test_differential_against_model_stores_directly() -> None:
-    # The module on its own: aostore's two profiles differ from each other where SPEC says.
+    # The module on its own: aostore's two profiles differ from each other where docs/semantics.md
+    # says.
     def store(profile: str) -> Any:
         return lambda **sizes: aostore.BlockObjectStore(profile=profile, **sizes)
 

@@ -1,4 +1,4 @@
-"""The victim policy hook (SPEC section 4): vLLM's ``ExpertCachePolicy`` contract.
+"""The victim policy hook (docs/semantics.md, victim policy): vLLM's ``ExpertCachePolicy`` contract.
 
 A policy has ``on_reference_change(key, old, new)``, ``select_victims(candidates, count)`` and
 ``on_remove(keys, reason)``. These tests hold ``aostore.BlockObjectStore`` to that contract:

@@ -1,4 +1,4 @@
-"""Process life (SPEC section 11): interpreter finalization and fork.
+"""Process life (docs/guarantees.md): interpreter finalization and fork.
 
 aostore loads into every vLLM process, and those processes fork workers and keep running for
 seconds after the interpreter is finalized (CUDA, NCCL and torch teardown). Each case runs in a

@@ -1,4 +1,4 @@
-"""One test per rule of SPEC section 2 (profile fail-closed), on aostore and on the model.
+"""One test per rule of docs/semantics.md (profile fail-closed), on aostore and on the model.
 
 Behaviour is observed only through ``snapshot()``, ``get_concatenated``, ``stats()``
 and the exceptions raised; no test looks at internals.

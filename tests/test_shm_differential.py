@@ -1,4 +1,5 @@
-"""``aostore.ShmBlockObjectStore`` against a model of the Mooncake branch's class (SPEC 14).
+"""``aostore.ShmBlockObjectStore`` against a model of the Mooncake branch's class
+(docs/mooncake.md).
 
 ``aostore.bench.shm_model.ShmModel`` is the branch's ``ShmBlockObjectStore`` written from its
 behaviour (one ``OrderedDict`` for referenced and unreferenced keys, walked from the oldest on every
@@ -8,7 +9,8 @@ operation both must agree on the outcome (the bytes read, or the exception's cla
 cause), on the stored keys and their bytes, the reference counts and the LRU order of the evictable
 keys, and both must pass their invariants.
 
-As in the seed's own differential: with balanced releases everything is identical after every
+As in the upstream report's own differential: with balanced releases everything is identical after
+every
 operation. A release of a key that is not referenced raises the same ``KeyError`` in both, but
 the branch keeps that call's retains and earlier releases (at their old LRU places) while aostore
 changes nothing, so after it the sequences are only checked for invariants, and later victims
@@ -17,7 +19,8 @@ Payloads are always ``object_nbytes`` long: the branch requires it (a wrong size
 raise ``IndexError`` half-way through a put), and aostore refuses one up front
 (``test_wrong_size_payload_changes_nothing``).
 
-The no-rescan test is the seed's: referenced keys are a ``str`` subclass that counts its own
+The no-rescan test is the upstream report's: referenced keys are a ``str`` subclass that counts its
+own
 hashes, so any lookup of a referenced key in any container is seen.
 """
 
@@ -184,7 +187,8 @@ def test_unbalanced_release_diverges_only_after_the_key_error() -> None:
         diverged += sequence.run()
         key_errors += sequence.key_error_at is not None
     # Identical up to and including the KeyError; afterwards only invariants hold, and some
-    # sequences end with different stored keys, counts or LRU order (the seed saw the same).
+    # sequences end with different stored keys, counts or LRU order (the upstream report saw the
+    # same).
     assert key_errors > UNBALANCED // 4
     assert 0 < diverged <= key_errors
 
@@ -256,7 +260,7 @@ def test_constructor_and_surface_are_the_branchs() -> None:
 
 
 class CountingKey(str):
-    """A key that counts how often anything hashes it (the seed's probe)."""
+    """A key that counts how often anything hashes it (the upstream report's probe)."""
 
     hashes = 0
 
@@ -272,7 +276,8 @@ REFERENCED, FREE, PUTS = 900, 100, 100
 
 
 def rescan_count(store: Any) -> int:
-    """The seed's test: 900 referenced and 100 unreferenced objects, then 100 evicting puts.
+    """The upstream report's test: 900 referenced and 100 unreferenced objects, then 100 evicting
+    puts.
 
     Returns how many times the referenced keys were hashed during the puts, after checking
     that the unreferenced objects are the ones evicted and every referenced one is readable.

@@ -1,4 +1,4 @@
-"""The tensor façade (SPEC section 6): numpy and torch payloads in and out of byte slots.
+"""The tensor façade (docs/api.md): numpy and torch payloads in and out of byte slots.
 
 Round trips are bit-exact for every dtype (bf16 included), reads never alias the arena, bad
 input changes nothing, ``put_blocks`` has ``put``'s semantics, and it makes no per-block Python
@@ -564,7 +564,7 @@ def test_bad_reference_keys_change_nothing(busy_store, retain_keys, release_keys
 
 
 def test_put_blocks_unknown_release_changes_nothing(busy_store):
-    """A release of a key that is not referenced is bad input too (SPEC section 2)."""
+    """A release of a key that is not referenced is bad input too (docs/semantics.md)."""
     with changes_nothing(busy_store), pytest.raises(KeyError):
         busy_store.put_blocks(["n1"], np.zeros((1, NBYTES), np.uint8), release_keys=["unknown"])
     with changes_nothing(busy_store), pytest.raises(KeyError):

@@ -1,4 +1,4 @@
-"""CUDA paths of the tensor façade (SPEC section 6).
+"""CUDA paths of the tensor façade (docs/api.md).
 
 Tests marked ``cuda`` run where ``torch.cuda.is_available()``; elsewhere they are skipped with
 a reason. The pinned-arena argument checks, and the register/unregister bookkeeping (against a

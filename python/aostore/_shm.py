@@ -3,8 +3,10 @@
 vLLM's open Mooncake branch (vllm#57968) moves its fixed store to
 ``vllm/distributed/aux_output_connector/shm.py`` as ``ShmBlockObjectStore(*, max_bytes,
 object_nbytes)``. That class still keeps referenced and unreferenced keys in one LRU and walks
-it from the oldest key on every evicting put (the seed's rescan). Its semantics are those of
-aostore's ``fail-closed`` profile (SPEC sections 2 and 14), which this class uses, with O(1)
+it from the oldest key on every evicting put (the original store's rescan). Its semantics are those
+of
+aostore's ``fail-closed`` profile (docs/semantics.md and docs/mooncake.md), which this class uses,
+with O(1)
 eviction.
 """
 

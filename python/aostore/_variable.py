@@ -18,7 +18,8 @@ class VariableBlockObjectStore(NativeVariableStore):
     contiguous in the arena, so a batch fits whenever its chunks do, and eviction frees exactly
     the bytes it needs.
 
-    Semantics (SPEC section 13): reference counts as ``BlockObjectStore``; a re-put of a stored
+    Semantics (docs/variable-store.md): reference counts as ``BlockObjectStore``; a re-put of a
+    stored
     key replaces its payload (the size may change), referenced or not; unreferenced keys leave
     in LRU order, oldest first, until the batch fits; a batch that cannot be held raises
     ``BlockObjectStoreError("... cannot retain ...")`` and changes nothing, reference counts
