@@ -1,4 +1,4 @@
-"""The benchmarks of SPEC section 9, reported as the targets of SPEC section 10.
+"""The workloads of docs/workloads.md, reported as its targets.
 
 Every figure comes from this one run on this one machine. The reference is vLLM's own
 ``BlockObjectStore`` (``vllm.distributed.aux_output_connector.store``, imported lazily when ``vllm``
@@ -7,8 +7,8 @@ own ``BlockObject`` and ``BackgroundBlockObjectStore``. The pure-Python replica 
 (``aostore.bench.baseline.PythonBlockObjectStore``: dict of slots + OrderedDict LRU of evictable
 keys + mmap arena) is a second reference that needs no vLLM; when vLLM is not importable its column
 says why and the targets that compare with vLLM are judged against the replica, which the table
-says. Other references: a store that rescans (the seed's "main") and the memcpy floor of the same
-bytes, measured with numpy. Only store calls are timed.
+says. Other references: a store that rescans (vLLM's original store, "main") and the memcpy floor of
+the same bytes, measured with numpy. Only store calls are timed.
 
     python benches/bench.py                  # full sizes: table, bench-out/results.json, PNGs
     python benches/bench.py --quick          # tiny sizes: a smoke run (CI)
@@ -37,26 +37,20 @@ from typing import Any
 
 import numpy as np
 from aostore.bench.baseline import RescanBlockObjectStore
-from aostore.bench.replay import (
-    POOL_ROWS,
+from aostore.bench.contenders import (
     Contender,
-    ReplayResult,
-    RolloutShape,
-    Step,
     aostore_contender,
     commit_pages,
-    compare,
     contenders,
-    generate,
     plugin_contender,
-    pool,
-    writer_floor,
 )
+from aostore.bench.measure import ReplayResult, compare, pool, writer_floor
+from aostore.bench.replay import POOL_ROWS, RolloutShape, Step, generate
 
 GLM_OBJECT_NBYTES = 5_888  # 46 MoE layers x top-8 x uint8 x 16 tokens
 GLM_SLOTS = 167_341
 BATCH = 64
-WARMUP_PUTS = 20  # SPEC 10: steady-state figures come after 20 warm-up puts
+WARMUP_PUTS = 20  # docs/workloads.md: steady-state figures come after 20 warm-up puts
 VARIABLE_BENCH = Path(__file__).resolve().parent / "variable_bench.py"
 WORKLOADS = ("w4", "t7", "w1", "w2", "w3", "t8", "t6")
 
@@ -154,7 +148,7 @@ def w2_schedule(slots: int, rounds: int) -> list[tuple[range, range, list[int], 
     A store filled with keys ``0..slots-1``; each round stores 64 new keys retained, releases the
     previous round's, then reads 64 keys from the older half of the store (cold: between 3/4 and
     1/2 of its age) and 64 from the newest half (hot). A read moves a key to the LRU tail in
-    aostore's store (SPEC section 2) but not in vLLM 0.33's, so the keys stored differ between
+    aostore's store (docs/semantics.md) but not in vLLM 0.33's, so the keys stored differ between
     them; the schedule follows aostore's LRU exactly and picks only keys stored in both (also
     among the newest ``slots`` keys, which is what vLLM's store holds)."""
     rng = random.Random(0)
@@ -193,8 +187,8 @@ def w2_schedule(slots: int, rounds: int) -> list[tuple[range, range, list[int], 
 def w2_store(c: Contender, slots: int, nbytes: int, batches: int) -> dict[str, float]:
     """ns per object of put (64 new, 64 retains, 64 releases) and get (64 random live keys),
     after WARMUP_PUTS untimed rounds on the full store. Two gets per round: ``get`` reads keys
-    from the older half of the store (cold in cache, as a finished request's keys are: SPEC
-    T2), ``get_hot`` keys from the newest half, just written."""
+    from the older half of the store (cold in cache, as a finished request's keys are: T2
+    in docs/workloads.md), ``get_hot`` keys from the newest half, just written."""
     store = c.build(max_bytes=slots * nbytes, object_nbytes=nbytes, prefault=True)
     fill(store, c.block_object, slots, nbytes)
     data = payloads(nbytes)
@@ -311,10 +305,10 @@ def w4_loop(store: Any, block_object: Any, iterations: int, rounds: int) -> floa
     return elapsed
 
 
-# W4's repetitions (SPEC section 10 asks for at least 5). On this project's 2-core VM the same
-# 400 rounds of pure-Python work took 40-74 ms from one repetition to the next, so with 5 pairs
-# two or three slow ones decide the median; 15 pairs, each a no-op loop and a store's loop back
-# to back, bound it much better.
+# W4's repetitions (T4 in docs/workloads.md asks for at least 5). On this project's 2-core VM the
+# same 400 rounds of pure-Python work took 40-74 ms from one repetition to the next, so with 5 pairs
+# two or three slow ones decide the median; 15 pairs, each a no-op loop and a store's loop back to
+# back, bound it much better.
 W4_REPETITIONS = 15
 
 
@@ -465,7 +459,7 @@ def w3(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
 # T6: memory per stored key, measured in a fresh process.
 _T6_CHILD = r"""
 import gc, json, mmap, sys
-from aostore.bench.replay import aostore_contender, replica_contender, vllm_contender
+from aostore.bench.contenders import aostore_contender, replica_contender, vllm_contender
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -699,7 +693,7 @@ def t8(quick: bool, stores: Sequence[Contender]) -> dict[str, Any]:
     return out
 
 
-# SPEC section 10: the table.
+# The targets' table (docs/workloads.md).
 @dataclass
 class Target:
     """One row: the aostore figure judged against the target, and the references beside it."""
@@ -949,8 +943,8 @@ def t8_w3_rows(w: dict[str, Any], refs: References) -> list[Target]:
         f = w[f"{name}/{arena}"]
         return f"{f['worst_us'] / 1e3:.2f} ms (p99.9 {f['p999_us'] / 1e3:.2f})"
 
-    # SPEC T8: the store built with prefault=True. The plugin's arena (committed in the
-    # background while the first puts run) is reported beside it.
+    # T8 (docs/workloads.md): the store built with prefault=True. The plugin's arena (committed
+    # in the background while the first puts run) is reported beside it.
     value = w["aostore/prefaulted"]["worst_us"] / 1e3
     shape = w["aostore/prefaulted"].get("worst_put")
     which = (
@@ -1043,8 +1037,9 @@ def t9_rows() -> list[Target]:
 
 
 def targets(r: dict[str, Any], stores: Sequence[Contender], vllm_missing: str) -> list[Target]:
-    """SPEC section 10's rows for the workloads in ``r``. A target stated against vLLM's store
-    is judged against the replica when vLLM is not importable, and the row says so."""
+    """The target rows (docs/workloads.md) for the workloads in ``r``. A target stated against
+    vLLM's store is judged against the replica when vLLM is not importable, and the row says
+    so."""
     refs = References.of(stores, vllm_missing)
     sections: list[tuple[str, Callable[[dict[str, Any], References], list[Target]]]] = [
         ("w1", t1_rows),
@@ -1063,8 +1058,8 @@ def targets(r: dict[str, Any], stores: Sequence[Contender], vllm_missing: str) -
 def table(
     rows: Sequence[Target], stores: Sequence[Contender], vllm_missing: str, quick: bool = False
 ) -> str:
-    """SPEC section 10's table. ``quick``: a smoke run at tiny sizes, whose figures are not
-    judged against the targets (which are stated for the full sizes)."""
+    """The targets' table (docs/workloads.md). ``quick``: a smoke run at tiny sizes, whose
+    figures are not judged against the targets (which are stated for the full sizes)."""
     vllm_label = next((c.label for c in stores if c.name == "vllm"), "vLLM")
     lines = [
         f"| id | measure | aostore | target | met | {vllm_label} (same run) | replica (same run) |",

@@ -15,9 +15,9 @@ of ``--nbytes`` (5,888 B: one GLM-4.5-Air block of routed-expert ids), batches o
   the publisher instead), and ``Mooncake put_blocks`` (``put_batch`` of new keys: what the
   publisher thread spends).
 
-With ``--engine``, the engine-thread figures of SPEC section 10 with the Mooncake tier on (the
-store the vLLM plugin builds with ``AOSTORE_VLLM_MOONCAKE``: ``TieredGrowBlockObjectStore``,
-a ``GrowBlockObjectStore`` in front of Mooncake) beside the tier off (the plugin's
+With ``--engine``, the engine-thread targets' figures (docs/workloads.md) with the Mooncake tier on
+(the store the vLLM plugin builds with ``AOSTORE_VLLM_MOONCAKE``: ``TieredGrowBlockObjectStore``, a
+``GrowBlockObjectStore`` in front of Mooncake) beside the tier off (the plugin's
 ``GrowBlockObjectStore`` alone), both behind aostore's ``BackgroundBlockObjectStore`` as vLLM's
 worker drives it (``benches/bench.py``'s W4 loop and T7 puts, same calibration):
 
@@ -304,7 +304,7 @@ def engine_run(args: argparse.Namespace, config: MooncakeConfig) -> dict[str, An
     sys.path.insert(0, str(BENCHES_DIR))
     import bench  # benches/bench.py: the W4 loop, T7's puts, the calibration
     from aostore import BackgroundBlockObjectStore, vllm_plugin
-    from aostore.bench.replay import Contender
+    from aostore.bench.contenders import Contender
 
     vllm_plugin._tier_setting = vllm_plugin.MooncakeTier("(bench config)", config)
     nbytes = bench.GLM_OBJECT_NBYTES

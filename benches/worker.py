@@ -23,7 +23,7 @@ as ``routed_experts_prompt_start=0``, else ``num_tokens - 1``), the hashes of th
 become full in the step (before their data is captured), and the requests that finished in
 the step before (their keys are released in reverse).
 
-The schedule is W3's (SPEC section 9), from ``aostore.bench.replay``: its generator is run and
+The schedule is W3's (docs/workloads.md), from ``aostore.bench.replay``: its generator is run and
 the admission of each request (step, prompt, lengths, block ids) recorded. A request is
 prefilled in its admission step (all its prompt tokens, as W3 does; W3 admits a step's requests
 while their tokens fit vLLM's ``max_num_batched_tokens`` of 16,384, and the connector's
@@ -116,19 +116,19 @@ class Request:
 
 def schedule(shape: replay.RolloutShape) -> list[Request]:
     """W3's requests with their admission steps: ``replay.generate`` run once, each admission
-    it makes (``replay._admit``) recorded."""
+    it makes (``replay.admit``) recorded."""
     admitted: list[tuple[Any, int]] = []
-    original = replay._admit
+    original = replay.admit
 
     def record(request: Any, start: int, steps: Any, published: Any) -> int:
         admitted.append((request, start))
         return original(request, start, steps, published)
 
-    replay._admit = record  # type: ignore[assignment]
+    replay.admit = record  # type: ignore[assignment]
     try:
         replay.generate(shape)
     finally:
-        replay._admit = original  # type: ignore[assignment]
+        replay.admit = original  # type: ignore[assignment]
     requests: list[Request] = []
     live: dict[int, list[Request]] = defaultdict(list)  # prompt -> admitted samples
     for index, (raw, start) in enumerate(admitted):

@@ -1,7 +1,8 @@
-"""``python -m aostore``'s table (the main job): each row docs/ gives a target shows it and is
-judged (T5: writer time / memcpy floor; T8: the slowest put), the rest say "not judged"; a put
-the machine stalled (wall time far above its CPU time) is said to be a stall and its ratio and
-target read what the store did; progress in a log is a line per tenth, not a redrawn bar.
+"""``python -m aostore``'s table (the main job, ``aostore.bench.report``): each row docs/ gives a
+target shows it and is judged (T5: writer time / memcpy floor; T8: the slowest put), the rest say
+"not judged"; a put the machine stalled (wall time far above its CPU time) is said to be a stall and
+its ratio and target read what the store did; progress in a log is a line per tenth, not a redrawn
+bar.
 
 Nothing here asserts a time: the figures are built by hand, or a put is made to sleep."""
 
@@ -14,8 +15,9 @@ from typing import Any
 import pytest
 from aostore import BlockObjectStore
 from aostore import __main__ as cli
-from aostore.bench import replay
-from aostore.bench.replay import ReplayResult, RolloutShape, Step, generate
+from aostore.bench import contenders, measure, report
+from aostore.bench.measure import ReplayResult
+from aostore.bench.replay import RolloutShape, Step, generate
 
 SMALL = {
     "prompts": 8,
@@ -61,7 +63,7 @@ def test_each_row_with_a_target_shows_it_and_is_judged_the_rest_are_not_judged()
     ours = result("aostore", [100_000, 600_000, 200_000], [100_000, 600_000, 200_000])
     theirs = result("replica", [1_000_000, 6_000_000, 2_000_000], [1_000_000, 6_000_000, 2_000_000])
     # Writer time 0.9 ms against a floor of 1.0 ms: 0.90x, under T5's 1.3x.
-    table = cli._replay_table([ours, theirs], "", floor_seconds=0.001)
+    table = report.replay_table([ours, theirs], "", floor_seconds=0.001)
     header = table.splitlines()[0].split()
     assert header[-2:] == ["target", "judged"]
     writer = row(table, "writer time")
@@ -83,12 +85,12 @@ def test_targets_not_met_say_so_and_why() -> None:
         Step(publish=list(range(300)), retain=list(range(500, 2_500))),
         Step(publish=[7]),
     ]
-    rows = replay.pool(5_888)
+    rows = measure.pool(5_888)
     # Put 1 runs 1.5 ms on the CPU (no stall) with 12 page faults; the floor is a tenth of the
     # writer time.
     ours = result("aostore", [200_000, 1_500_000, 5_000], [200_000, 1_500_000, 5_000], [3, 12, 0])
     theirs = result("replica", [400_000, 3_000_000, 10_000], [400_000, 3_000_000, 10_000])
-    table = cli._replay_table(
+    table = report.replay_table(
         [ours, theirs], "not installed", floor_seconds=0.0001705, steps=steps, rows=rows
     )
     assert row(table, "writer time").endswith("NOT MET: 10.00x floor")
@@ -100,7 +102,7 @@ def test_targets_not_met_say_so_and_why() -> None:
     assert "2,000 retains and 0 releases are bookkeeping" in why
     assert "its 12 page faults commit memory on first use" in why
     assert "background prefault had not reached" in why  # the plugin's arena (the default)
-    prefaulted = cli._replay_table([ours, theirs], "", prefault=True, steps=steps, rows=rows)
+    prefaulted = report.replay_table([ours, theirs], "", prefault=True, steps=steps, rows=rows)
     assert "prefault=True" in prefaulted and "background prefault" not in prefaulted
     # Without a floor T5 cannot be judged, and says so.
     assert row(prefaulted, "writer time").endswith("not judged: no floor measured")
@@ -112,7 +114,7 @@ def test_a_stalled_worst_put_is_marked_and_its_ratio_and_target_read_the_store_s
     on what each store did and T8 is judged on it."""
     ours = result("aostore", [1_500_000, 59_000_000, 1_000], [1_500_000, 200_000, 1_000])
     theirs = result("replica", [36_000_000, 9_000_000, 9_000], [36_000_000, 9_000_000, 9_000])
-    table = cli._replay_table([ours, theirs], "", floor_seconds=1.0)
+    table = report.replay_table([ours, theirs], "", floor_seconds=1.0)
     worst = row(table, "worst put")
     assert "59,000.000 us*" in worst
     assert "24.0x" in worst and "0.6x" not in worst  # 36 ms / 1.5 ms, not 36 ms / 59 ms
@@ -139,7 +141,7 @@ def test_a_put_that_sleeps_in_a_real_replay_reads_as_a_stall() -> None:
     takes its CPU time as what the store did."""
     shape = RolloutShape(**SMALL)
     steps = generate(shape)
-    rows = replay.pool(shape.object_nbytes)
+    rows = measure.pool(shape.object_nbytes)
     stalled = len(steps) // 3
 
     class Sleeping:
@@ -160,12 +162,12 @@ def test_a_put_that_sleeps_in_a_real_replay_reads_as_a_stall() -> None:
             return self.store.get_concatenated(keys)
 
     sleeping = Sleeping()
-    ours = replay.run("aostore", sleeping, steps, rows, as_bytes=True, label="aostore")
+    ours = measure.run("aostore", sleeping, steps, rows, as_bytes=True, label="aostore")
     sleeping.store.close()
     plain = BlockObjectStore(
         max_bytes=shape.store_slots * shape.object_nbytes, object_nbytes=shape.object_nbytes
     )
-    theirs = replay.run("replica", plain, steps, rows, as_bytes=True, label="replica")
+    theirs = measure.run("replica", plain, steps, rows, as_bytes=True, label="replica")
     plain.close()
 
     assert ours.put_ns[stalled] >= 30_000_000
@@ -176,7 +178,7 @@ def test_a_put_that_sleeps_in_a_real_replay_reads_as_a_stall() -> None:
     assert "voluntary context switch" in ours.stall_cause(stalled)
     assert ours.writer_store_seconds < ours.writer_seconds
 
-    table = cli._replay_table([ours, theirs], "", floor_seconds=1.0, steps=steps, rows=rows)
+    table = report.replay_table([ours, theirs], "", floor_seconds=1.0, steps=steps, rows=rows)
     worst = row(table, "worst put")
     assert f"{ours.worst_us:,.3f} us*" in worst
     assert f"{theirs.worst_store_us / ours.worst_store_us:.1f}x" in worst
@@ -191,7 +193,7 @@ def test_progress_in_a_log_is_a_short_line_per_tenth(capsys: pytest.CaptureFixtu
     progress = cli.Progress()  # stderr: captured by pytest, so not a terminal
     total = 29_379
     for label in ("aostore", "replica"):
-        for i in range(0, total, 512):  # as replay.run reports
+        for i in range(0, total, 512):  # as measure.run reports
             progress(label, i + 1, total)
         progress(label, total, total)
     err = capsys.readouterr().err
@@ -227,14 +229,14 @@ def test_the_replay_reports_progress_to_a_log(capsys: pytest.CaptureFixture[str]
     stream = io.StringIO()
     shape = RolloutShape(**SMALL)
     steps = generate(shape)
-    rows = replay.pool(shape.object_nbytes)
-    replay.compare(
+    rows = measure.pool(shape.object_nbytes)
+    measure.compare(
         shape,
         steps,
         rows,
         prefault=False,
         progress=cli.Progress(stream),
-        stores=[replay.aostore_contender()],
+        stores=[contenders.aostore_contender()],
     )
     lines = stream.getvalue().splitlines()
     assert lines[0] == f"aostore: 1/{len(steps):,} (0%)"
@@ -260,7 +262,7 @@ def test_bench_quick_judges_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
         bench.Target("T6", "bytes per key", 90.0, "90 B", "<= 100 B", True, "280 B", "269 B"),
         bench.Target("T9", "variable store", None, "see", "<= 1.5", None, "-", "-"),
     ]
-    stores = [replay.aostore_contender(), replay.replica_contender()]
+    stores = [contenders.aostore_contender(), contenders.replica_contender()]
     full = bench.table(rows, stores, "")
     assert "| NO |" in full and "| yes |" in full and "not judged" not in full
     quick = bench.table(rows, stores, "", quick=True)

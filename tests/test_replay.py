@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from aostore.bench import replay
+from aostore.bench import measure, replay, report
 from aostore.bench.replay import BLOCK_TOKENS, RolloutShape, generate
 
 SMALL = {
@@ -24,14 +24,14 @@ def admissions(
 ) -> list[tuple[int, int, int, int]]:
     """(step, release step, prompt, prompt tokens) of each admission ``generate`` makes."""
     seen: list[tuple[int, int, int, int]] = []
-    original = replay._admit
+    original = replay.admit
 
     def record(request, start, steps, published):  # type: ignore[no-untyped-def]
         release = original(request, start, steps, published)
         seen.append((start, release, request.prompt, request.prompt_len))
         return release
 
-    monkeypatch.setattr(replay, "_admit", record)
+    monkeypatch.setattr(replay, "admit", record)
     generate(shape)
     return seen
 
@@ -102,7 +102,7 @@ def test_the_replay_tells_a_put_off_the_cpu_from_the_store_s_work() -> None:
 
     shape = RolloutShape(**SMALL)
     steps = generate(shape)
-    rows = replay.pool(shape.object_nbytes)
+    rows = measure.pool(shape.object_nbytes)
     stalled = len(steps) // 2
 
     class Stalling:
@@ -127,7 +127,7 @@ def test_the_replay_tells_a_put_off_the_cpu_from_the_store_s_work() -> None:
         def get_concatenated(self, keys: list[str]) -> bytes:
             return self.store.get_concatenated(keys)
 
-    result = replay.run("stalling", Stalling(), steps, rows, as_bytes=True)
+    result = measure.run("stalling", Stalling(), steps, rows, as_bytes=True)
     assert len(result.cpu_ns) == len(result.put_ns) == len(result.faults) == len(steps)
     assert result.faults[stalled + 1] > 0
     assert all(count >= 0 for count in result.faults)
@@ -140,10 +140,9 @@ def test_the_replay_table_gives_the_worst_put_on_the_cpu_beside_the_worst_put() 
     """``python -m aostore``'s table: a put stalled 9 ms off the CPU is the worst put (marked as
     a stall), while the row of time on the CPU shows the store's worst work (50 µs here), and
     both ratios read what the stores did."""
-    from aostore import __main__ as cli
 
-    def result(name: str, scale: int) -> replay.ReplayResult:
-        return replay.ReplayResult(
+    def result(name: str, scale: int) -> measure.ReplayResult:
+        return measure.ReplayResult(
             name=name,
             puts=2,
             objects=2,
@@ -157,7 +156,7 @@ def test_the_replay_table_gives_the_worst_put_on_the_cpu_beside_the_worst_put() 
             faults=[0, 0],
         )
 
-    table = cli._replay_table([result("aostore", 1), result("replica", 3)], "")
+    table = report.replay_table([result("aostore", 1), result("replica", 3)], "")
     worst = next(line for line in table.splitlines() if line.startswith("worst put"))
     on_cpu = next(line for line in table.splitlines() if line.startswith("worst on CPU"))
     assert "9,000.000 us*" in worst and "3.0x" in worst
