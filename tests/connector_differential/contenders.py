@@ -14,6 +14,12 @@ globals the plugin replaced and puts back, before each contender's calls, the cl
 contender runs with (vLLM looks some of them up at call time, e.g. ``BlockObject`` when it
 publishes and ``BlockObjectStoreError`` when it raises). The harness drains a contender's
 writer before it switches, so no writer thread runs under the other contender's classes.
+
+A further contender (the native data plane) is one more factory in :data:`CONTENDERS`: its
+connector built by the same ``__init__`` (with the stand-ins of ``standins.py``), the capturer
+that ``__init__`` built, ``read_store`` (the store's :class:`StoreView` once its writer has
+applied every queued put; never raising), ``activate`` (its classes in vLLM's modules) and
+``close``; ``error_classes`` maps vLLM's exception classes to those it raises instead.
 """
 
 from __future__ import annotations

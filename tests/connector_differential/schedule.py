@@ -125,10 +125,11 @@ class _Model:
         mcb = int(rng.integers(1, 3))
         dtype_name = str(rng.choice(["uint8", "uint16"]))
         shape = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
-        slots = None if rng.random() < 0.2 else int(rng.integers(2, 40))
-        self.params = Params(
-            block, shape, dtype_name, seqs, batched, mcb, slots, int(rng.integers(4, 64))
-        )
+        # A store that fails closed (0.32.0's) fills up for good, so it is mostly larger.
+        small = kv_events or rng.random() < 0.3
+        slots = None if rng.random() < 0.2 else int(rng.integers(2, 40 if small else 400))
+        kv_blocks = int(rng.integers(4, 64 if small else 400))
+        self.params = Params(block, shape, dtype_name, seqs, batched, mcb, slots, kv_blocks)
         self.vmax = 256 if dtype_name == "uint8" else 1024
         self.requests: dict[str, _Request] = {}
         self.families: list[list[int]] = []
@@ -393,9 +394,14 @@ class _Model:
                 self.process_oldest()
             self.step += 1
             return bool(self.requests) or self.step < 4
-        if len(self.pending) >= params.max_concurrent_batches and bad != "too-many-in-flight":
-            self.process_oldest()
+        if len(self.pending) >= params.max_concurrent_batches:
+            if bad == "too-many-in-flight":
+                self.injected = bad
+            else:
+                self.process_oldest()
 
+        # The first request's cursors before this step (the bad inputs below are relative to them).
+        capture0, scheduled0 = scheduled[0][0].capture, scheduled[0][0].scheduled
         req_ids: list[str] = []
         starts: list[int] = []
         counts: list[int] = []
@@ -446,23 +452,28 @@ class _Model:
         num_sampled = np.asarray(sampled, dtype=np.int32)
         num_rejected = np.asarray(rejected, dtype=np.int32)
         prepare = Prepare(self.step, req_ids, token_starts, query, all_rows.astype(np.int16))
+        applied = bad in (*BAD_INPUTS[2:4], "profile-dtype", "batch-unknown")
         if bad == "rejected-too-many":
             num_rejected[0] = counts[0] + 1
         elif bad == "rejected-negative":
             num_rejected[0] = -1
-        elif bad == "capture-overlap" and scheduled[0][0].capture > 0:
+        elif bad == "capture-overlap" and 0 < capture0 == starts[0]:
             token_starts[0] = max(0, token_starts[0] - 1 - int(rng.integers(0, 3)))
-        elif bad == "capture-gap":
+            applied = True
+        elif bad == "capture-gap" and starts[0] == capture0 == scheduled0:
             token_starts[0] += 1 + int(rng.integers(0, 3))
+            applied = True
         elif bad == "profile-dtype":
             prepare.dtype_name = "int32"
         elif bad == "negative-start":
             token_starts[0] = -params.block_size
+            applied = True
         elif bad == "batch-unknown":
             prepare.req_ids = [*req_ids[:-1], "req-unknown"]
         elif bad == "empty-request" and len(query) > 2:
             query[1] = 0
-        if bad and not self.injected and bad not in at_begin:
+            applied = True
+        if applied:
             self.injected = bad
         self.ops.append(prepare)
         self.pending.append(self.step)
