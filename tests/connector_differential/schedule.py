@@ -428,17 +428,17 @@ class _Model:
             position = request.capture  # where the kept rows land (reattached or not)
             prefill_done = position + kept >= request.prompt_len
             # A token is sampled when the prefill is complete (or while decoding).
-            num_sampled = kept if prefill_done else 0
+            produced = kept if prefill_done else 0
             new = max(0, position + kept + 1 - len(request.tokens)) if prefill_done else 0
             request.tokens.extend(int(t) for t in rng.integers(0, 1000, new))
             rows.append(self.rows(request, position, kept, count))
             req_ids.append(request.rid)
             starts.append(start)
             counts.append(count)
-            sampled.append(num_sampled)
+            sampled.append(produced)
             rejected.append(reject)
             token_end = position + kept
-            if num_sampled > 0 and request.emit <= token_end:
+            if produced > 0 and request.emit <= token_end:
                 request.emit = token_end
             request.capture = token_end
             request.scheduled = start + count
