@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aostore._native import BlockObject
+from aostore import BackgroundBlockObjectStore, BlockObject, BlockObjectStore
 
 VLLM_STORE_MODULE = "vllm.distributed.aux_output_connector.store"
 """vLLM's auxiliary-output store module: the store aostore replaces."""
@@ -67,9 +67,6 @@ class Contender:
 
 def aostore_contender(profile: str = "fail-closed") -> Contender:
     """aostore's store with ``profile``; ``"grow"`` is what the vLLM plugin builds for 0.33."""
-    from aostore._background import BackgroundBlockObjectStore
-    from aostore._store import BlockObjectStore
-
     return Contender(
         name="aostore",
         label="aostore",
@@ -85,7 +82,6 @@ def plugin_contender() -> Contender:
     plugin installs for vLLM 0.33 (``profile="grow"``), called as vLLM's worker calls it, with
     ``max_bytes`` and ``object_nbytes`` only (so whatever arena defaults it has apply).
     ``build(prefault=True)`` is refused: use :func:`aostore_contender` for that."""
-    from aostore._background import BackgroundBlockObjectStore
     from aostore.vllm_plugin import GrowBlockObjectStore
 
     return Contender(
@@ -101,7 +97,6 @@ def plugin_contender() -> Contender:
 def replica_contender() -> Contender:
     """The pure-Python replica of vLLM's store (``aostore.bench.baseline``), behind aostore's Python
     writer thread (the same queue-and-thread design as vLLM's)."""
-    from aostore._background import BackgroundBlockObjectStore
     from aostore.bench.baseline import PythonBlockObjectStore
 
     return Contender(

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from aostore._native import BlockObject
+from aostore import BlockObject
 from aostore.bench.contenders import Contender, aostore_contender, commit_pages, replica_contender
 from aostore.bench.replay import POOL_ROWS, RolloutShape, Step, block_key
 
