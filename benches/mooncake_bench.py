@@ -305,12 +305,16 @@ def engine_run(args: argparse.Namespace, config: MooncakeConfig) -> dict[str, An
     import bench  # benches/bench.py: the W4 loop, T7's puts, the calibration
     from aostore import BackgroundBlockObjectStore, vllm_plugin
     from aostore.bench.contenders import Contender
+    from aostore.vllm import stores as vllm_stores
+    from aostore.vllm.settings import MooncakeTier, Settings
 
-    vllm_plugin._tier_setting = vllm_plugin.MooncakeTier("(bench config)", config)
+    # What register() binds into the installed classes when AOSTORE_VLLM_MOONCAKE names config.
+    tier_setting = MooncakeTier("(bench config)", config)
+    vllm_stores.bind(prefault=Settings.from_env().prefault, tier=tier_setting)
     nbytes = bench.GLM_OBJECT_NBYTES
 
     def tier_on(deep: bool) -> Any:
-        vllm_plugin.TIER_PENDING_BATCHES = DEEP if deep else 64
+        vllm_stores.TIER_PENDING_BATCHES = DEEP if deep else 64
         return vllm_plugin.TieredGrowBlockObjectStore
 
     iterations = bench.calibrate()
@@ -379,7 +383,7 @@ def engine_run(args: argparse.Namespace, config: MooncakeConfig) -> dict[str, An
     store.flush()
     result["publisher_objects_per_s"] = puts * bench.BATCH / (time.perf_counter() - begin)
     store.close()
-    vllm_plugin.TIER_PENDING_BATCHES = 64
+    vllm_stores.TIER_PENDING_BATCHES = 64
     result["gil"] = gil_figures(config, nbytes)
     return result
 

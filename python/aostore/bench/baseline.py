@@ -1,6 +1,6 @@
 """Pure-Python stores that benchmarks measure aostore against, in the same run.
 
-``PythonBlockObjectStore`` is the design vLLM ships after the seed's fix (a dict of slots, an
+``PythonBlockObjectStore`` is the design vLLM ships after the fix (a dict of slots, an
 ``OrderedDict`` LRU of evictable keys, an mmap arena) with aostore's ``fail-closed`` semantics.
 ``RescanBlockObjectStore`` is the design before the fix: referenced and unreferenced keys share
 one LRU, so every evicting put walks past every referenced key.
@@ -13,13 +13,13 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from aostore._native import BlockObjectStoreError
+from aostore import BlockObjectStoreError
 
 _PENDING = -1
 
 
 class PythonBlockObjectStore:
-    """Baseline: an LRU of evictable keys only (vLLM's design after the seed)."""
+    """Baseline: an LRU of evictable keys only (vLLM's design after the fix)."""
 
     def __init__(self, *, max_bytes: int, object_nbytes: int, prefault: bool = False) -> None:
         self.object_nbytes = object_nbytes
@@ -147,7 +147,7 @@ class PythonBlockObjectStore:
 
 
 class RescanBlockObjectStore(PythonBlockObjectStore):
-    """The design before the seed's fix: referenced keys stay in the LRU and are skipped."""
+    """The design before the fix: referenced keys stay in the LRU and are skipped."""
 
     def put(
         self,

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from aostore._native import BlockObjectStoreError
+from aostore import BlockObjectStoreError
 
 
 def default_chunk_nbytes(max_bytes: int) -> int:

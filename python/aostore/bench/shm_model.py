@@ -9,7 +9,7 @@ and benchmarks use this model in its place. What it keeps, as the branch does:
 * a ``dict`` of reference counts (a key is absent at zero), counted apart from storage;
 * on every put that must evict, a walk from the oldest stored key that skips each referenced
   key and each batch key the call does not release, until it has enough victims: the walk
-  looks at every referenced key older than the victims (the seed's rescan);
+  looks at every referenced key older than the victims (the original store's rescan);
 * a read moves every key it read to the tail, referenced or not.
 
 And its order of work in ``put``: the closed check; the batch deduplicated (last payload wins,
