@@ -1,6 +1,6 @@
 """Cost per object of tiered reads: a local hit against a read served by Mooncake on loopback.
 
-Starts a Mooncake master and a segment holder on 127.0.0.1 (``tests/mooncake_util.py``;
+Starts a Mooncake master and a segment holder on 127.0.0.1 (``tests/support/mooncake_util.py``;
 stopped by PID at the end), or uses a running cluster with ``--config mooncake.json``. Objects
 of ``--nbytes`` (5,888 B: one GLM-4.5-Air block of routed-expert ids), batches of
 ``--batch`` (64) keys, ns per object (median of ``--repeats`` timed loops):
@@ -68,7 +68,7 @@ from aostore.mooncake import (
 )
 
 BENCHES_DIR = Path(__file__).resolve().parent
-TESTS_DIR = BENCHES_DIR.parent / "tests"
+TESTS_DIR = BENCHES_DIR.parent / "tests" / "support"
 DEEP = 1 << 20  # a queue that never fills in these runs
 NO_MOONCAKE = "tier on, deep queues, publish a no-op"
 KEY_SETS = 16  # batches of keys published for the remote reads

@@ -2,7 +2,8 @@
 
 The branch's class (vllm#57968, ``vllm/distributed/aux_output_connector/shm.py``) is not on the
 package index, so the first column is **a model of it**: ``aostore.bench.shm_model`` (which
-``tests/test_shm_differential.py`` checks against aostore), plain Python with the branch's one
+``tests/stores/test_shm_differential.py`` checks against aostore), plain Python with the branch's
+one
 ``OrderedDict`` for referenced and unreferenced keys and its eviction walk from the oldest key. It
 is not the branch's code: its constant costs are its own, but its walk over the referenced keys is
 the branch's.

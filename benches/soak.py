@@ -8,7 +8,8 @@ Keys are always new, so key entries are created and freed all the time; the numb
 objects is bounded by the store and the number of referenced keys by the running requests.
 
 RSS is sampled from ``/proc/self/statm``. After warm-up (the arena full, every structure at its
-steady size) it must stay flat. ``tests/test_soak.py`` runs a short version in CI; run the long
+steady size) it must stay flat. ``tests/stores/test_soak.py`` runs a short version in CI; run the
+long
 one by hand::
 
     .venv/bin/python benches/soak.py --ops 5000000

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import model
 import pytest
 from hypothesis import settings
+
+# The suites' shared helpers (models, scripts, the Mooncake cluster) live in tests/support/.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+import model
 
 # The differential test pins its own settings (2,000 examples). "ci" is there for a
 # longer hunt on demand: `pytest --hypothesis-profile ci`, or CI=1 in the environment.

@@ -25,7 +25,7 @@ PAGES = [README, *DOCS]
 # device this test cannot provide: every other block runs.
 SKIPS = {
     "TieredBlockObjectStore.from_config(": (
-        "needs a running Mooncake master and client (tests/test_mooncake.py starts one)"
+        "needs a running Mooncake master and client (tests/tier/test_mooncake.py starts one)"
     ),
 }
 

@@ -1,7 +1,7 @@
 """A real vLLM engine with aostore's Mooncake tier on (``AOSTORE_VLLM_MOONCAKE``), and a
 trainer's reader in another process that reads what the engine published, by key.
 
-A Mooncake master and a segment holder start on 127.0.0.1 (``tests/mooncake_util.py``; the
+A Mooncake master and a segment holder start on 127.0.0.1 (``tests/support/mooncake_util.py``; the
 engine's client mounts no segment, so what it published outlives it). ``engine_run.py`` runs
 the engine once, plugin on, with the setting naming a config file for that master; inside the
 worker (``engine_probe.py``) the tier is flushed and its local tier's keys and bytes are taken.
@@ -39,7 +39,7 @@ for _module in ("vllm", "aostore", "numpy"):
         pytest.fail(f"AOSTORE_REQUIRE_ENGINE=1 but {_module} is not importable here", pytrace=False)
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/mooncake_util.py
+sys.path.insert(0, str(HERE.parent / "support"))  # tests/support/mooncake_util.py
 import mooncake_util  # noqa: E402
 
 _missing = mooncake_util.missing_reason()

@@ -1,7 +1,7 @@
 """A real vLLM engine with aostore's Mooncake tier on while the master is stalled, killed and
 restarted in the middle of its generation.
 
-A Mooncake master and a segment holder start on 127.0.0.1 (``tests/mooncake_util.py``).
+A Mooncake master and a segment holder start on 127.0.0.1 (``tests/support/mooncake_util.py``).
 ``engine_run.py`` runs the engine with ``AOSTORE_VLLM_MOONCAKE`` naming a config for that
 master, the multi-turn workload of ``test_engine_mooncake.py`` over four rounds, and stops at
 four milestones (after fixed engine steps) until this test has acted on the master, by PID:
@@ -57,7 +57,7 @@ for _module in ("vllm", "aostore", "numpy"):
         pytest.fail(f"AOSTORE_REQUIRE_ENGINE=1 but {_module} is not importable here", pytrace=False)
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/mooncake_util.py
+sys.path.insert(0, str(HERE.parent / "support"))  # tests/support/mooncake_util.py
 import mooncake_util  # noqa: E402
 
 _missing = mooncake_util.missing_reason()

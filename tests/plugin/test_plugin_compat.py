@@ -14,7 +14,7 @@ compat = pytest.importorskip("aostore.vllm.compat")
 from aostore.vllm.compat import compare, differential  # noqa: E402
 from aostore.vllm.compat.usage import Usage  # noqa: E402
 
-COMPAT = Path(__file__).resolve().parent.parent / "python" / "aostore" / "vllm" / "compat"
+COMPAT = Path(__file__).resolve().parents[2] / "python" / "aostore" / "vllm" / "compat"
 
 
 def test_the_checker_imports_nothing_of_aostore() -> None:

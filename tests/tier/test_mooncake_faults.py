@@ -26,7 +26,7 @@ import mooncake_util
 import pytest
 from aostore import BlockObject, BlockObjectStore, BlockObjectStoreError
 from aostore.mooncake import MooncakeBlockObjectStore, MooncakeError, TieredBlockObjectStore
-from test_mooncake import FakeClient, blob, objects, require_mooncake
+from mooncake_fakes import FakeClient, blob, objects, require_mooncake
 
 NBYTES = 5888
 SLACK = 3.0  # seconds on top of a deadline: the machine is noisy, the promise is the bound

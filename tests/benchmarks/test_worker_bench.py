@@ -3,7 +3,8 @@ with vLLM's store, aostore's and a no-op store, each run twice in ABBA order.
 
 Skips where ``vllm`` is not importable (the main suite); run it with the interpreter of the
 ``make test-vllm`` environment, e.g. ``.venv-vllm/bin/python -m pytest
-tests/test_worker_bench.py``. Checks that each run used the store it names (the class vLLM's
+tests/benchmarks/test_worker_bench.py``. Checks that each run used the store it names (the class
+vLLM's
 worker built), that prefix-cache hits were read back from the store and came back right, and
 that the table and the JSON carry every figure; not the ratio, which tiny sizes cannot judge.
 """
@@ -22,7 +23,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benches" / "worker.py"
 
 STORE_CLASSES = {

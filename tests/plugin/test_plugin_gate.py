@@ -26,7 +26,7 @@ differential_module = pytest.importorskip("aostore.vllm.compat.differential")
 
 from aostore.vllm import plan as vllm_plan  # noqa: E402
 from aostore.vllm import settings as vllm_settings  # noqa: E402
-from test_plugin import (  # noqa: E402
+from vllm_trees import (  # noqa: E402
     PACKAGE,
     STORE,
     FakeTree,

@@ -6,7 +6,8 @@ With a valid config file the class the plugin installs for vLLM's ``BlockObjectS
 class, profile and prefault); a bad file, or Mooncake not installed, is ignored with a WARNING
 (as a bad ``AOSTORE_VLLM_PROFILE`` is); an unreachable master is a ``MooncakeError`` naming the
 setting when vLLM builds its store. The ``mooncake``-marked tests start a master and a segment
-holder (``tests/mooncake_util.py``) and skip with the install command when Mooncake is missing.
+holder (``tests/support/mooncake_util.py``) and skip with the install command when Mooncake is
+missing.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from aostore.mooncake import (
 )
 from aostore.vllm import stores
 from aostore.vllm.settings import ENV_MOONCAKE, ENV_PREFAULT, MooncakeTier
-from test_mooncake import require_mooncake, run_worker
-from test_plugin import STORE, FakeTree, TreeMaker, make_tree  # noqa: F401  (a fixture)
+from mooncake_fakes import require_mooncake, run_worker
+from vllm_trees import STORE, FakeTree, TreeMaker, make_tree  # noqa: F401  (a fixture)
 
 NBYTES = 5888  # one GLM-4.5-Air block of routed-expert ids
 LOGGER = "vllm.plugins.aostore"

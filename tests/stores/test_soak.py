@@ -20,7 +20,7 @@ MAX_GROWTH = 5 << 20  # bytes of RSS growth after warm-up (or 5%, whichever is l
 
 
 def load_soak() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "benches" / "soak.py"
+    path = Path(__file__).resolve().parents[2] / "benches" / "soak.py"
     spec = importlib.util.spec_from_file_location("aostore_soak", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -251,7 +251,7 @@ def test_bench_quick_judges_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benches" / "bench.py"
+    path = Path(__file__).resolve().parents[2] / "benches" / "bench.py"
     spec = importlib.util.spec_from_file_location("aostore_bench_script", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

@@ -28,7 +28,7 @@ from aostore import (
 from aostore.errors import is_missing
 from aostore.mooncake import MooncakeBlockObjectStore, TieredBlockObjectStore
 from aostore.routed_experts import materialize_available_routed_experts
-from test_mooncake import FakeClient
+from mooncake_fakes import FakeClient
 
 N = 64
 WAIT = 30.0  # only reached when something is broken

@@ -25,7 +25,7 @@ from aostore import __main__ as cli  # noqa: E402
 from aostore import vllm_plugin  # noqa: E402
 from aostore.vllm import report as vllm_report  # noqa: E402
 from aostore.vllm import settings as vllm_settings  # noqa: E402
-from test_plugin import (  # noqa: E402
+from vllm_trees import (  # noqa: E402
     STORE,
     TreeMaker,
     make_tree,
@@ -34,7 +34,7 @@ from test_plugin import (  # noqa: E402
 
 __all__ = ["make_tree"]  # the fixture, used by name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # vLLM 0.33's layout with a fixed store whose constructor takes positional arguments: the
 # class-by-class check keeps vLLM's store, and with it everything that depends on it.
