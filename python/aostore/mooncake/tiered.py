@@ -13,7 +13,6 @@ from aostore._reads import BufferReads
 from aostore.errors import ObjectMissingError
 from aostore.mooncake.config import MooncakeConfig
 from aostore.mooncake.fetch import Fetcher
-from aostore.mooncake.local import put_and_report
 from aostore.mooncake.publisher import Publisher
 from aostore.mooncake.remote import MooncakeBlockObjectStore
 
@@ -249,14 +248,9 @@ class TieredBlockObjectStore(BufferReads):
         """The local put and the queueing of what it wrote, under the write lock."""
         with self._write_lock:
             try:
-                written = put_and_report(
-                    self.local,
-                    method,
-                    *args,
-                    keys=list(latest),
-                    retain_keys=retain_keys,
-                    release_keys=release_keys,
-                )
+                # The local store says which keys it stored (new, or replaced): those publish.
+                report = getattr(self.local, method + "_reporting")
+                written = report(*args, retain_keys=retain_keys, release_keys=release_keys)
             except (TypeError, ValueError, KeyError):
                 raise  # refused before anything changed
             except BaseException:
