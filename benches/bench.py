@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import mmap
 import os
 import random
 import statistics
@@ -40,12 +39,11 @@ from aostore.bench.baseline import RescanBlockObjectStore
 from aostore.bench.contenders import (
     Contender,
     aostore_contender,
-    commit_pages,
     contenders,
     plugin_contender,
 )
-from aostore.bench.measure import ReplayResult, compare, pool, writer_floor
-from aostore.bench.replay import POOL_ROWS, RolloutShape, Step, generate
+from aostore.bench.measure import ReplayResult, compare, pool, put_floor_us, writer_floor
+from aostore.bench.replay import RolloutShape, Step, generate
 
 GLM_OBJECT_NBYTES = 5_888  # 46 MoE layers x top-8 x uint8 x 16 tokens
 GLM_SLOTS = 167_341
@@ -373,18 +371,9 @@ def largest_put_floor(shape: RolloutShape, steps: list[Step], rows: np.ndarray) 
     numpy copying the same objects into the start of a committed arena, best of five. A single
     put of that many bytes cannot take less, whatever the store, which bounds T8 over W3."""
     largest = max((s for s in steps if s.publish), key=lambda s: len(s.publish))
-    batch = rows[[b % POOL_ROWS for b in largest.publish]]
-    raw = mmap.mmap(-1, batch.nbytes)
-    commit_pages(raw)
-    arena = np.frombuffer(raw, dtype=np.uint8).reshape(batch.shape)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter_ns()
-        arena[:] = batch
-        best = min(best, (time.perf_counter_ns() - t0) / 1e3)
-    del arena
-    raw.close()
-    return {"objects": len(largest.publish), "nbytes": int(batch.nbytes), "floor_us": best}
+    best = put_floor_us(largest, rows)
+    nbytes = len(largest.publish) * rows.shape[1] * rows.itemsize
+    return {"objects": len(largest.publish), "nbytes": int(nbytes), "floor_us": best}
 
 
 def replay_figures(result: ReplayResult) -> dict[str, Any]:
