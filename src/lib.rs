@@ -3,6 +3,7 @@
 
 mod arena;
 mod chunks;
+pub mod dataplane;
 mod digest;
 mod error;
 mod index;

@@ -23,7 +23,7 @@ pub(crate) struct RawBytes {
 unsafe impl Send for RawBytes {}
 
 impl RawBytes {
-    fn of(bytes: &[u8]) -> Self {
+    pub(crate) fn of(bytes: &[u8]) -> Self {
         Self { ptr: bytes.as_ptr(), len: bytes.len() }
     }
 
@@ -109,6 +109,16 @@ pub(crate) struct Owners {
     pub(crate) objects: Vec<Py<PyAny>>,
     #[expect(dead_code, reason = "held only so the exports stay alive and in place")]
     buffers: Vec<PyUntypedBuffer>,
+    /// A data-plane call's own copy of its keys and payloads (no Python object owns them).
+    #[expect(dead_code, reason = "held only so the views stay valid")]
+    pub(crate) publication: Option<crate::dataplane::Publication>,
+}
+
+impl Owners {
+    /// The owners of a data-plane call: its own bytes, no Python object.
+    pub(crate) fn holding(publication: crate::dataplane::Publication) -> Self {
+        Self { objects: Vec::new(), buffers: Vec::new(), publication: Some(publication) }
+    }
 }
 
 impl<'py> Gathered<'py> {
@@ -359,7 +369,7 @@ impl<'py> Gathered<'py> {
 
     /// Splits into the raw views and owned owners, for a batch that another thread applies.
     pub(crate) fn into_owned(self) -> (OwnedViews, Owners) {
-        let owners = Owners { objects: self.objects, buffers: self.buffers };
+        let owners = Owners { objects: self.objects, buffers: self.buffers, publication: None };
         (OwnedViews { blocks: self.blocks, retains: self.retains, releases: self.releases }, owners)
     }
 }

@@ -1,6 +1,7 @@
 //! The PyO3 binding, one concern per file (docs/layout.md lists them); no store logic lives here.
 
 mod args;
+mod dataplane;
 mod errors;
 mod fixed;
 mod fork;
@@ -43,5 +44,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BlockObjectStoreError", m.py().get_type::<BlockObjectStoreError>())?;
     m.add("ObjectMissingError", m.py().get_type::<ObjectMissingError>())?;
     variable::register(m)?;
+    dataplane::register(m)?;
     Ok(())
 }

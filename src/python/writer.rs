@@ -21,12 +21,14 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::PyTraverseError;
 
+use super::gather::RawBytes;
 use super::gather::{batch_views, Gathered, OwnedViews, Owners};
 use super::variable::NativeVariableStore;
 use super::{fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore};
+use crate::dataplane::Publication;
 use crate::error::StoreError;
 use crate::store::BlockRef;
-use crate::store::{Allocator, Store};
+use crate::store::{Allocator, BlockStore, Store};
 
 /// One queued `put` or `put_blocks`: views into Python memory, and the objects that own it.
 struct Job {
@@ -120,6 +122,19 @@ pub struct NativeWriter {
     input_error: PyOnceLock<Py<PyBaseException>>,
     /// `fork_generation()` at construction: in a forked child the thread does not exist.
     generation: u64,
+    /// The fixed store's core, for the data plane's reads without the GIL.
+    fixed_core: Option<Arc<Mutex<BlockStore>>>,
+}
+
+/// Why the writer refused a data-plane call; the binding raises it once it holds the GIL.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// `close()` has started ("auxiliary output store is closed").
+    Closed,
+    /// An error is latched: raised as the writer's `BlockObjectStoreError`.
+    Failed,
+    /// The store refused a read.
+    Store(StoreError),
 }
 
 fn run(shared: &Arc<Shared>, core: &dyn Target) {
@@ -413,17 +428,99 @@ impl NativeWriter {
     }
 
     fn wait_idle(&self, py: Python<'_>) {
+        py.detach(|| self.wait_idle_detached());
+    }
+
+    /// Waits until every queued job is applied; called with the GIL released.
+    fn wait_idle_detached(&self) {
         let shared = &self.shared;
-        py.detach(|| {
-            let mut state = shared.lock();
-            if !state.queue.is_empty() {
-                // A reader waits: do not leave the queue to the writer's next poll.
-                shared.work.notify_one();
+        let mut state = shared.lock();
+        if !state.queue.is_empty() {
+            // A reader waits: do not leave the queue to the writer's next poll.
+            shared.work.notify_one();
+        }
+        while !state.queue.is_empty() || state.busy {
+            state = shared.finished.wait(state).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Whether the writer can take a data-plane call: a fixed store, in this process.
+    pub(crate) fn serves_data_plane(&self) -> bool {
+        self.fixed_core.is_some() && self.generation == fork_generation()
+    }
+
+    /// Whether an argument error from a Python caller is latched (needs the GIL).
+    pub(crate) fn input_failed(&self, py: Python<'_>) -> bool {
+        self.input_error.get(py).is_some()
+    }
+
+    /// Queues one data-plane call, owned whole, with the GIL released: the job holds no Python
+    /// object, so a refused one may be dropped here. Waits while the queue is full.
+    pub(crate) fn hand_over(&self, publication: Publication) -> Result<(), Refusal> {
+        let text = publication.text.as_bytes();
+        let key = |range: &std::ops::Range<usize>| RawBytes::of(&text[range.clone()]);
+        let views = OwnedViews {
+            blocks: publication
+                .objects
+                .iter()
+                .map(|(k, p)| (key(k), RawBytes::of(&publication.payload[p.clone()])))
+                .collect(),
+            retains: publication.retains.iter().map(key).collect(),
+            releases: publication.releases.iter().map(key).collect(),
+        };
+        // The views point into the publication's heap buffers, which moving it does not move.
+        let owners = Owners::holding(publication);
+        let shared = &self.shared;
+        let mut state = shared.lock();
+        loop {
+            if state.closing {
+                return Err(Refusal::Closed);
             }
-            while !state.queue.is_empty() || state.busy {
-                state = shared.finished.wait(state).unwrap_or_else(PoisonError::into_inner);
+            if state.error.is_some() || state.panic.is_some() {
+                return Err(Refusal::Failed);
             }
-        });
+            if state.queue.len() < shared.capacity {
+                break;
+            }
+            shared.work.notify_one();
+            state = shared.finished.wait(state).unwrap_or_else(PoisonError::into_inner);
+        }
+        state.queue.push_back(Job { views, owners });
+        let wake = !state.polling || 2 * state.queue.len() >= shared.capacity;
+        drop(state);
+        if wake {
+            shared.work.notify_one();
+        }
+        Ok(())
+    }
+
+    /// `get_concatenated(keys)` with the GIL released: waits for queued jobs, refuses after a
+    /// latched error, then reads the store.
+    pub(crate) fn read_detached(&self, keys: &[&str], out: &mut Vec<u8>) -> Result<(), Refusal> {
+        self.wait_idle_detached();
+        {
+            let state = self.shared.lock();
+            if state.error.is_some() || state.panic.is_some() {
+                return Err(Refusal::Failed);
+            }
+        }
+        let core = self.fixed_core.as_ref().ok_or(Refusal::Closed)?;
+        let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
+        out.clear();
+        out.resize(keys.len() * store.object_nbytes(), 0);
+        store.get_into(keys, out).map_err(Refusal::Store)
+    }
+
+    /// The Python error for a refusal (with the GIL).
+    pub(crate) fn refusal_error(&self, py: Python<'_>, refusal: Refusal) -> PyErr {
+        match refusal {
+            Refusal::Closed => closed_error(),
+            Refusal::Failed => match self.raise_if_failed(py) {
+                Err(error) => error,
+                Ok(()) => PyRuntimeError::new_err("the aostore writer refused the call"),
+            },
+            Refusal::Store(error) => to_py_err(error),
+        }
     }
 
     fn is_closed(&self) -> bool {
@@ -462,9 +559,12 @@ impl NativeWriter {
         if max_pending_batches == 0 {
             return Err(PyValueError::new_err("max_pending_batches must be at least 1"));
         }
+        let mut fixed_core = None;
         let (core, object_nbytes): (Arc<dyn Target>, _) =
             if let Ok(fixed) = store.cast::<NativeStore>() {
-                (fixed.get().handle.core()?, Some(fixed.get().object_nbytes()))
+                let core = fixed.get().handle.core()?;
+                fixed_core = Some(Arc::clone(&core));
+                (core, Some(fixed.get().object_nbytes()))
             } else if let Ok(variable) = store.cast::<NativeVariableStore>() {
                 (variable.get().handle.core()?, None)
             } else {
@@ -493,6 +593,7 @@ impl NativeWriter {
             thread: Mutex::new(Some(thread)),
             input_error: PyOnceLock::new(),
             generation: fork_generation(),
+            fixed_core,
         })
     }
 

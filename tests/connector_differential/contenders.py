@@ -120,27 +120,48 @@ class Installation:
         # name -> (vLLM's class, aostore's)
         self.replaced = {name: (cls, vars(store_module)[name]) for name, cls in originals.items()}
         assert all(before[name] is cls for name, (cls, _) in self.replaced.items())
-        by_new = {id(new): (old, new) for old, new in self.replaced.values()}
-        self.spots: list[tuple[dict[str, Any], str, Any, Any]] = []
-        for module_name, module in list(sys.modules.items()):
-            if not module_name.startswith("vllm") or module is None:
-                continue
-            for name, value in list(vars(module).items()):
-                pair = by_new.get(id(value))
-                if pair is not None and value is pair[1]:
-                    self.spots.append((vars(module), name, pair[0], pair[1]))
+        self.spots = _spots(self.replaced)
+        # The data plane's connector and buffer classes, where the plugin put them.
+        worker = worker_module()
+        plane_originals: dict[str, Any] = getattr(worker, "__aostore_data_plane__", {})
+        if not plane_originals:
+            raise RuntimeError("aostore's plugin did not install its data plane")
+        self.plane_replaced = {
+            name: (cls, getattr(worker, name)) for name, cls in plane_originals.items()
+        }
+        self.plane_spots = _spots(self.plane_replaced)
         self.current: str | None = None
 
     def use(self, which: str) -> None:
+        """``vllm``: vLLM's classes; ``aostore``: aostore's store and writer under vLLM's
+        connector; ``dataplane``: aostore's store, writer, connector and buffer."""
         if which == self.current:
             return
         index = 2 if which == "vllm" else 3
         for spot in self.spots:
             spot[0][spot[1]] = spot[index]
+        index = 3 if which == "dataplane" else 2
+        for spot in self.plane_spots:
+            spot[0][spot[1]] = spot[index]
         self.current = which
 
     def error_classes(self) -> dict[type, type]:
         return {old: new for old, new in self.replaced.values() if issubclass(old, BaseException)}
+
+
+def _spots(replaced: dict[str, tuple[Any, Any]]) -> list[tuple[dict[str, Any], str, Any, Any]]:
+    """Every vLLM module global that holds one of the replacements: (namespace, name, vLLM's,
+    aostore's)."""
+    by_new = {id(new): (old, new) for old, new in replaced.values()}
+    spots = []
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("vllm") or module is None:
+            continue
+        for name, value in list(vars(module).items()):
+            pair = by_new.get(id(value))
+            if pair is not None and value is pair[1]:
+                spots.append((vars(module), name, pair[0], pair[1]))
+    return spots
 
 
 @functools.cache
@@ -277,6 +298,7 @@ def aostore_contender(params: Params) -> Built:
     background = connector._store
     assert type(background).__module__.startswith("aostore"), type(background)
     assert type(background.store).__module__.startswith("aostore"), type(background.store)
+    assert connector.__dict__.get("_aostore_plane") is None, "the data plane is on"
     return Built(
         "aostore",
         connector,
@@ -288,4 +310,27 @@ def aostore_contender(params: Params) -> Built:
     )
 
 
-CONTENDERS: dict[str, Factory] = {"vllm": vllm_contender, "aostore": aostore_contender}
+def dataplane_contender(params: Params) -> Built:
+    """aostore's data plane: the connector, store, writer and buffer the plugin installs."""
+    setup = installation()
+    setup.use("dataplane")
+    connector, capturer = build_connector(params)
+    background = connector._store
+    plane = connector.__dict__.get("_aostore_plane")
+    assert plane is not None, connector.__dict__.get("_aostore_why_not")
+    return Built(
+        "dataplane",
+        connector,
+        capturer,
+        lambda: aostore_store_view(background),
+        lambda: setup.use("dataplane"),
+        _close(connector),
+        setup.error_classes(),
+    )
+
+
+CONTENDERS: dict[str, Factory] = {
+    "vllm": vllm_contender,
+    "aostore": aostore_contender,
+    "dataplane": dataplane_contender,
+}

@@ -15,8 +15,8 @@ from typing import Any, cast
 
 from aostore import _log
 
-from . import stores
-from .compat.names import FIXED_STORE, PACKAGE, STORE_MODULE
+from . import dataplane, stores
+from .compat.names import FIXED_STORE, PACKAGE, STORE_MODULE, WRAPPER
 from .compat.usage import vllm_modules
 from .plan import Plan, decide
 from .settings import ENV_DISABLE, Settings
@@ -117,6 +117,9 @@ def _register(settings: Settings) -> None:
         unbind = stores.bind(prefault=settings.prefault, tier=decision.mooncake)
         patched = swap(originals, decision.replace, undo)
         setattr(store_module, MARK, {name: originals[name] for name in decision.replace})
+        if decision.data_plane:
+            installed = {name: decision.replace[name] for name in (FIXED_STORE, WRAPPER)}
+            patched = sorted({*patched, *dataplane.install(installed, swap, undo)})
         if FIXED_STORE in decision.replace:
             targeted = _log.add_growth_target(store_module_logger)
     except BaseException:
@@ -127,6 +130,7 @@ def _register(settings: Settings) -> None:
             _log.remove_growth_target(store_module_logger)
         if MARK in vars(store_module):
             delattr(store_module, MARK)
+        dataplane.remove_mark()
         raise
     _say(decision, patched, profile, reason, warn)
 
@@ -146,6 +150,8 @@ def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bo
         parts.append(f"{PACKAGE} is not a release CI proves: checked class by class")
     if decision.mooncake_said:
         parts.append(decision.mooncake_said)
+    if decision.data_plane_said:
+        parts.append(decision.data_plane_said)
     if decision.note:
         parts.append(decision.note)
     parts += [f"kept vLLM's {name}: {why}" for name, why in decision.keep.items()]

@@ -18,7 +18,7 @@ from typing import Any, cast
 import aostore
 from aostore import BlockObjectStore, ShmBlockObjectStore, _log
 
-from . import probe
+from . import dataplane, probe
 from .compat import differential
 from .compat.compare import compare, private_gap, private_names
 from .compat.fingerprint import package_directory, recognize
@@ -38,7 +38,7 @@ from .compat.names import (
 from .compat.references import hidden_references
 from .compat.surface import surface
 from .compat.usage import usage, vllm_sources
-from .settings import ENV_MOONCAKE, MooncakeTier, Settings
+from .settings import ENV_DATA_PLANE, ENV_MOONCAKE, MooncakeTier, Settings
 from .stores import (
     EngineBlockObjectStore,
     EngineShmBlockObjectStore,
@@ -96,6 +96,11 @@ class Plan:
     it)."""
     differentials: dict[str, Any] = dataclasses.field(default_factory=dict)
     """vLLM store name -> the ``aostore.vllm.compat.differential.Verdict`` of its differential."""
+    data_plane: bool = False
+    """Whether the native data plane goes in (``aostore.vllm.dataplane``); set by
+    :func:`decide`."""
+    data_plane_said: str = ""
+    """Why the data plane is on or off, for the start-up line and ``aostore vllm-check``."""
 
 
 def _module_classes(module: Any) -> dict[str, type]:
@@ -365,4 +370,19 @@ def decide(store_module: Any, settings: Settings) -> tuple[Plan, str, str, bool]
     if SHM_STORE in decision.replace:
         decision.replace[SHM_STORE] = EngineShmBlockObjectStore
     decision.mooncake, decision.mooncake_said = tier, said
+    decision.data_plane, decision.data_plane_said = _data_plane(decision, settings)
     return decision, profile, reason, warn
+
+
+def _data_plane(decision: Plan, settings: Settings) -> tuple[bool, str]:
+    """Whether the native data plane goes in, and the start-up line's words for it."""
+    if not settings.data_plane:
+        return False, f"data plane off ({ENV_DATA_PLANE}={settings.raw.get(ENV_DATA_PLANE, '')})"
+    if FIXED_STORE not in decision.replace or WRAPPER not in decision.replace:
+        return False, "data plane off (vLLM's store is kept)"
+    if decision.mooncake is not None:
+        return False, "data plane off (the Mooncake tier is on; its blocks go through the tier)"
+    why = dataplane.modules_recognized(decision.release)
+    if why is not None:
+        return False, f"data plane off ({why})"
+    return True, f"data plane on ({decision.release}'s worker modules recognized)"

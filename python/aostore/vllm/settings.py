@@ -26,7 +26,11 @@ ENV_MOONCAKE = "AOSTORE_VLLM_MOONCAKE"
 """The path of a Mooncake client config (``mooncake.json``): stores that vLLM builds through the
 plugin are then ``TieredBlockObjectStore`` s in front of Mooncake. Unset or empty: no tier."""
 
-VARIABLES = (ENV_DISABLE, ENV_PROFILE, ENV_PREFAULT, ENV_MOONCAKE)
+ENV_DATA_PLANE = "AOSTORE_VLLM_DATA_PLANE"
+"""Set to ``0``/``false``/``no``/``off`` to keep vLLM's worker connector code (the data plane
+off) while the plugin's store stays."""
+
+VARIABLES = (ENV_DISABLE, ENV_PROFILE, ENV_PREFAULT, ENV_MOONCAKE, ENV_DATA_PLANE)
 PROFILES = ("fail-closed", "grow")
 
 Prefault = bool | Literal["background"]
@@ -51,7 +55,7 @@ class MooncakeTier:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What the four variables say, validated; the defaults are those of an empty environment."""
+    """What the five variables say, validated; the defaults are those of an empty environment."""
 
     enabled: bool = True
     """``AOSTORE_VLLM_PLUGIN`` leaves the plugin on."""
@@ -65,6 +69,8 @@ class Settings:
     """The Mooncake tier ``AOSTORE_VLLM_MOONCAKE`` names; ``None``: unset or ignored."""
     tier_said: str = ""
     """Why ``AOSTORE_VLLM_MOONCAKE`` is ignored; ``""``: unset or valid."""
+    data_plane: bool = True
+    """``AOSTORE_VLLM_DATA_PLANE`` leaves the native data plane on (where vLLM is recognized)."""
     raw: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     """The variables that were set, as found (what ``aostore vllm-check`` quotes)."""
 
@@ -82,6 +88,7 @@ class Settings:
             prefault=_prefault(env.get(ENV_PREFAULT, "background")),
             tier=tier,
             tier_said=tier_said,
+            data_plane=not _off(env.get(ENV_DATA_PLANE, "1")),
             raw={name: env[name] for name in VARIABLES if name in env},
         )
 

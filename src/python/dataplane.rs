@@ -1,0 +1,362 @@
+//! `NativeDataPlane`: vLLM's worker connector calls, handed to `crate::dataplane` once a step.
+//!
+//! Rules, from `docs/data-plane.md`: the plane's lock is taken only with the GIL released, and
+//! no Python object is made or dropped while it is held (the arguments are read into Rust
+//! first, the outputs built after); calls go to the store through the Rust writer, owned
+//! (copied at hand-over); the rows and counts are read in `process_output` only.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyAssertionError, PyKeyError, PyTypeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple};
+
+use super::writer::{NativeWriter, Refusal};
+use crate::dataplane::{
+    DataPlane, EmittedRows, PlaneConfig, PlaneError, Processed, Publication, Sink, StepInput,
+    StepMetadata,
+};
+
+/// The store side of the plane: the connector's Rust writer, used with the GIL released.
+struct WriterSink<'a> {
+    writer: &'a NativeWriter,
+    /// A Python caller's argument error is latched: the writer takes nothing more.
+    input_failed: bool,
+}
+
+impl Sink for WriterSink<'_> {
+    type Error = Refusal;
+
+    fn put(&mut self, publication: Publication) -> Result<(), Refusal> {
+        if self.input_failed {
+            return Err(Refusal::Failed);
+        }
+        self.writer.hand_over(publication)
+    }
+
+    fn get_concatenated(&mut self, keys: &[&str], out: &mut Vec<u8>) -> Result<(), Refusal> {
+        if self.input_failed {
+            return Err(Refusal::Failed);
+        }
+        self.writer.read_detached(keys, out)
+    }
+}
+
+/// The data plane of one `AuxOutputWorkerConnector` (see `aostore.vllm.dataplane`).
+#[pyclass(module = "aostore._native", frozen, name = "NativeDataPlane")]
+pub struct NativeDataPlane {
+    plane: Mutex<DataPlane>,
+    writer: Py<NativeWriter>,
+    /// vLLM's `AuxRequestOutput`.
+    output_class: Py<PyAny>,
+    /// The capture dtype (a numpy dtype) and shape per token.
+    dtype: Py<PyAny>,
+    shape: Py<PyTuple>,
+    numpy: Py<PyModule>,
+    /// Steps processed and outputs emitted natively: the proof that the plane ran.
+    steps: AtomicU64,
+    outputs: AtomicU64,
+}
+
+impl NativeDataPlane {
+    fn lock(&self) -> MutexGuard<'_, DataPlane> {
+        self.plane.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the plane with the writer as its sink, under the lock, GIL released.
+    fn with_plane<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut DataPlane, &mut WriterSink<'_>) -> Result<T, PlaneError<Refusal>> + Send,
+    ) -> PyResult<T> {
+        let writer = self.writer.get();
+        let input_failed = writer.input_failed(py);
+        let result = py.detach(|| {
+            let mut sink = WriterSink { writer, input_failed };
+            f(&mut self.lock(), &mut sink)
+        });
+        result.map_err(|error| plane_error(py, writer, error))
+    }
+
+    /// `numpy.asarray(value, dtype=int64)` read as integers (the arrays vLLM passes).
+    fn integers(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+        let numpy = self.numpy.bind(py);
+        let array = numpy.call_method1(
+            intern!(py, "ascontiguousarray"),
+            (value, numpy.getattr(intern!(py, "int64"))?),
+        )?;
+        let flat = array.call_method0(intern!(py, "ravel"))?;
+        let buffer = PyUntypedBuffer::get(&flat)?;
+        let len = buffer.len_bytes() / 8;
+        let mut out = vec![0i64; len];
+        // SAFETY: a C-contiguous int64 buffer of `len` items, alive while `buffer` is.
+        unsafe {
+            std::ptr::copy_nonoverlapping(buffer.buf_ptr().cast::<i64>(), out.as_mut_ptr(), len)
+        };
+        Ok(out)
+    }
+}
+
+fn plane_error(py: Python<'_>, writer: &NativeWriter, error: PlaneError<Refusal>) -> PyErr {
+    match error {
+        PlaneError::Assertion(message) => PyAssertionError::new_err(message),
+        PlaneError::Value(message) => PyValueError::new_err(message),
+        PlaneError::UnknownRequest(id) => PyKeyError::new_err(id),
+        PlaneError::NotInFlight => PyValueError::new_err("list.remove(x): x not in list"),
+        PlaneError::Sink(refusal) => writer.refusal_error(py, refusal),
+    }
+}
+
+/// `str` items of a list as borrowed text (the list keeps them alive).
+fn texts<'a>(items: &'a [Bound<'_, PyAny>]) -> PyResult<Vec<&'a str>> {
+    items.iter().map(|item| Ok(item.cast::<PyString>()?.to_str()?)).collect()
+}
+
+/// Block hashes as vLLM's `PackedBlockHashes` iterates them (or any iterable of bytes).
+fn hashes(value: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+    let py = value.py();
+    if value.is_none() {
+        return Ok(Vec::new());
+    }
+    if let (Ok(data), Ok(size)) =
+        (value.getattr(intern!(py, "data")), value.getattr(intern!(py, "item_size")))
+    {
+        if let Ok(data) = data.cast::<PyBytes>() {
+            let size: isize = size.extract()?;
+            if size == 0 {
+                return Err(PyValueError::new_err("range() arg 3 must not be zero"));
+            }
+            if size < 0 {
+                return Ok(Vec::new());
+            }
+            return Ok(data.as_bytes().chunks(size as usize).map(<[u8]>::to_vec).collect());
+        }
+    }
+    value.try_iter()?.map(|item| item?.extract::<Vec<u8>>()).collect()
+}
+
+fn metadata(value: &Bound<'_, PyAny>) -> PyResult<StepMetadata> {
+    let py = value.py();
+    let mut out = StepMetadata {
+        generation: value.getattr(intern!(py, "generation"))?.extract()?,
+        ..Default::default()
+    };
+    let requests = value.getattr(intern!(py, "requests"))?;
+    let requests = requests.cast::<PyDict>()?;
+    out.requests.reserve(requests.len());
+    for (id, emit_start) in requests.iter() {
+        out.requests.push((id.cast::<PyString>()?.to_str()?.to_owned(), emit_start.extract()?));
+    }
+    let block_hashes = value.getattr(intern!(py, "block_hashes"))?;
+    for (id, packed) in block_hashes.cast::<PyDict>()?.iter() {
+        out.block_hashes.push((id.cast::<PyString>()?.to_str()?.to_owned(), hashes(&packed)?));
+    }
+    for id in value.getattr(intern!(py, "finished_requests"))?.try_iter()? {
+        out.finished.push(id?.cast::<PyString>()?.to_str()?.to_owned());
+    }
+    // 0.33.0's fields; 0.32.0's metadata has neither.
+    if let Ok(retained) = value.getattr(intern!(py, "retained_block_hashes")) {
+        out.retained = hashes(&retained)?;
+    }
+    if let Ok(released) = value.getattr(intern!(py, "released_block_hashes")) {
+        out.released = hashes(&released)?;
+    }
+    Ok(out)
+}
+
+#[pymethods]
+impl NativeDataPlane {
+    #[new]
+    #[pyo3(signature = (writer, *, block_size, shape_per_token, dtype, max_num_seqs, max_num_batched_tokens, max_concurrent_batches, output_class))]
+    #[expect(clippy::too_many_arguments, reason = "the connector's own configuration, by name")]
+    fn new(
+        py: Python<'_>,
+        writer: &Bound<'_, PyAny>,
+        block_size: usize,
+        shape_per_token: Vec<usize>,
+        dtype: &Bound<'_, PyAny>,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_concurrent_batches: usize,
+        output_class: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let writer = writer.cast::<NativeWriter>().map_err(|_| {
+            PyTypeError::new_err("NativeDataPlane needs aostore's Rust writer (NativeWriter)")
+        })?;
+        if !writer.get().serves_data_plane() {
+            return Err(PyTypeError::new_err(
+                "NativeDataPlane needs a writer in front of a fixed-size aostore store",
+            ));
+        }
+        let numpy = py.import(intern!(py, "numpy"))?;
+        let dtype = numpy.call_method1(intern!(py, "dtype"), (dtype,))?;
+        let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        let row_nbytes = shape_per_token.iter().product::<usize>() * itemsize;
+        let config = PlaneConfig {
+            block_size,
+            row_nbytes,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_concurrent_batches,
+        };
+        let plane = DataPlane::new(config).map_err(PyValueError::new_err)?;
+        Ok(Self {
+            plane: Mutex::new(plane),
+            writer: writer.clone().unbind(),
+            output_class: output_class.clone().unbind(),
+            dtype: dtype.unbind(),
+            shape: PyTuple::new(py, &shape_per_token)?.unbind(),
+            numpy: numpy.unbind(),
+            steps: AtomicU64::new(0),
+            outputs: AtomicU64::new(0),
+        })
+    }
+
+    /// `begin_step(metadata)` for a metadata that is not `None`.
+    fn begin_step(&self, py: Python<'_>, metadata: &Bound<'_, PyAny>) -> PyResult<()> {
+        let metadata = self::metadata(metadata)?;
+        self.with_plane(py, |plane, sink| plane.begin_step(&metadata, sink))
+    }
+
+    /// `prepare_output`'s bookkeeping for the step's request ids; returns the step's token.
+    fn prepare_output(&self, py: Python<'_>, request_ids: &Bound<'_, PyList>) -> PyResult<u64> {
+        let items: Vec<Bound<'_, PyAny>> = request_ids.iter().collect();
+        let ids = texts(&items)?;
+        self.with_plane(py, |plane, _| plane.prepare_output(ids.iter().copied()))
+    }
+
+    /// `process_output(pending)`: the step's outputs as vLLM's dict of `AuxRequestOutput`.
+    fn process_output<'py>(
+        &self,
+        py: Python<'py>,
+        pending: &Bound<'py, PyAny>,
+        token: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let routed = pending.getattr(intern!(py, "routed_experts"))?;
+        let sampled = pending.getattr(intern!(py, "num_sampled"))?;
+        let rejected = pending.getattr(intern!(py, "num_rejected"))?;
+        let copied = !(routed.is_none() || sampled.is_none() || rejected.is_none());
+        let numpy = self.numpy.bind(py);
+        let (mut rows_array, mut profile_matches) = (None, false);
+        let (mut num_sampled, mut num_rejected) = (Vec::new(), Vec::new());
+        if copied {
+            let array = numpy.call_method1(intern!(py, "asarray"), (&routed,))?;
+            let shape = array.getattr(intern!(py, "shape"))?.cast_into::<PyTuple>()?;
+            profile_matches = array.getattr(intern!(py, "dtype"))?.eq(self.dtype.bind(py))?
+                && !shape.is_empty()
+                && shape.get_slice(1, shape.len()).eq(self.shape.bind(py))?;
+            rows_array = Some(array);
+            num_sampled = self.integers(py, &sampled)?;
+            num_rejected = self.integers(py, &rejected)?;
+        }
+        let token_starts = self.integers(py, &pending.getattr(intern!(py, "token_starts"))?)?;
+        let query_start_loc =
+            self.integers(py, &pending.getattr(intern!(py, "query_start_loc"))?)?;
+        let request_ids = pending.getattr(intern!(py, "request_ids"))?;
+        // The rows as bytes: a C-contiguous export (a strided array is copied once).
+        let contiguous = match &rows_array {
+            Some(array) if profile_matches => {
+                Some(numpy.call_method1(intern!(py, "ascontiguousarray"), (array,))?)
+            }
+            _ => None,
+        };
+        let buffer = contiguous.as_ref().map(PyUntypedBuffer::get).transpose()?;
+        let rows: &[u8] = match &buffer {
+            // SAFETY: a C-contiguous export, alive (and not resized) while `buffer` is.
+            Some(buffer) => unsafe {
+                std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes())
+            },
+            None => &[],
+        };
+        let input = StepInput {
+            token_starts: &token_starts,
+            query_start_loc: &query_start_loc,
+            num_sampled: &num_sampled,
+            num_rejected: &num_rejected,
+            rows,
+            profile_matches,
+            copied,
+        };
+        let processed =
+            self.with_plane(py, |plane, sink| plane.process_output(token, &input, sink))?;
+        drop(buffer);
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.outputs.fetch_add(processed.emitted.len() as u64, Ordering::Relaxed);
+        self.outputs_dict(py, processed, contiguous.as_ref(), &request_ids)
+    }
+
+    /// `close()`: nothing stays in flight; the connector closes its store itself.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.lock().close());
+    }
+
+    /// Steps processed natively.
+    #[getter]
+    fn steps(&self) -> u64 {
+        self.steps.load(Ordering::Relaxed)
+    }
+
+    /// Outputs emitted natively.
+    #[getter]
+    fn outputs(&self) -> u64 {
+        self.outputs.load(Ordering::Relaxed)
+    }
+
+    /// Requests the plane tracks, steps in flight and free staging slots (for tests).
+    fn counts(&self, py: Python<'_>) -> (usize, usize, usize) {
+        py.detach(|| {
+            let plane = self.lock();
+            (plane.num_requests(), plane.steps_in_flight(), plane.free_slots())
+        })
+    }
+}
+
+impl NativeDataPlane {
+    /// vLLM's outputs dict, built with the GIL and without the plane's lock.
+    fn outputs_dict<'py>(
+        &self,
+        py: Python<'py>,
+        processed: Processed,
+        rows: Option<&Bound<'py, PyAny>>,
+        request_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let outputs = PyDict::new(py);
+        let output_class = self.output_class.bind(py);
+        let owned = if processed.owned.is_empty() {
+            None
+        } else {
+            let numpy = self.numpy.bind(py);
+            let data = PyByteArray::new(py, &processed.owned);
+            let array =
+                numpy.call_method1(intern!(py, "frombuffer"), (data, self.dtype.bind(py)))?;
+            let mut shape = vec![-1isize];
+            shape.extend(
+                self.shape
+                    .bind(py)
+                    .iter()
+                    .map(|d| d.extract::<isize>())
+                    .collect::<PyResult<Vec<_>>>()?,
+            );
+            Some(array.call_method1(intern!(py, "reshape"), (PyTuple::new(py, shape)?,))?)
+        };
+        for emitted in processed.emitted {
+            let (source, range) = match &emitted.rows {
+                EmittedRows::Input(range) => (rows, range),
+                EmittedRows::Owned(range) => (owned.as_ref(), range),
+            };
+            let source = source.expect("rows exist for every emitted range");
+            let slice = PySlice::new(py, range.start as isize, range.end as isize, 1);
+            let view = source.get_item(slice)?;
+            let output = output_class.call1((emitted.token_start, view))?;
+            outputs.set_item(request_ids.get_item(emitted.position)?, output)?;
+        }
+        Ok(outputs)
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeDataPlane>()
+}
