@@ -43,7 +43,10 @@ Python loop included) and ``request_finished(request)`` for each one whose last 
 (its finish goes out in the next step's metadata, the step ``worker.py`` reports it in). The
 scheduler's own work between the calls is untimed. ``step`` figures are all four;
 ``core`` figures leave ``max_cache_hit`` out (``build_connector_meta``, ``take_output``,
-``request_finished`` only).
+``request_finished`` only). Before the loop, as ``EngineCore.__init__`` does after start-up, the
+heap is frozen (``gc.freeze``; the stand-in pool's blocks are made before, as vLLM's are) and
+``vllm.envs.enable_envs_cache()`` is called; the garbage collector stays on, so a collection that
+starts inside a timed call is counted in it, as it would be in the engine.
 
 The schedule is ``worker.py``'s (``worker.schedule`` of W3's ``aostore.bench.replay`` shape, its
 sizes from ``worker.parse_args``): a request is prefilled in its admission step, decodes one
@@ -116,45 +119,48 @@ CALLS = ("max_cache_hit", "build_connector_meta", "take_output", "request_finish
 class StandInBlockPool:
     """What the connector reads of the GPU block pool: ``hash_block_size`` and vLLM's own
     ``get_cached_block`` over vLLM's ``BlockHashToBlockMap``. A block is in the map while a
-    running request holds it (``hold`` / ``drop``, counted; untimed)."""
+    running request holds it (``hold`` / ``drop``, counted; untimed). Like vLLM's pool, its
+    ``KVCacheBlock`` objects are made up front (``num_blocks``), so the heap the engine's
+    garbage collector walks holds no stand-in objects made while the schedule runs."""
 
-    def __init__(self, hash_block_size: int) -> None:
+    def __init__(self, hash_block_size: int, num_blocks: int) -> None:
         from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
         from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 
-        self._block = KVCacheBlock
         self._key_of = make_block_hash_with_group_id
         self.get_cached_block = types.MethodType(BlockPool.get_cached_block, self)
         self.hash_block_size = hash_block_size
         self.cached_block_hash_to_block = BlockHashToBlockMap()
-        self._held: dict[bytes, Any] = {}  # hash -> [key, block, holders]
-        self._next_id = 1  # block 0 is vLLM's null block
+        # Block 0 is vLLM's null block; the free list is popped from its end.
+        self._free = [KVCacheBlock(block_id) for block_id in range(num_blocks, 0, -1)]
+        self._holders: dict[bytes, int] = {}
+        self._blocks: dict[bytes, Any] = {}
 
     def hold(self, block_hash: bytes) -> None:
-        entry = self._held.get(block_hash)
-        if entry is not None:
-            entry[2] += 1
-            return
-        key = self._key_of(block_hash, 0)
-        block = self._block(self._next_id)
-        self._next_id += 1
-        self.cached_block_hash_to_block.insert(key, block)
-        self._held[block_hash] = [key, block, 1]
+        holders = self._holders.get(block_hash, 0)
+        self._holders[block_hash] = holders + 1
+        if holders == 0:
+            block = self._free.pop()
+            self._blocks[block_hash] = block
+            self.cached_block_hash_to_block.insert(self._key_of(block_hash, 0), block)
 
     def drop(self, block_hash: bytes) -> None:
-        entry = self._held[block_hash]
-        entry[2] -= 1
-        if entry[2] == 0:
-            del self._held[block_hash]
-            self.cached_block_hash_to_block.pop(entry[0], entry[1].block_id)
+        holders = self._holders[block_hash] - 1
+        if holders:
+            self._holders[block_hash] = holders
+            return
+        del self._holders[block_hash]
+        block = self._blocks.pop(block_hash)
+        self.cached_block_hash_to_block.pop(self._key_of(block_hash, 0), block.block_id)
+        self._free.append(block)
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._holders)
 
 
 def kv_cache_manager(num_blocks: int) -> tuple[SimpleNamespace, StandInBlockPool]:
     """The smallest KV cache manager 0.33.0's connector reads: one full-attention group."""
-    pool = StandInBlockPool(BLOCK)
+    pool = StandInBlockPool(BLOCK, num_blocks)
     manager = SimpleNamespace(block_size=BLOCK, block_pool=pool)
     return (
         SimpleNamespace(
@@ -183,6 +189,7 @@ def _hasher(hashes: list[bytes]) -> Any:
 
 def run(args: argparse.Namespace, requests: list[worker.Request]) -> dict[str, Any]:
     """The whole schedule through a fresh connector; the per-step times and counts."""
+    from vllm import envs
     from vllm.distributed.aux_output_connector.connector import (
         AuxOutputSchedulerConnector,
         AuxRequestOutput,
@@ -233,8 +240,12 @@ def run(args: argparse.Namespace, requests: list[worker.Request]) -> dict[str, A
         ("scheduled", "admitted", "finished", "hashes_sent", "retained", "released", "hits"), 0
     )
     max_cached = 0
+    # As vLLM's EngineCore.__init__ does once start-up is over: freeze the heap, then cache the
+    # environment variables (vllm.envs reads os.environ on every access until then, about 2 µs
+    # an access, and the connector reads one for every KV block it looks at).
     gc.collect()
-    gc.freeze()  # as vLLM's engine does once start-up is over
+    gc.freeze()
+    envs.enable_envs_cache()
     loop_start = time.perf_counter()
     for step in range(num_steps):
         # The scheduler, untimed but for the connector calls: running requests decode one token

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::os::raw::c_int;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -72,6 +72,8 @@ struct Shared {
     release_scheduled: AtomicBool,
     /// `fork_generation()` at creation: a child runs the parent's pending calls, with a dead lock.
     generation: u64,
+    /// Tests: how long the thread waits before applying each job (a writer held back).
+    apply_delay_us: AtomicU64,
 }
 
 impl Shared {
@@ -155,6 +157,10 @@ fn run(shared: &Arc<Shared>, core: &dyn Target) {
                 state = wait_for_work(shared, state, idle_since.elapsed());
             }
         };
+        let delay = shared.apply_delay_us.load(Ordering::Relaxed);
+        if delay > 0 {
+            std::thread::sleep(Duration::from_micros(delay));
+        }
         let outcome = if skip {
             None
         } else {
@@ -580,6 +586,7 @@ impl NativeWriter {
             capacity: max_pending_batches,
             release_scheduled: AtomicBool::new(false),
             generation: fork_generation(),
+            apply_delay_us: AtomicU64::new(0),
         });
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -680,6 +687,16 @@ impl NativeWriter {
         self.finish_close();
         closed?;
         self.raise_if_failed(py)
+    }
+
+    /// For tests: the writer waits `seconds` before applying each queued job, so callers run
+    /// ahead of it (as behind a slow store); 0 restores normal service.
+    fn _hold_back(&self, seconds: f64) -> PyResult<()> {
+        if !(0.0..=10.0).contains(&seconds) {
+            return Err(PyValueError::new_err("seconds must be within [0, 10]"));
+        }
+        self.shared.apply_delay_us.store((seconds * 1e6) as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Whether `close()` was called.

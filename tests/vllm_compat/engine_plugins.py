@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 import vllm.plugins
 
-NAMES = ("BlockObjectStore", "BackgroundBlockObjectStore", "BlockObject", "BlockObjectStoreError")
+NAMES = (
+    "BlockObjectStore",
+    "BackgroundBlockObjectStore",
+    "BlockObject",
+    "BlockObjectStoreError",
+    # The data plane's (aostore's subclasses where the plugin installed it).
+    "AuxOutputWorkerConnector",
+    "RoutedExpertsBuffer",
+)
 PACKAGE = "vllm.distributed.aux_output_connector."
 
 vllm.plugins.load_general_plugins()

@@ -191,6 +191,10 @@ def run_vllm_tests(source: Path, plugin: bool) -> str:
     said = [line for line in lines if "aostore vLLM plugin:" in line]
     if plugin and len(said) != 1:
         problems.append(f"expected one start-up line from aostore's plugin, got {said}")
+    # vLLM's tests run with aostore's data plane installed (its connector subclass in vLLM's
+    # modules); they build connectors it must hand to vLLM's code (object.__new__, mocks).
+    if plugin and not any("data plane on" in line for line in said):
+        problems.append(f"the plugin did not install its data plane: {said}")
     result = f"{label}: {summary} ({time.monotonic() - started:.0f} s)"
     if problems:
         return f"FAILED {result}: " + "; ".join(problems)

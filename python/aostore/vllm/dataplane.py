@@ -29,6 +29,7 @@ WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
 ROUTED_EXPERTS_MODULE = "vllm.distributed.aux_output_connector.routed_experts"
 CONNECTOR = "AuxOutputWorkerConnector"
 BUFFER = "RoutedExpertsBuffer"
+NAMES = (CONNECTOR, BUFFER)
 MARK = "__aostore_data_plane__"
 """The worker module's attribute: vLLM's classes the data plane replaced, by name."""
 ENV_REPORT = "AOSTORE_VLLM_DATA_PLANE_REPORT"

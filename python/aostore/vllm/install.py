@@ -138,7 +138,8 @@ def _register(settings: Settings) -> None:
 def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bool) -> None:
     parts = []
     if decision.replace:
-        replaced = ", ".join(decision.replace)
+        names = [*decision.replace, *(dataplane.NAMES if decision.data_plane else ())]
+        replaced = ", ".join(names)
         parts.append(f"replaced {replaced} in {len(patched)} module(s) ({', '.join(patched)})")
         if profile:
             parts.append(f"profile {profile!r} ({reason})")

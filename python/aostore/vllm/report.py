@@ -210,6 +210,7 @@ def check() -> dict[str, Any]:
         report["keep"] = dict(decision.keep)
         report["note"] = decision.note
         report["mooncake"] = decision.mooncake_said
+        report["data_plane"] = decision.data_plane_said
     if result.profile:
         report["profile"] = result.profile
         report["profile_reason"] = result.reason
@@ -253,6 +254,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  prefault:    {report['prefault']}")
     if report["mooncake"]:
         lines.append(f"  mooncake:    {report['mooncake']}")
+    if report.get("data_plane"):
+        lines.append(f"  data plane:  {report['data_plane']}")
     if report["use"]:
         lines.append("result: aostore would be used (exit status 0)")
     else:
