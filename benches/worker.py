@@ -86,7 +86,8 @@ TOP_K = 8
 BLOCK = replay.BLOCK_TOKENS  # 16 tokens a block, hash block = KV block
 HASH_NBYTES = 32
 POOL = 4096  # distinct routed-experts rows; a row's content is a function of (block, offset)
-ORDER = ("noop", "vllm", "aostore", "aostore", "vllm", "noop")
+STORES = ("noop", "vllm", "aostore", "dataplane")
+ORDER = (*STORES, *reversed(STORES))
 CALLS = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
 
 
@@ -248,8 +249,10 @@ def install(store: str) -> None:
     worker.bind_routed_experts_capturer = lambda model, capturer: None  # type: ignore[assignment]
     tp_group = SimpleNamespace(is_first_rank=True, rank_in_group=0, world_size=1)
     worker.get_tp_group = lambda: tp_group  # type: ignore[assignment]
-    if store == "aostore":
+    if store in ("aostore", "dataplane"):
         os.environ["AOSTORE_VLLM_PLUGIN"] = "1"
+        # aostore's store under vLLM's connector code, or aostore's data plane too.
+        os.environ["AOSTORE_VLLM_DATA_PLANE"] = "1" if store == "dataplane" else "0"
         from aostore import vllm_plugin
 
         vllm_plugin.register()
@@ -365,7 +368,11 @@ def run_store(store: str, args: argparse.Namespace, requests: list[Request]) -> 
         "store": _qualname(getattr(background, "_store", None)),
         "num_slots": int(getattr(background._store, "num_slots", 0)),
         "object_nbytes": int(getattr(background._store, "object_nbytes", 0)),
+        "data_plane": connector.__dict__.get("_aostore_plane") is not None,
     }
+    if classes["data_plane"] != (store == "dataplane"):
+        why = connector.__dict__.get("_aostore_why_not")
+        raise RuntimeError(f"{store}: data plane on = {classes['data_plane']} ({why})")
     settle_s = settle()
     build_s = time.perf_counter() - built
     capturer = connector._capturer
@@ -551,10 +558,12 @@ def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 for key in ("p50_us", "p99_us", "total_ms", "in_store_ms")
             }
 
+    width = len({run["store"] for run in runs})  # runs per half of an ABBA block
+
     def ratio_of(key: str) -> tuple[float | None, list[float]]:
         halves = []
-        for half in range(0, len(runs) - 2, 3):
-            group = {run["store"]: summarize(run) for run in runs[half : half + 3]}
+        for half in range(0, len(runs) - width + 1, width):
+            group = {run["store"]: summarize(run) for run in runs[half : half + width]}
             if {"noop", "vllm", "aostore"} <= group.keys():
                 vllm = group["vllm"][key] - group["noop"][key]
                 ours = group["aostore"][key] - group["noop"][key]
@@ -566,7 +575,28 @@ def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     ratio, halves = ratio_of("total_ms")
     in_store_ratio, in_store_halves = ratio_of("in_store_ms")
+    # T12: the data plane's whole time in the four calls against vLLM's connector and store,
+    # per ABBA block (each store's two runs averaged), and the median over the blocks.
+    t12: dict[str, Any] = {"per_block": []}
+    for block in range(0, len(runs) - 2 * width + 1, 2 * width):
+        group: dict[str, list[dict[str, float]]] = defaultdict(list)
+        for run in runs[block : block + 2 * width]:
+            group[run["store"]].append(summarize(run))
+        if {"vllm", "dataplane"} <= group.keys():
+            mean = {k: {key: statistics.fmean(f[key] for f in v) for key in v[0]} for k, v in group.items()}
+            t12["per_block"].append(
+                {
+                    "ratio": mean["dataplane"]["total_ms"] / mean["vllm"]["total_ms"],
+                    "dataplane_p50_us": mean["dataplane"]["p50_us"],
+                    "vllm_p50_us": mean["vllm"]["p50_us"],
+                }
+            )
+    if t12["per_block"]:
+        t12["ratio"] = statistics.median(b["ratio"] for b in t12["per_block"])
+        t12["p50_us"] = statistics.median(b["dataplane_p50_us"] for b in t12["per_block"])
+        t12["met"] = t12["ratio"] <= 0.25 and t12["p50_us"] <= 500
     return {
+        "t12": t12,
         "stores": stores,
         "store_caused": caused,
         "t10_ratio": ratio,
@@ -580,13 +610,18 @@ def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     stores = summary["stores"]
     caused = summary["store_caused"]
-    labels = {"noop": "no-op store", "vllm": "vLLM 0.33.0's store", "aostore": "aostore"}
+    labels = {
+        "noop": "vLLM's connector, no-op store",
+        "vllm": "vLLM 0.33.0's connector and store",
+        "aostore": "vLLM's connector, aostore's store",
+        "dataplane": "aostore's data plane and store",
+    }
     lines = [
         "| store | runs | p50 µs/step | p99 µs/step | total ms | store-caused p50 / p99 µs,"
         " total ms | in store calls p50 / p99 µs, total ms | drain at close ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for store in ("noop", "vllm", "aostore"):
+    for store in STORES:
         if store not in stores:
             continue
         figures = stores[store]
@@ -599,13 +634,15 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             )
 
         part = "-"
-        if store in caused:
+        if store in caused and store != "dataplane":
             c = caused[store]
             part = f"{c['p50_us']:.1f} / {c['p99_us']:.1f}, {c['total_ms']:.1f}"
         inside = (
             f"{figures['in_store_p50_us']['mean']:.1f} / {figures['in_store_p99_us']['mean']:.1f}"
             f", {cell('in_store_ms')}"
         )
+        if store == "dataplane":
+            inside = "(inside the data plane)"
         lines.append(
             f"| {labels[store]} | {count} | {cell('p50_us')} | {cell('p99_us')} | "
             f"{cell('total_ms')} | {part} | {inside} | {cell('close_ms')} |"
@@ -618,6 +655,18 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         lines.append(
             f"T10: aostore's store-caused total / vLLM's = {ratio:.3f} (per ABBA half: "
             f"{halves}); target <= 0.2: {verdict}"
+        )
+    t12 = summary.get("t12", {})
+    if "ratio" in t12:
+        blocks = ", ".join(
+            f"{b['ratio']:.3f} (p50 {b['dataplane_p50_us']:.0f} µs)" for b in t12["per_block"]
+        )
+        verdict = "met" if t12["met"] else "not met"
+        lines.append(
+            f"T12: aostore's data plane and store / vLLM's connector and store, total = "
+            f"{t12['ratio']:.3f}, data plane p50 {t12['p50_us']:.0f} µs/step (median of "
+            f"{len(t12['per_block'])} ABBA blocks: {blocks}); target <= 0.25 and <= 500 µs: "
+            f"{verdict}"
         )
     if summary["in_store_ratio"] is not None:
         halves = ", ".join(f"{r:.3f}" for r in summary["in_store_ratio_per_half"])
@@ -643,8 +692,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--stores",
         nargs="+",
-        default=["noop", "vllm", "aostore"],
-        choices=["noop", "vllm", "aostore"],
+        default=list(STORES),
+        choices=list(STORES),
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")

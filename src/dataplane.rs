@@ -96,18 +96,18 @@ pub trait Sink {
     fn get_concatenated(&mut self, keys: &[&str], out: &mut Vec<u8>) -> Result<(), Self::Error>;
 }
 
-/// A step's metadata (vLLM's `AuxOutputConnectorMetadata`), with hashes as bytes.
+/// A step's metadata (vLLM's `AuxOutputConnectorMetadata`), borrowed from the caller's.
 #[derive(Debug, Default, Clone)]
-pub struct StepMetadata {
+pub struct StepMetadata<'a> {
     pub generation: i64,
     /// (request id, emit start) in the metadata's order.
-    pub requests: Vec<(String, i64)>,
+    pub requests: Vec<(&'a str, i64)>,
     /// (request id, the block hashes that became known), in order.
-    pub block_hashes: Vec<(String, Vec<Vec<u8>>)>,
-    pub finished: Vec<String>,
+    pub block_hashes: Vec<(&'a str, Vec<&'a [u8]>)>,
+    pub finished: Vec<&'a str>,
     /// 0.33.0's KV-cached retains and releases (empty on 0.32.0).
-    pub retained: Vec<Vec<u8>>,
-    pub released: Vec<Vec<u8>>,
+    pub retained: Vec<&'a [u8]>,
+    pub released: Vec<&'a [u8]>,
 }
 
 /// What `process_output` reads of a step, once its copy is complete.
@@ -323,10 +323,16 @@ impl DataPlane {
     /// `begin_step(metadata)` past vLLM's two checks before its lock (made by the caller).
     pub fn begin_step<S: Sink>(
         &mut self,
-        metadata: &StepMetadata,
+        metadata: &StepMetadata<'_>,
         sink: &mut S,
     ) -> Result<(), PlaneError<S::Error>> {
-        if metadata.requests.iter().any(|(id, _)| metadata.finished.contains(id)) {
+        let runs_and_finishes = if metadata.finished.len() > 8 {
+            let finished: foldhash::HashSet<&str> = metadata.finished.iter().copied().collect();
+            metadata.requests.iter().any(|(id, _)| finished.contains(id))
+        } else {
+            metadata.requests.iter().any(|(id, _)| metadata.finished.contains(id))
+        };
+        if runs_and_finishes {
             return assertion("auxiliary output request cannot run and finish in one step");
         }
         if metadata.generation < self.generation {
@@ -350,19 +356,19 @@ impl DataPlane {
             self.reset();
             self.generation = metadata.generation;
         }
-        for (id, emit_start) in &metadata.requests {
-            let index = match self.by_id.get(id.as_str()) {
+        for &(id, emit_start) in &metadata.requests {
+            let index = match self.by_id.get(id) {
                 Some(&index) => index,
-                None => self.insert_state(id, *emit_start),
+                None => self.insert_state(id, emit_start),
             };
             let state = self.state(index);
             // In-flight steps leave the worker's cursor behind the scheduler's view.
-            if state.pending_outputs == 0 && *emit_start > state.emit_cursor {
+            if state.pending_outputs == 0 && emit_start > state.emit_cursor {
                 return assertion("auxiliary output Scheduler emit cursor moved ahead");
             }
         }
         let mut batches: Batches = Vec::with_capacity(metadata.block_hashes.len());
-        for (id, hashes) in &metadata.block_hashes {
+        for &(id, ref hashes) in &metadata.block_hashes {
             let index = self.lookup(id)?;
             let keys: Vec<Box<str>> = hashes.iter().map(|hash| self.key_text(hash)).collect();
             retains.extend(keys.iter().cloned());
@@ -370,7 +376,7 @@ impl DataPlane {
             batches.push((index, Vec::new()));
         }
         let mut finished_now = Vec::new();
-        for id in &metadata.finished {
+        for &id in &metadata.finished {
             let index = self.lookup(id)?;
             let state = self.state_mut(index);
             state.finished = true;

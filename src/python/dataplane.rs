@@ -52,6 +52,9 @@ pub struct NativeDataPlane {
     writer: Py<NativeWriter>,
     /// vLLM's `AuxRequestOutput`.
     output_class: Py<PyAny>,
+    /// It is a plain dataclass of `token_start` and `rows`: made without running its
+    /// `__init__` (the same instance, a Python frame less per request).
+    plain_output: bool,
     /// The capture dtype (a numpy dtype) and shape per token.
     dtype: Py<PyAny>,
     shape: Py<PyTuple>,
@@ -81,8 +84,31 @@ impl NativeDataPlane {
         result.map_err(|error| plane_error(py, writer, error))
     }
 
-    /// `numpy.asarray(value, dtype=int64)` read as integers (the arrays vLLM passes).
+    /// A 1-d sequence of integers (vLLM passes int32 numpy arrays): read from the buffer
+    /// when it is a contiguous one of 32- or 64-bit integers, else through numpy.
     fn integers(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+        if let Ok(buffer) = PyUntypedBuffer::get(value) {
+            let format = buffer.format().to_bytes();
+            let kind = format.strip_prefix(b"=").or(format.strip_prefix(b"<")).unwrap_or(format);
+            let aligned = buffer.buf_ptr() as usize % buffer.item_size().max(1) == 0;
+            if buffer.dimensions() == 1 && buffer.is_c_contiguous() && aligned {
+                let len = buffer.shape()[0];
+                let ptr = buffer.buf_ptr();
+                match (kind, buffer.item_size()) {
+                    (b"i" | b"l", 4) => {
+                        // SAFETY: a contiguous buffer of `len` 4-byte integers, alive here.
+                        let items = unsafe { std::slice::from_raw_parts(ptr.cast::<i32>(), len) };
+                        return Ok(items.iter().map(|&v| i64::from(v)).collect());
+                    }
+                    (b"l" | b"q", 8) => {
+                        // SAFETY: as above, 8-byte integers.
+                        let items = unsafe { std::slice::from_raw_parts(ptr.cast::<i64>(), len) };
+                        return Ok(items.to_vec());
+                    }
+                    _ => {}
+                }
+            }
+        }
         let numpy = self.numpy.bind(py);
         let array = numpy.call_method1(
             intern!(py, "ascontiguousarray"),
@@ -115,8 +141,9 @@ fn texts<'a>(items: &'a [Bound<'_, PyAny>]) -> PyResult<Vec<&'a str>> {
     items.iter().map(|item| Ok(item.cast::<PyString>()?.to_str()?)).collect()
 }
 
-/// Block hashes as vLLM's `PackedBlockHashes` iterates them (or any iterable of bytes).
-fn hashes(value: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+/// Block hashes as vLLM's `PackedBlockHashes` iterates them (`data` in `item_size` pieces),
+/// borrowed from its bytes; or, for any other iterable, the items' own bytes.
+fn hashes<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult<Vec<&'a [u8]>> {
     let py = value.py();
     if value.is_none() {
         return Ok(Vec::new());
@@ -124,7 +151,7 @@ fn hashes(value: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
     if let (Ok(data), Ok(size)) =
         (value.getattr(intern!(py, "data")), value.getattr(intern!(py, "item_size")))
     {
-        if let Ok(data) = data.cast::<PyBytes>() {
+        if let Ok(data) = data.cast_into::<PyBytes>() {
             let size: isize = size.extract()?;
             if size == 0 {
                 return Err(PyValueError::new_err("range() arg 3 must not be zero"));
@@ -132,37 +159,91 @@ fn hashes(value: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
             if size < 0 {
                 return Ok(Vec::new());
             }
-            return Ok(data.as_bytes().chunks(size as usize).map(<[u8]>::to_vec).collect());
+            let data = held.keep(data.into_any());
+            let bytes = data.cast::<PyBytes>()?.as_bytes();
+            return Ok(bytes.chunks(size as usize).collect());
         }
     }
-    value.try_iter()?.map(|item| item?.extract::<Vec<u8>>()).collect()
+    let mut out = Vec::new();
+    for item in value.try_iter()? {
+        let item = held.keep(item?);
+        out.push(item.cast::<PyBytes>()?.as_bytes());
+    }
+    Ok(out)
 }
 
-fn metadata(value: &Bound<'_, PyAny>) -> PyResult<StepMetadata> {
+/// Python objects kept alive (and unmoved) while Rust borrows from them.
+struct Held<'py> {
+    objects: elsa_free::Arena<'py>,
+}
+
+mod elsa_free {
+    //! An append-only arena of Python objects: a borrow of an item lives as long as the arena.
+    use pyo3::prelude::*;
+    use std::cell::RefCell;
+
+    pub(super) struct Arena<'py> {
+        items: RefCell<Vec<Box<Bound<'py, PyAny>>>>,
+    }
+
+    impl<'py> Arena<'py> {
+        pub(super) fn new() -> Self {
+            Self { items: RefCell::new(Vec::new()) }
+        }
+
+        pub(super) fn keep<'a>(&'a self, object: Bound<'py, PyAny>) -> &'a Bound<'py, PyAny> {
+            let boxed = Box::new(object);
+            let at: *const Bound<'py, PyAny> = &*boxed;
+            self.items.borrow_mut().push(boxed);
+            // SAFETY: the box is never dropped or moved out before the arena, and its heap
+            // place does not move when the vector grows.
+            unsafe { &*at }
+        }
+    }
+}
+
+impl<'py> Held<'py> {
+    fn new() -> Self {
+        Self { objects: elsa_free::Arena::new() }
+    }
+
+    fn keep<'a>(&'a self, object: Bound<'py, PyAny>) -> &'a Bound<'py, PyAny> {
+        self.objects.keep(object)
+    }
+}
+
+fn text<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
+    Ok(value.cast::<PyString>()?.to_str()?)
+}
+
+/// vLLM's metadata read into the plane's form, borrowing its strings and hashes.
+fn metadata<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult<StepMetadata<'a>> {
     let py = value.py();
     let mut out = StepMetadata {
         generation: value.getattr(intern!(py, "generation"))?.extract()?,
         ..Default::default()
     };
-    let requests = value.getattr(intern!(py, "requests"))?;
+    let requests =
+        held.keep(value.getattr(intern!(py, "requests"))?.cast_into::<PyDict>()?.into_any());
     let requests = requests.cast::<PyDict>()?;
     out.requests.reserve(requests.len());
     for (id, emit_start) in requests.iter() {
-        out.requests.push((id.cast::<PyString>()?.to_str()?.to_owned(), emit_start.extract()?));
+        out.requests.push((text(held.keep(id))?, emit_start.extract()?));
     }
-    let block_hashes = value.getattr(intern!(py, "block_hashes"))?;
+    let block_hashes = held.keep(value.getattr(intern!(py, "block_hashes"))?);
     for (id, packed) in block_hashes.cast::<PyDict>()?.iter() {
-        out.block_hashes.push((id.cast::<PyString>()?.to_str()?.to_owned(), hashes(&packed)?));
+        let packed = held.keep(packed);
+        out.block_hashes.push((text(held.keep(id))?, hashes(packed, held)?));
     }
     for id in value.getattr(intern!(py, "finished_requests"))?.try_iter()? {
-        out.finished.push(id?.cast::<PyString>()?.to_str()?.to_owned());
+        out.finished.push(text(held.keep(id?))?);
     }
     // 0.33.0's fields; 0.32.0's metadata has neither.
     if let Ok(retained) = value.getattr(intern!(py, "retained_block_hashes")) {
-        out.retained = hashes(&retained)?;
+        out.retained = hashes(held.keep(retained), held)?;
     }
     if let Ok(released) = value.getattr(intern!(py, "released_block_hashes")) {
-        out.released = hashes(&released)?;
+        out.released = hashes(held.keep(released), held)?;
     }
     Ok(out)
 }
@@ -203,10 +284,12 @@ impl NativeDataPlane {
             max_concurrent_batches,
         };
         let plane = DataPlane::new(config).map_err(PyValueError::new_err)?;
+        let plain_output = plain_dataclass(output_class)?;
         Ok(Self {
             plane: Mutex::new(plane),
             writer: writer.clone().unbind(),
             output_class: output_class.clone().unbind(),
+            plain_output,
             dtype: dtype.unbind(),
             shape: PyTuple::new(py, &shape_per_token)?.unbind(),
             numpy: numpy.unbind(),
@@ -217,7 +300,8 @@ impl NativeDataPlane {
 
     /// `begin_step(metadata)` for a metadata that is not `None`.
     fn begin_step(&self, py: Python<'_>, metadata: &Bound<'_, PyAny>) -> PyResult<()> {
-        let metadata = self::metadata(metadata)?;
+        let held = Held::new();
+        let metadata = self::metadata(metadata, &held)?;
         self.with_plane(py, |plane, sink| plane.begin_step(&metadata, sink))
     }
 
@@ -325,6 +409,8 @@ impl NativeDataPlane {
     ) -> PyResult<Bound<'py, PyDict>> {
         let outputs = PyDict::new(py);
         let output_class = self.output_class.bind(py);
+        let new = py.get_type::<pyo3::types::PyAny>().getattr(intern!(py, "__new__"))?;
+        let (token_start, rows_name) = (intern!(py, "token_start"), intern!(py, "rows"));
         let owned = if processed.owned.is_empty() {
             None
         } else {
@@ -350,11 +436,37 @@ impl NativeDataPlane {
             let source = source.expect("rows exist for every emitted range");
             let slice = PySlice::new(py, range.start as isize, range.end as isize, 1);
             let view = source.get_item(slice)?;
-            let output = output_class.call1((emitted.token_start, view))?;
+            let output = if self.plain_output {
+                let output = new.call1((output_class,))?;
+                output.setattr(token_start, emitted.token_start)?;
+                output.setattr(rows_name, view)?;
+                output
+            } else {
+                output_class.call1((emitted.token_start, view))?
+            };
             outputs.set_item(request_ids.get_item(emitted.position)?, output)?;
         }
         Ok(outputs)
     }
+}
+
+/// Whether `class` is a dataclass whose fields are exactly `token_start` and `rows`, with
+/// nothing run at construction beyond setting them (no `__post_init__`, not frozen, no slots).
+fn plain_dataclass(class: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = class.py();
+    let Ok(params) = class.getattr(intern!(py, "__dataclass_params__")) else {
+        return Ok(false);
+    };
+    let dataclasses = py.import(intern!(py, "dataclasses"))?;
+    let names: Vec<String> = dataclasses
+        .call_method1(intern!(py, "fields"), (class,))?
+        .try_iter()?
+        .map(|field| field?.getattr(intern!(py, "name"))?.extract())
+        .collect::<PyResult<_>>()?;
+    Ok(names == ["token_start", "rows"]
+        && !params.getattr(intern!(py, "frozen"))?.extract::<bool>()?
+        && !class.hasattr(intern!(py, "__post_init__"))?
+        && !class.hasattr(intern!(py, "__slots__"))?)
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -1,20 +1,36 @@
-"""A real vLLM engine, once with vLLM's store and once with aostore's: the same everything.
+"""A real vLLM engine with vLLM's store, aostore's store, and aostore's data plane: the same
+everything.
 
-Each configuration runs ``engine_run.py`` twice, each in its own process (so the plugin state
-is clean): with ``AOSTORE_VLLM_PLUGIN=0`` (vLLM's store) and with the plugin on (aostore's).
-Both runs build the same engine over the same tiny random-weight MoE checkpoint
-(``tiny_moe.py``) and send the same seeded requests (``workload.py``): shared prefixes,
-multi-turn rounds that re-send earlier prompts and outputs (prefix-cache hits whose routed
-experts come back from the store) and a repeat of the first round. The test then checks:
+Each configuration runs ``engine_run.py`` three times, each in its own process (so the plugin
+state is clean), the arms of :data:`ARMS`:
 
-- the worker's store objects are vLLM's classes in the first run and aostore's in the second,
+- ``vllm``: ``AOSTORE_VLLM_PLUGIN=0``, vLLM's store and vLLM's worker connector code;
+- ``aostore``: the plugin with its defaults, aostore's store and its native data plane (the
+  connector's ``begin_step``/``prepare_output``/``process_output`` run in Rust);
+- ``aostore-plane-off``: the plugin with ``AOSTORE_VLLM_DATA_PLANE=0``, aostore's store under
+  vLLM's connector code.
+
+Every arm sets ``AOSTORE_VLLM_DATA_PLANE_REPORT`` to a file of its own, where each connector
+aostore's data plane built appends one JSON line at close or exit (inside the worker: its pid,
+whether the plane was on, and the steps and outputs it processed). All runs build the same
+engine over the same tiny random-weight MoE checkpoint (``tiny_moe.py``) and send the same
+seeded requests (``workload.py``): shared prefixes, multi-turn rounds that re-send earlier
+prompts and outputs (prefix-cache hits whose routed experts come back from the store) and a
+repeat of the first round. The test then checks:
+
+- the worker's store objects are vLLM's classes in the first run and aostore's in the others,
   read inside the worker process (``engine_probe.py``);
-- identical generated tokens and identical ``routed_experts`` arrays for every request,
-  including the rows of prefix-cache hits, which the engine reads from the store;
-- identical final store contents: keys, bytes, LRU order of evictable keys, reference counts.
+- the data plane was on in the ``aostore`` arm, by the worker's own report (every engine step
+  and every output went through it) and the plugin's start-up line, and off in the
+  ``aostore-plane-off`` arm (start-up line; no connector reports it on);
+- identical generated tokens and identical ``routed_experts`` arrays for every request in
+  every arm, including the rows of prefix-cache hits, which the engine reads from the store;
+- identical final store contents: keys, bytes, LRU order of evictable keys, reference counts;
+  between the two aostore arms the store's counters too.
 
-Configurations (each also records every call the worker makes on its store and replays it
-on fresh stores of both kinds, ``test_replayed_calls``):
+Configurations (each also records every call the worker's connector makes on its Python store
+object and replays it on fresh stores of both kinds, ``test_replayed_calls``; the data plane
+calls aostore's Rust writer instead, so its arm records none):
 
 - ``roomy``: vLLM's default store size (as many slots as KV blocks): nothing is evicted;
 - ``evicting``: 4 sequences at a time over 32 KV blocks and a 40-slot store, so the store
@@ -22,12 +38,14 @@ on fresh stores of both kinds, ``test_replayed_calls``):
   slots as there are KV blocks: a prefix-cache hit on a block the store no longer holds is a
   fatal error in vLLM ("Increase aux_output_config.max_bytes").
 
-Both runs of a configuration must make the same store calls in the same order, or their final
+All runs of a configuration must make the same store calls in the same order, or their final
 LRU orders could differ whatever the store. ``engine_run.py`` sees to it: the engine core
 runs in the driving process (every request of a round is queued before the first step), and
 async scheduling is off, so a step's outputs reach the store before the next step begins
 (with it on, that is a matter of timing where the worker applies outputs on a thread of its
-own, as vLLM's multi-process executor does).
+own, as vLLM's multi-process executor does). With the engine core in the driving process the
+worker is that process too; were it a process of vLLM's own, it would inherit the arm's
+environment variables.
 
 Runs only under ``make test-engine`` (``AOSTORE_REQUIRE_ENGINE=1``), where a missing vLLM is
 a failure; the main suite skips it.
@@ -61,7 +79,20 @@ import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RUN_TIMEOUT_S = 900
-ARMS = {"vllm": "0", "aostore": "1"}
+PLUGIN = "AOSTORE_VLLM_PLUGIN"
+DATA_PLANE = "AOSTORE_VLLM_DATA_PLANE"
+DATA_PLANE_REPORT = "AOSTORE_VLLM_DATA_PLANE_REPORT"
+ARMS: dict[str, dict[str, str]] = {
+    "vllm": {PLUGIN: "0"},
+    "aostore": {PLUGIN: "1"},  # the plugin's defaults: the data plane on
+    "aostore-plane-off": {PLUGIN: "1", DATA_PLANE: "0"},
+}
+"""Each arm's settings; whatever else of these the environment holds is left out."""
+AOSTORE_ARMS = ("aostore", "aostore-plane-off")
+STARTUP = "aostore vLLM plugin:"
+PLANE_ON = "data plane on ("
+PLANE_OFF = f"data plane off ({DATA_PLANE}=0)"
+CONNECTOR_ON = "aostore data plane: on for vLLM's worker connector"
 _summary = os.environ.get("AOSTORE_ENGINE_SUMMARY")
 SUMMARY = Path(_summary) if _summary else None
 
@@ -84,11 +115,23 @@ CONFIGS = {
 
 @dataclass(frozen=True)
 class Runs:
-    """The two runs of one configuration: what each ``engine_run.py`` wrote."""
+    """The runs of one configuration: what each arm's ``engine_run.py`` wrote, by arm."""
 
     config: Config
-    vllm: dict[str, Any]
-    aostore: dict[str, Any]
+    arms: dict[str, dict[str, Any]]
+
+    @property
+    def vllm(self) -> dict[str, Any]:
+        return self.arms["vllm"]
+
+    @property
+    def aostore(self) -> dict[str, Any]:
+        """The data-plane arm."""
+        return self.arms["aostore"]
+
+    @property
+    def plane_off(self) -> dict[str, Any]:
+        return self.arms["aostore-plane-off"]
 
 
 _RUNS: dict[str, Runs] = {}
@@ -106,12 +149,24 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def read_report(path: Path) -> list[dict[str, Any]] | None:
+    """The data-plane report's lines; ``None`` when no connector wrote the file."""
+    if not path.exists():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def run_arm(model: Path, work: Path, name: str, arm: str) -> dict[str, Any]:
-    """One engine process; returns what it wrote, plus its wall time."""
+    """One engine process; returns what it wrote, plus its wall time, its data-plane report
+    and the log lines that say what aostore did."""
     config = CONFIGS[name]
     out = work / f"{arm}.pkl"
     log = work / f"{arm}.log"
-    env = dict(os.environ, AOSTORE_VLLM_PLUGIN=ARMS[arm])
+    plane_report = work / f"{arm}.data-plane.jsonl"
+    plane_report.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in (PLUGIN, DATA_PLANE)}
+    env.update(ARMS[arm])
+    env[DATA_PLANE_REPORT] = str(plane_report)
     command = [sys.executable, str(HERE / "engine_run.py"), "--model", str(model)]
     command += ["--out", str(out), "--probe", "--record", "--async-scheduling", "off"]
     command += config.args
@@ -121,26 +176,40 @@ def run_arm(model: Path, work: Path, name: str, arm: str) -> dict[str, Any]:
             command, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S
         )
     wall_s = time.perf_counter() - start
+    text = log.read_text(errors="replace")
     if process.returncode != 0:
-        tail = log.read_text(errors="replace")[-6000:]
-        pytest.fail(f"{name}/{arm}: engine_run exited {process.returncode}\n{tail}")
+        pytest.fail(f"{name}/{arm}: engine_run exited {process.returncode}\n{text[-6000:]}")
     result: dict[str, Any] = pickle.loads(out.read_bytes())
     result["wall_s"] = wall_s
+    result["plane_report"] = read_report(plane_report)
+    result["plane_report_path"] = str(plane_report)
+    lines = text.splitlines()
+    result["startup_lines"] = [line[line.index(STARTUP) :] for line in lines if STARTUP in line]
+    result["connector_lines"] = [line for line in lines if "aostore data plane:" in line]
     return result
 
 
 @pytest.fixture
 def runs(config: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """Both runs of ``config``, made on first use and shared by every test after it."""
+    """Every arm's run of ``config``, made on first use and shared by every test after it."""
     if config not in _RUNS:
         work = tmp_path_factory.mktemp(f"engine-{config}")
         results = {arm: run_arm(model_dir, work, config, arm) for arm in ARMS}
         report(config, results)
-        _RUNS[config] = Runs(CONFIGS[config], **results)
+        _RUNS[config] = Runs(CONFIGS[config], results)
     return _RUNS[config]
 
 
 every_config = pytest.mark.parametrize("config", list(CONFIGS))
+every_aostore_arm = pytest.mark.parametrize("arm", AOSTORE_ARMS)
+
+
+def plane_figures(result: dict[str, Any]) -> tuple[bool, int, int]:
+    """From the worker's report: whether a connector's data plane was on, and its steps and
+    outputs (summed over connectors; one here)."""
+    lines = result["plane_report"] or []
+    on = any(line["on"] for line in lines)
+    return on, sum(line["steps"] for line in lines), sum(line["outputs"] for line in lines)
 
 
 def report(config: str, results: dict[str, dict[str, Any]]) -> None:
@@ -149,6 +218,7 @@ def report(config: str, results: dict[str, dict[str, Any]]) -> None:
     rows = {}
     for arm, result in results.items():
         stats = (result["contents"] or {}).get("stats", {})
+        plane_on, plane_steps, plane_outputs = plane_figures(result)
         rows[arm] = {
             "requests": len(result["requests"]),
             "output_tokens": sum(len(r["tokens"]) for r in result["requests"]),
@@ -159,11 +229,17 @@ def report(config: str, results: dict[str, dict[str, Any]]) -> None:
             "stored_at_end": len(result["contents"]["objects"]),
             "objects_written": stats.get("objects_written"),
             "evictions": stats.get("evictions"),
+            "engine_steps": len(result["step_s"]),
+            "data_plane": plane_on,
+            "data_plane_steps": plane_steps,
+            "data_plane_outputs": plane_outputs,
             "startup_s": round(result["startup_s"], 1),
             "generate_s": round(sum(result["round_s"]), 1),
             "wall_s": round(result["wall_s"], 1),
         }
         print(f"\n[engine {config}/{arm}] " + ", ".join(f"{k}={v}" for k, v in rows[arm].items()))
+        for line in result["plane_report"] or []:
+            print(f"[engine {config}/{arm}] data-plane report: {json.dumps(line)}")
     if SUMMARY is not None:
         SUMMARY.parent.mkdir(parents=True, exist_ok=True)
         existing = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
@@ -176,10 +252,11 @@ def by_id(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @every_config
-def test_worker_store_classes(runs: Runs) -> None:
+@every_aostore_arm
+def test_worker_store_classes(runs: Runs, arm: str) -> None:
     import aostore
 
-    ours, theirs = runs.aostore["classes"], runs.vllm["classes"]
+    ours, theirs = runs.arms[arm]["classes"], runs.vllm["classes"]
     vllm_store = "vllm.distributed.aux_output_connector.store."
     assert ours["pid"] != os.getpid() and theirs["pid"] != os.getpid()
     assert not theirs["plugin_mark"]
@@ -192,7 +269,7 @@ def test_worker_store_classes(runs: Runs) -> None:
     for name in ours["modules"].values():
         assert name.startswith("aostore."), ours
     # vLLM 0.32's store refuses rather than grows: the plugin must have picked that profile.
-    if runs.aostore["vllm_version"].startswith("0.32"):
+    if runs.arms[arm]["vllm_version"].startswith("0.32"):
         assert ours["profile"] == "fail-closed"
     assert (ours["num_slots"], ours["object_nbytes"]) == (
         theirs["num_slots"],
@@ -201,8 +278,56 @@ def test_worker_store_classes(runs: Runs) -> None:
 
 
 @every_config
-def test_same_tokens(runs: Runs) -> None:
-    ours, theirs = by_id(runs.aostore), by_id(runs.vllm)
+def test_data_plane_on(runs: Runs) -> None:
+    """The ``aostore`` arm's worker ran its connector on aostore's data plane: its report,
+    written inside the worker, says so, and the plane processed every engine step and
+    produced every output; the plugin's start-up line said the plane goes in."""
+    result = runs.aostore
+    lines = result["plane_report"]
+    assert lines is not None, f"no data-plane report at {result['plane_report_path']}"
+    worker = result["classes"]["pid"]
+    on = [line for line in lines if line["on"]]
+    assert len(on) == 1 and on[0]["pid"] == worker, lines
+    assert on[0]["why_not"] is None, lines
+    assert on[0]["steps"] > 0 and on[0]["outputs"] > 0, lines
+    # Every engine step runs the model once on this worker, and every output token of a
+    # request comes with one routed-experts output (no speculative decoding here).
+    assert on[0]["steps"] == len(result["step_s"]), (on[0], len(result["step_s"]))
+    output_tokens = sum(len(r["tokens"]) for r in result["requests"])
+    assert on[0]["outputs"] == output_tokens, (on[0], output_tokens)
+    # Connectors of other ranks have no store (none with one device): none is off otherwise.
+    for line in lines:
+        assert line["on"] or line["why_not"] == "not the output rank (no store)", lines
+    assert result["startup_lines"], "no aostore start-up line in the log"
+    for line in result["startup_lines"]:
+        assert PLANE_ON in line and "worker modules recognized" in line, line
+    assert any(CONNECTOR_ON in line for line in result["connector_lines"]), result[
+        "connector_lines"
+    ]
+
+
+@every_config
+def test_data_plane_off(runs: Runs) -> None:
+    """With ``AOSTORE_VLLM_DATA_PLANE=0`` the plugin keeps vLLM's connector (it does not
+    install its subclass, so no connector writes a report); with the plugin off, likewise."""
+    result = runs.plane_off
+    lines = result["plane_report"]
+    assert lines is None or not any(line["on"] for line in lines), lines
+    assert result["startup_lines"], "no aostore start-up line in the log"
+    for line in result["startup_lines"]:
+        assert PLANE_OFF in line, line
+    assert not any(CONNECTOR_ON in line for line in result["connector_lines"])
+    # vLLM's connector code called the store object itself (the data plane never does).
+    assert any(call[0] == "put" for call in result["calls"])
+    vllm_lines = runs.vllm["plane_report"]
+    assert vllm_lines is None or not any(line["on"] for line in vllm_lines), vllm_lines
+    assert not any(PLANE_ON in line for line in runs.vllm["startup_lines"])
+
+
+@every_config
+@every_aostore_arm
+def test_same_tokens(runs: Runs, arm: str) -> None:
+    ours, theirs = by_id(runs.arms[arm]), by_id(runs.vllm)
     assert ours.keys() == theirs.keys()
     for request_id, request in theirs.items():
         assert ours[request_id]["prompt"] == request["prompt"]
@@ -211,8 +336,9 @@ def test_same_tokens(runs: Runs) -> None:
 
 
 @every_config
-def test_same_routed_experts(runs: Runs) -> None:
-    ours, theirs = by_id(runs.aostore), by_id(runs.vllm)
+@every_aostore_arm
+def test_same_routed_experts(runs: Runs, arm: str) -> None:
+    ours, theirs = by_id(runs.arms[arm]), by_id(runs.vllm)
     classes = runs.vllm["classes"]
     hits = 0
     for request_id, request in theirs.items():
@@ -233,8 +359,9 @@ def test_same_routed_experts(runs: Runs) -> None:
 
 
 @every_config
-def test_same_store_contents(runs: Runs) -> None:
-    ours, theirs = runs.aostore["contents"], runs.vllm["contents"]
+@every_aostore_arm
+def test_same_store_contents(runs: Runs, arm: str) -> None:
+    ours, theirs = runs.arms[arm]["contents"], runs.vllm["contents"]
     assert ours["references"] == theirs["references"]
     # Not necessarily empty: the scheduler tells the worker about finished requests with the
     # next step's metadata, and after the last round there is no next step.
@@ -245,21 +372,32 @@ def test_same_store_contents(runs: Runs) -> None:
 
 
 @every_config
-def test_store_holds_routed_experts_blocks(runs: Runs) -> None:
+def test_data_plane_same_store_state(runs: Runs) -> None:
+    """aostore's store under the data plane and under vLLM's connector code: the same final
+    contents and the same counters (puts, retains, releases, reads, bytes, evictions)."""
+    with_plane, without = runs.aostore["contents"], runs.plane_off["contents"]
+    assert with_plane["stats"] == without["stats"]
+    assert with_plane == without
+
+
+@every_config
+@every_aostore_arm
+def test_store_holds_routed_experts_blocks(runs: Runs, arm: str) -> None:
     """Every stored object is one 32-token block of some request's routed experts."""
     blocks = set()
     for request in runs.vllm["requests"]:
         rows = request["routed_experts"]
         for start in range(0, len(rows) - 31, 32):
             blocks.add(rows[start : start + 32].tobytes())
-    for key, payload in runs.aostore["contents"]["objects"].items():
+    for key, payload in runs.arms[arm]["contents"]["objects"].items():
         assert payload in blocks, key
 
 
 @every_config
-def test_eviction_as_configured(runs: Runs) -> None:
-    stats = runs.aostore["contents"]["stats"]
-    slots = runs.aostore["classes"]["num_slots"]
+@every_aostore_arm
+def test_eviction_as_configured(runs: Runs, arm: str) -> None:
+    stats = runs.arms[arm]["contents"]["stats"]
+    slots = runs.arms[arm]["classes"]["num_slots"]
     assert stats["capacity_errors"] == 0 and stats["read_misses"] == 0
     if runs.config.evicts:
         assert stats["evictions"] > 0
@@ -300,12 +438,19 @@ def replay(calls: list[Any], store: Any, block_object: Any) -> list[bytes]:
 def test_replayed_calls(runs: Runs) -> None:
     """Each run's own sequence of store calls, replayed on a fresh vLLM store and a fresh
     aostore store: the same bytes from every read as the engine got, and the same final
-    contents as each other and as the engine's store; and both runs made the same calls."""
+    contents as each other and as the engine's store; and both of those runs made the same
+    calls.
+
+    Recorded on the worker's Python store object, which vLLM's connector code calls (the
+    ``vllm`` and ``aostore-plane-off`` arms); the data plane hands its blocks and reads to
+    aostore's Rust writer, so the ``aostore`` arm records none (its store state is compared
+    with the plane-off arm's in ``test_data_plane_same_store_state``)."""
     import aostore
     from engine_probe import vllm_store_contents
 
+    assert runs.aostore["calls"] == [], runs.aostore["calls"][:3]
     vllm_store = vllm_store_module()
-    for arm, result in (("vllm", runs.vllm), ("aostore", runs.aostore)):
+    for arm, result in (("vllm", runs.vllm), ("aostore-plane-off", runs.plane_off)):
         calls = result["calls"]
         classes = result["classes"]
         assert any(call[0] == "put" and call[1] for call in calls), arm
@@ -313,7 +458,7 @@ def test_replayed_calls(runs: Runs) -> None:
         size = {"max_bytes": classes["num_slots"] * classes["object_nbytes"]}
         size["object_nbytes"] = classes["object_nbytes"]
         theirs = vllm_store.BlockObjectStore(**size)
-        ours = aostore.BlockObjectStore(**size, profile=runs.aostore["classes"]["profile"])
+        ours = aostore.BlockObjectStore(**size, profile=runs.plane_off["classes"]["profile"])
         try:
             assert replay(calls, theirs, vllm_store.BlockObject) == engine_reads, arm
             assert replay(calls, ours, aostore.BlockObject) == engine_reads, arm
@@ -326,4 +471,4 @@ def test_replayed_calls(runs: Runs) -> None:
         assert replayed_ours == replayed_theirs, arm
         engine = {k: v for k, v in result["contents"].items() if k != "stats"}
         assert replayed_ours == engine, arm
-    assert runs.aostore["calls"] == runs.vllm["calls"]
+    assert runs.plane_off["calls"] == runs.vllm["calls"]
