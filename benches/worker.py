@@ -583,7 +583,10 @@ def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for run in runs[block : block + 2 * width]:
             group[run["store"]].append(summarize(run))
         if {"vllm", "dataplane"} <= group.keys():
-            mean = {k: {key: statistics.fmean(f[key] for f in v) for key in v[0]} for k, v in group.items()}
+            mean = {
+                k: {key: statistics.fmean(f[key] for f in v) for key in v[0]}
+                for k, v in group.items()
+            }
             t12["per_block"].append(
                 {
                     "ratio": mean["dataplane"]["total_ms"] / mean["vllm"]["total_ms"],

@@ -124,11 +124,21 @@ fn begin(
     hashes: &[(u8, Vec<Vec<u8>>)],
     finished: &[u8],
 ) -> Result<(), PlaneError<StoreError>> {
+    let id = |r: &u8| format!("req-{r}");
+    let (running, keyed): (Vec<String>, Vec<String>) = (
+        requests.iter().map(|(r, _)| id(r)).collect(),
+        hashes.iter().map(|(r, _)| id(r)).collect(),
+    );
+    let done: Vec<String> = finished.iter().map(id).collect();
     let metadata = StepMetadata {
         generation: 0,
-        requests: requests.iter().map(|&(r, e)| (format!("req-{r}"), e)).collect(),
-        block_hashes: hashes.iter().map(|(r, h)| (format!("req-{r}"), h.clone())).collect(),
-        finished: finished.iter().map(|r| format!("req-{r}")).collect(),
+        requests: running.iter().zip(requests).map(|(r, &(_, e))| (r.as_str(), e)).collect(),
+        block_hashes: keyed
+            .iter()
+            .zip(hashes)
+            .map(|(r, (_, h))| (r.as_str(), h.iter().map(Vec::as_slice).collect()))
+            .collect(),
+        finished: done.iter().map(String::as_str).collect(),
         ..StepMetadata::default()
     };
     plane.begin_step(&metadata, sink)
@@ -259,11 +269,8 @@ fn bad_calls_fail_as_vllm_asserts() {
     let moved = plane.begin_step(&reset, &mut sink).expect_err("in flight");
     assert!(matches!(moved, PlaneError::Assertion(m) if m.contains("with output in flight")));
     let mut fresh = DataPlane::new(config(2, 8)).expect("plane");
-    let both = StepMetadata {
-        requests: vec![("a".into(), 0)],
-        finished: vec!["a".into()],
-        ..StepMetadata::default()
-    };
+    let both =
+        StepMetadata { requests: vec![("a", 0)], finished: vec!["a"], ..StepMetadata::default() };
     let run_and_finish = fresh.begin_step(&both, &mut sink).expect_err("run and finish");
     assert!(matches!(run_and_finish, PlaneError::Assertion(m) if m.contains("run and finish")));
     assert_eq!(fresh.num_requests(), 0, "nothing changed");

@@ -138,7 +138,7 @@ fn plane_error(py: Python<'_>, writer: &NativeWriter, error: PlaneError<Refusal>
 
 /// `str` items of a list as borrowed text (the list keeps them alive).
 fn texts<'a>(items: &'a [Bound<'_, PyAny>]) -> PyResult<Vec<&'a str>> {
-    items.iter().map(|item| Ok(item.cast::<PyString>()?.to_str()?)).collect()
+    items.iter().map(|item| item.cast::<PyString>()?.to_str()).collect()
 }
 
 /// Block hashes as vLLM's `PackedBlockHashes` iterates them (`data` in `item_size` pieces),
@@ -174,15 +174,17 @@ fn hashes<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult<V
 
 /// Python objects kept alive (and unmoved) while Rust borrows from them.
 struct Held<'py> {
-    objects: elsa_free::Arena<'py>,
+    objects: arena::Arena<'py>,
 }
 
-mod elsa_free {
+mod arena {
     //! An append-only arena of Python objects: a borrow of an item lives as long as the arena.
     use pyo3::prelude::*;
     use std::cell::RefCell;
 
     pub(super) struct Arena<'py> {
+        // Boxed: a borrow of an item must survive the vector growing.
+        #[expect(clippy::vec_box, reason = "items are borrowed while the vector grows")]
         items: RefCell<Vec<Box<Bound<'py, PyAny>>>>,
     }
 
@@ -204,7 +206,7 @@ mod elsa_free {
 
 impl<'py> Held<'py> {
     fn new() -> Self {
-        Self { objects: elsa_free::Arena::new() }
+        Self { objects: arena::Arena::new() }
     }
 
     fn keep<'a>(&'a self, object: Bound<'py, PyAny>) -> &'a Bound<'py, PyAny> {
@@ -213,7 +215,7 @@ impl<'py> Held<'py> {
 }
 
 fn text<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
-    Ok(value.cast::<PyString>()?.to_str()?)
+    value.cast::<PyString>()?.to_str()
 }
 
 /// vLLM's metadata read into the plane's form, borrowing its strings and hashes.

