@@ -171,7 +171,7 @@ def test_the_readme_reads_in_five_minutes() -> None:
 def test_the_settings_table_names_every_variable_aostore_reads() -> None:
     package = ROOT / "python" / "aostore"
     read = set()
-    for source in package.glob("*.py"):
+    for source in package.rglob("*.py"):
         read |= set(re.findall(r"\bAOSTORE_[A-Z_]+\b", source.read_text()))
     assert read >= {"AOSTORE_VLLM_PLUGIN", "AOSTORE_VLLM_PROFILE", "AOSTORE_VLLM_PREFAULT"}
     named = set(re.findall(r"^\| `(AOSTORE_[A-Z_]+)`", README.read_text(), re.M))

@@ -239,3 +239,16 @@ def test_the_plugin_says_why_the_data_plane_is_off() -> None:
     assert "not a release CI proves" in plan._data_plane(_plan(release=None), on)[1]
     assert "no data plane proven" in plan._data_plane(_plan(release="vLLM 9.9"), on)[1]
     assert set(dataplane.KNOWN_MODULES) == {"vLLM 0.33.0", "vLLM 0.32.0"}
+
+
+def test_an_installed_vllm_is_recognized_or_told_why_not() -> None:
+    """With vLLM installed (``make test-vllm`` runs this file in its environment): a release CI
+    proves has exactly the modules the data plane needs; a file changed by a byte is named."""
+    vllm = pytest.importorskip("vllm")
+    release = {"0.33.0": "vLLM 0.33.0", "0.32.0": "vLLM 0.32.0"}.get(vllm.__version__)
+    if release is None:
+        pytest.skip(f"vLLM {vllm.__version__} is not a release the data plane knows")
+    assert dataplane.modules_recognized(release) is None
+    other = "vLLM 0.32.0" if release == "vLLM 0.33.0" else "vLLM 0.33.0"
+    why = dataplane.modules_recognized(other)
+    assert why is not None and f"is not {other}'s" in why

@@ -16,11 +16,11 @@
    start-up: once as a vLLM user gets aostore (the plugin replaces vLLM's classes) and once with
    ``AOSTORE_VLLM_PLUGIN=0`` as the control (vLLM's own classes). The test modules import the
    store's names at import time, so the plugin must have run before collection.
-5. Runs aostore's ``tests/plugin/test_plugin.py`` and ``tests/plugin/test_vllm_check.py`` in the
-   same
-   environment, so their real-vLLM cases (the plugin loaded by vLLM's own loader in a fresh
-   process, vLLM's publish/materialize through the swapped classes, ``aostore vllm-check`` on
-   vLLM 0.33.0) run instead of skipping.
+5. Runs aostore's ``tests/plugin/test_plugin.py``, ``test_vllm_check.py`` and
+   ``test_data_plane.py`` in the same environment, so their real-vLLM cases (the plugin loaded
+   by vLLM's own loader in a fresh process, vLLM's publish/materialize through the swapped
+   classes, ``aostore vllm-check`` on vLLM 0.33.0, the data plane's modules) run instead of
+   skipping.
 
 Fails (exit status 1) when pip cannot reach the index, when any item fails, errors or is
 skipped, when the counts differ from ``EXPECTED``, when the classes in use are not the expected
@@ -201,7 +201,7 @@ def run_vllm_tests(source: Path, plugin: bool) -> str:
 def run_plugin_tests() -> str:
     """aostore's own plugin tests and the dry run's (``aostore vllm-check``), whose real-vLLM
     cases skip unless vLLM is installed."""
-    files = ["plugin/test_plugin.py", "plugin/test_vllm_check.py"]
+    files = ["plugin/test_plugin.py", "plugin/test_vllm_check.py", "plugin/test_data_plane.py"]
     label = f"aostore's tests/{' and '.join(files)} with vLLM {VLLM_VERSION} installed"
     env = clean_env()
     env["PYTHONPATH"] = str(ROOT / "tests" / "support")  # vllm_trees.py, without the conftest

@@ -1,0 +1,2 @@
+"""Differential harness for vLLM's scheduler-side aux-output connector
+(``AuxOutputSchedulerConnector``): see harness.py."""
