@@ -9,6 +9,8 @@ the store calls, and bad input that raises vLLM's class and changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,7 +60,7 @@ def rows_of(request: int, start: int, count: int) -> np.ndarray:
 class Plane:
     """A plane in front of a real store and Rust writer, and the pending objects it reads."""
 
-    def __init__(self, output_class: Any = Output) -> None:
+    def __init__(self, output_class: Any = Output, in_flight: int = 1) -> None:
         self.background = BackgroundBlockObjectStore(
             BlockObjectStore(max_bytes=64 * BLOCK * ROW, object_nbytes=BLOCK * ROW),
             max_pending_batches=4,
@@ -70,11 +72,14 @@ class Plane:
             dtype=np.uint8,
             max_num_seqs=4,
             max_num_batched_tokens=16,
-            max_concurrent_batches=1,
+            max_concurrent_batches=in_flight,
             output_class=output_class,
         )
 
     def step(self, batch: list[tuple[str, int, np.ndarray]], **override: Any) -> Any:
+        return self.process(self.prepare(batch, **override))
+
+    def prepare(self, batch: list[tuple[str, int, np.ndarray]], **override: Any) -> Any:
         ids = [rid for rid, _, _ in batch]
         token = self.plane.prepare_output(ids)
         counts = [len(rows) for _, _, rows in batch]
@@ -86,8 +91,11 @@ class Plane:
             num_sampled=np.ones(len(batch), dtype=np.int32),
             num_rejected=np.zeros(len(batch), dtype=np.int32),
         )
-        vars(pending).update(override)
-        return self.plane.process_output(pending, token)
+        vars(pending).update(override, token=token)
+        return pending
+
+    def process(self, pending: Any) -> Any:
+        return self.plane.process_output(pending, pending.token)
 
     def stored(self) -> dict[str, bytes]:
         self.background.flush()
@@ -252,3 +260,69 @@ def test_an_installed_vllm_is_recognized_or_told_why_not() -> None:
     other = "vLLM 0.32.0" if release == "vLLM 0.33.0" else "vLLM 0.33.0"
     why = dataplane.modules_recognized(other)
     assert why is not None and f"is not {other}'s" in why
+
+
+def _decode(plane: Plane, steps: int, process: Any, room: Any = None) -> None:
+    """Four requests decode a token a step; each block's hash arrives the step after it fills;
+    all finish at the end. ``process(pending)`` consumes each prepared step; ``room`` (a
+    semaphore) is taken before each prepare, as vLLM bounds the steps in flight."""
+    requests = [f"r{i}" for i in range(4)]
+    for token in range(steps):
+        done = token > 0 and token % BLOCK == 0
+        hashes = {rid: [bytes([i, token // BLOCK])] for i, rid in enumerate(requests)}
+        plane.plane.begin_step(metadata(dict.fromkeys(requests, token), hashes if done else {}))
+        batch = [(rid, token, rows_of(i, token, 1)) for i, rid in enumerate(requests)]
+        if room is not None:
+            room.acquire()
+        process(plane.prepare(batch))
+    process(None)
+    plane.plane.begin_step(metadata({}, {}, finished=requests))
+
+
+def test_the_engine_and_output_threads_as_vllm_runs_them() -> None:
+    """``prepare_output`` on the engine thread, ``process_output`` on an output thread with two
+    steps in flight, while a third thread keeps the GIL busy: no deadlock, and the outputs and
+    stored blocks of running both on one thread."""
+    steps = 6 * BLOCK + 1
+    one = Plane()
+    alone: list[Any] = []
+    _decode(one, steps, lambda pending: pending is not None and alone.append(one.process(pending)))
+
+    two = Plane(in_flight=2)
+    handed: queue.Queue[Any] = queue.Queue()
+    room = threading.Semaphore(2)
+    threaded: list[Any] = []
+    stop = threading.Event()
+
+    def output_thread() -> None:
+        while (pending := handed.get()) is not None:
+            threaded.append(two.process(pending))
+            room.release()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1_000))
+
+    workers = [threading.Thread(target=output_thread), threading.Thread(target=busy)]
+    for worker in workers:
+        worker.start()
+
+    try:
+        _decode(two, steps, handed.put, room)
+    finally:
+        stop.set()
+        handed.put(None)
+        for worker in workers:
+            worker.join(timeout=30)
+    assert not any(worker.is_alive() for worker in workers), "a thread hung"
+    assert len(threaded) == len(alone) == steps
+    for mine, theirs in zip(alone, threaded, strict=True):
+        assert list(mine) == list(theirs)
+        for rid in mine:
+            assert mine[rid].token_start == theirs[rid].token_start
+            assert mine[rid].rows.tobytes() == theirs[rid].rows.tobytes()
+    assert one.stored() == two.stored() and len(one.stored()) == 4 * 6
+    # Every request torn down, nothing in flight, every staging slot free (vLLM's pool size:
+    # in flight x (16 / 4 + 4 sequences) + 4 tails).
+    assert one.plane.counts() == (0, 0, 1 * 8 + 4)
+    assert two.plane.counts() == (0, 0, 2 * 8 + 4)

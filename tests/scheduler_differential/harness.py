@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -168,9 +169,7 @@ class World:
         if isinstance(op, MaxHit):
             return connector.max_cache_hit(self.requests[op.rid])
         if isinstance(op, CapHit):
-            return connector.cap_external_hit(
-                self.requests[op.rid], op.num_local, op.num_external
-            )
+            return connector.cap_external_hit(self.requests[op.rid], op.num_local, op.num_external)
         if isinstance(op, Loading):
             return connector.request_loading(self.requests[op.rid], op.tokens)
         raise TypeError(op)
@@ -224,7 +223,7 @@ def _describe(reference: Any, other: Any) -> str:
     if reference is None or other is None or not isinstance(reference, list):
         return f"returned {_short(other)} instead of {_short(reference)}"
     ours = dict(reference)
-    for name, value in other:
+    for name, _value in other:
         if name not in ours:
             return f"has {name} (the reference has none)"
     theirs = dict(other)
@@ -340,15 +339,14 @@ def _raw_result(world: World, op: Op, canonical_result: Any) -> Any:
     if isinstance(op, Build):
         fields = dict(canonical_result)
 
-        class _Meta:
-            generation = fields["generation"]
-            requests = dict(fields["requests"])
-            block_hashes = dict(fields["block_hashes"])
-            finished_requests = fields["finished_requests"]
-            retained_block_hashes = fields.get("retained_block_hashes")
-            released_block_hashes = fields.get("released_block_hashes")
-
-        return _Meta
+        return SimpleNamespace(
+            generation=fields["generation"],
+            requests=dict(fields["requests"]),
+            block_hashes=dict(fields["block_hashes"]),
+            finished_requests=fields["finished_requests"],
+            retained_block_hashes=fields.get("retained_block_hashes"),
+            released_block_hashes=fields.get("released_block_hashes"),
+        )
     if isinstance(op, Take):
         return None if canonical_result is None else [0] * dict(canonical_result)["shape"][0]
     return dict(canonical_result)["value"]

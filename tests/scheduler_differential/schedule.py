@@ -264,7 +264,10 @@ class _Model:
                     self.features["decode" if not spec else "speculative decode"] += 1
             if self.bad == "hashes-shrank" and last and scheduled:
                 rid = next(iter(scheduled))
-                if self.live[rid].tokens and len(self.live[rid].tokens) >= self.params.hash_block_size:
+                if (
+                    self.live[rid].tokens
+                    and len(self.live[rid].tokens) >= self.params.hash_block_size
+                ):
                     self.ops.append(Truncate(rid))
                     self.features["bad: hashes-shrank"] += 1
             if self.bad == "schedule-unknown" and last:
@@ -277,7 +280,9 @@ class _Model:
                 if req is None:
                     continue
                 new = len(req.tokens) - req.prompt_len
-                starts[rid] = max(min(req.prompt_start, req.prompt_len), len(req.tokens) - 1 if new else 0)
+                starts[rid] = max(
+                    min(req.prompt_start, req.prompt_len), len(req.tokens) - 1 if new else 0
+                )
             self.ops.append(Build(dict(scheduled)))
             self.features["build_connector_meta"] += 1
             if "ghost" in scheduled:

