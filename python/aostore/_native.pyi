@@ -186,6 +186,10 @@ class NativeWriter:
     @property
     def store(self) -> NativeStore | NativeVariableStore: ...
 
+def build_connector_meta(
+    this: Any, scheduler_output: Any, requests: Any, module: Any, kv_events: bool
+) -> Any: ...
+
 @final
 class NativeDataPlane:
     """vLLM's worker connector calls in Rust (``aostore.vllm.dataplane``)."""

@@ -10,6 +10,7 @@ mod handle;
 mod lock;
 mod object;
 mod policy;
+mod scheduler;
 mod variable;
 mod writer;
 
@@ -45,5 +46,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ObjectMissingError", m.py().get_type::<ObjectMissingError>())?;
     variable::register(m)?;
     dataplane::register(m)?;
+    scheduler::register(m)?;
     Ok(())
 }

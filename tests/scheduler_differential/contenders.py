@@ -18,6 +18,7 @@ asserts, ``KeyError`` for an unknown request), or map them in :data:`ERROR_CLASS
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,8 +56,25 @@ def vllm_contender(setup: Setup) -> Any:
     return AuxOutputSchedulerConnector()
 
 
-CONTENDERS: dict[str, Factory] = {"vllm": vllm_contender}
-"""The first is the reference. Add a native one here (see the module docstring)."""
+@functools.cache
+def _native_class(kv_events: bool) -> type:
+    from aostore.vllm.dataplane import scheduler_subclass
+    from vllm.distributed.aux_output_connector import connector as module
+
+    return scheduler_subclass(module.AuxOutputSchedulerConnector, module, kv_events=kv_events)
+
+
+def native_contender(setup: Setup) -> Any:
+    """aostore's scheduler-side connector, as its plugin installs it on a recognized vLLM
+    (``build_connector_meta`` in Rust), without the plugin's swap."""
+    cls = _native_class(setup.kv_events)
+    if setup.kv_events:
+        return cls(setup.kv_cache_manager, setup.kv_connector)
+    return cls()
+
+
+CONTENDERS: dict[str, Factory] = {"vllm": vllm_contender, "native": native_contender}
+"""The first is the reference."""
 
 ERROR_CLASSES: dict[type[BaseException], type[BaseException]] = {}
 """vLLM's exception class -> the class a contender raises instead (none today)."""

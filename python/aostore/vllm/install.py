@@ -119,7 +119,8 @@ def _register(settings: Settings) -> None:
         setattr(store_module, MARK, {name: originals[name] for name in decision.replace})
         if decision.data_plane:
             installed = {name: decision.replace[name] for name in (FIXED_STORE, WRAPPER)}
-            patched = sorted({*patched, *dataplane.install(installed, swap, undo)})
+            release = decision.release or ""
+            patched = sorted({*patched, *dataplane.install(installed, release, swap, undo)})
         if FIXED_STORE in decision.replace:
             targeted = _log.add_growth_target(store_module_logger)
     except BaseException:
