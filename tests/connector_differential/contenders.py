@@ -126,8 +126,10 @@ class Installation:
         plane_originals: dict[str, Any] = getattr(worker, "__aostore_data_plane__", {})
         if not plane_originals:
             raise RuntimeError("aostore's plugin did not install its data plane")
+        # Each replacement sits where vLLM defines the class (and in the modules that import it).
         self.plane_replaced = {
-            name: (cls, getattr(worker, name)) for name, cls in plane_originals.items()
+            name: (cls, getattr(importlib.import_module(cls.__module__), name))
+            for name, cls in plane_originals.items()
         }
         self.plane_spots = _spots(self.plane_replaced)
         self.current: str | None = None
