@@ -720,8 +720,8 @@ impl DataPlane {
             }
             call.objects.push((key, at..at + n));
         }
-        call.retains = retains.iter().map(|key| call_key(&mut call.text, key)).collect();
-        call.releases = releases.iter().map(|key| call_key(&mut call.text, key)).collect();
+        call.retains = retains.iter().map(|key| call.push_key(key)).collect();
+        call.releases = releases.iter().map(|key| call.push_key(key)).collect();
         sink.put(call).map_err(PlaneError::Sink)?;
         // Copied at hand-over: the slots are free again.
         for (_, _, data) in ready {
@@ -760,12 +760,6 @@ impl DataPlane {
         self.in_flight.clear();
         self.store_open = false;
     }
-}
-
-fn call_key(text: &mut String, key: &str) -> Range<usize> {
-    let start = text.len();
-    text.push_str(key);
-    start..text.len()
 }
 
 /// vLLM's key for a block hash: `vllm-artifact/<generation>/<hash as hex>`.
