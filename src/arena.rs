@@ -158,7 +158,6 @@ impl Arena {
         )
     }
 
-    #[cfg(test)]
     pub fn num_slots(&self) -> usize {
         self.num_slots
     }

@@ -138,6 +138,11 @@ pub enum EmittedRows {
 pub struct Emitted {
     pub position: usize,
     pub token_start: i64,
+    /// vLLM's emit cursor was last set by a step (`token_end`, a numpy integer there), not by
+    /// the scheduler's metadata (a Python `int`): from a request's second output on.
+    pub cursor_from_step: bool,
+    /// vLLM's rows are a slice of `np.frombuffer` over the store's `bytes`: read-only.
+    pub read_only: bool,
     pub rows: EmittedRows,
 }
 
@@ -158,6 +163,22 @@ struct Tail {
     length: usize,
 }
 
+/// `bytes` zeros, allocated zeroed: a large one is fresh pages, committed only as slots are
+/// written, like vLLM's `np.empty` (writing the zeros would commit it all at construction).
+fn zeroed(bytes: usize) -> Option<Vec<u8>> {
+    if bytes == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(bytes).ok()?;
+    // SAFETY: the layout's size is not zero.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `bytes` initialized bytes from the global allocator with `u8`'s layout, owned here.
+    Some(unsafe { Vec::from_raw_parts(ptr, bytes, bytes) })
+}
+
 /// A full block: still rows of the step's input (aligned, never staged), or a staging slot.
 #[derive(Debug, Clone, Copy)]
 enum Block {
@@ -176,6 +197,8 @@ struct RequestState {
     capture_cursor: Option<i64>,
     scheduled_cursor: i64,
     emit_cursor: i64,
+    /// `emit_cursor` came from a step, not from the metadata (see `Emitted::cursor_from_step`).
+    cursor_from_step: bool,
     pending_outputs: u32,
     finished: bool,
     tail: Option<Tail>,
@@ -213,12 +236,8 @@ impl DataPlane {
             .checked_mul(config.block_nbytes())
             .filter(|&b| slots <= Slot::MAX as usize && b <= isize::MAX as usize)
             .ok_or_else(|| format!("{slots} staging blocks do not fit in memory"))?;
-        let mut staging = Vec::new();
-        staging
-            .try_reserve_exact(bytes)
-            .map_err(|_| format!("cannot allocate {bytes} bytes of staging"))?;
-        // Zeroed pages are mapped lazily, like vLLM's `np.empty`.
-        staging.resize(bytes, 0);
+        let staging =
+            zeroed(bytes).ok_or_else(|| format!("cannot allocate {bytes} bytes of staging"))?;
         Ok(Self {
             config,
             staging,
@@ -277,6 +296,7 @@ impl DataPlane {
             capture_cursor: None,
             scheduled_cursor: 0,
             emit_cursor,
+            cursor_from_step: false,
             pending_outputs: 0,
             finished: false,
             tail: None,
@@ -518,9 +538,12 @@ impl DataPlane {
                     processed.emitted.push(Emitted {
                         position,
                         token_start: emit_start,
+                        cursor_from_step: state.cursor_from_step,
+                        read_only: false,
                         rows: EmittedRows::Input(from..rows.end),
                     });
                     state.emit_cursor = token_end;
+                    state.cursor_from_step = true;
                 } else {
                     materialize.push((position, index, emit_start, token_end));
                 }
@@ -539,6 +562,7 @@ impl DataPlane {
             let state = self.state(index);
             let stored_end = (token_end / block).min(state.keys.len() as i64) * block;
             let first = processed.owned.len() / row;
+            let read_only = emit_start < stored_end && stored_end >= token_end;
             if emit_start < stored_end {
                 let first_block = (emit_start / block) as usize;
                 let keys: Vec<&str> = state.keys[first_block..(stored_end / block) as usize]
@@ -558,12 +582,16 @@ impl DataPlane {
                 self.read_tail(index, emit_start, token_end, &mut processed.owned)?;
             }
             let last = processed.owned.len() / row;
+            let state = self.state_mut(index);
             processed.emitted.push(Emitted {
                 position,
                 token_start: emit_start,
+                cursor_from_step: state.cursor_from_step,
+                read_only,
                 rows: EmittedRows::Owned(first..last),
             });
-            self.state_mut(index).emit_cursor = token_end;
+            state.emit_cursor = token_end;
+            state.cursor_from_step = true;
         }
         Ok(processed)
     }

@@ -12,7 +12,8 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple};
+use pyo3::ffi;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 
 use super::writer::{NativeWriter, Refusal};
 use crate::dataplane::{
@@ -62,6 +63,78 @@ pub struct NativeDataPlane {
     /// Steps processed and outputs emitted natively: the proof that the plane ran.
     steps: AtomicU64,
     outputs: AtomicU64,
+    /// The type of vLLM's emit cursor once a step set it, and how to make one (touched only
+    /// with the GIL held, never with the plane's lock).
+    cursor: Mutex<Option<CursorType>>,
+}
+
+/// `type(token_starts[i] + len(rows))`, the type vLLM's emit cursor takes from a step (under
+/// NumPy 2, `numpy.int32`), with its value's width when a scalar of it can be made directly.
+struct CursorType {
+    kind: Py<PyType>,
+    /// 4 or 8: a numpy integer scalar, laid out as NumPy's `arrayscalars.h` declares (the
+    /// object header, then the value), checked on a probe value when first seen.
+    width: Option<usize>,
+}
+
+impl CursorType {
+    fn of(py: Python<'_>, numpy: &Bound<'_, PyModule>, kind: Bound<'_, PyType>) -> PyResult<Self> {
+        let mut cursor = Self { kind: kind.clone().unbind(), width: None };
+        let dtype = numpy.call_method1(intern!(py, "dtype"), (&kind,));
+        let Ok(dtype) = dtype else { return Ok(cursor) };
+        let exact = dtype.getattr(intern!(py, "type"))?.is(&kind);
+        let signed = dtype.getattr(intern!(py, "kind"))?.extract::<String>()? == "i";
+        let width: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+        if !(exact && signed && matches!(width, 4 | 8)) {
+            return Ok(cursor);
+        }
+        let probe = 0x1234_5678_i64;
+        // SAFETY: a numpy integer type of that width, checked against the type's own result.
+        let made = unsafe { numpy_integer(py, &kind, width, probe) }?;
+        if made.get_type().is(&kind) && made.eq(kind.call1((probe,))?)? {
+            cursor.width = Some(width);
+        }
+        Ok(cursor)
+    }
+
+    fn make<'py>(&self, py: Python<'py>, value: i64) -> PyResult<Bound<'py, PyAny>> {
+        let kind = self.kind.bind(py);
+        match self.width {
+            // SAFETY: `of` made and checked one of this width.
+            Some(width) => unsafe { numpy_integer(py, kind, width, value) },
+            None => kind.call1((value,)),
+        }
+    }
+}
+
+/// A numpy integer scalar as NumPy makes one (`PyArray_Scalar`): the type's `tp_alloc`, then
+/// the value after the object header (`PyInt32ScalarObject`'s `obval`), wrapping as NumPy does.
+/// # Safety
+/// `kind` must be a numpy signed integer scalar type whose value is `width` bytes.
+unsafe fn numpy_integer<'py>(
+    py: Python<'py>,
+    kind: &Bound<'py, PyType>,
+    width: usize,
+    value: i64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let tp = kind.as_type_ptr();
+    // SAFETY: a live type object; `Py_tp_alloc` is always filled in for a ready type.
+    let alloc: ffi::allocfunc =
+        unsafe { std::mem::transmute(ffi::PyType_GetSlot(tp, ffi::Py_tp_alloc)) };
+    // SAFETY: as `PyArray_Scalar` calls it.
+    let object = unsafe { alloc(tp, 0) };
+    if object.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: the value follows the header in a scalar of at least header + width bytes.
+    unsafe {
+        let at = object.cast::<u8>().add(std::mem::size_of::<ffi::PyObject>());
+        match width {
+            4 => at.cast::<i32>().write_unaligned(value as i32),
+            _ => at.cast::<i64>().write_unaligned(value),
+        }
+        Ok(Bound::from_owned_ptr(py, object))
+    }
 }
 
 impl NativeDataPlane {
@@ -76,6 +149,9 @@ impl NativeDataPlane {
         f: impl FnOnce(&mut DataPlane, &mut WriterSink<'_>) -> Result<T, PlaneError<Refusal>> + Send,
     ) -> PyResult<T> {
         let writer = self.writer.get();
+        // In a forked child the writer's thread is the parent's, and the plane's lock may be
+        // held by a parent thread that no longer exists: refuse before taking it.
+        writer.ensure_same_process()?;
         let input_failed = writer.input_failed(py);
         let result = py.detach(|| {
             let mut sink = WriterSink { writer, input_failed };
@@ -297,6 +373,7 @@ impl NativeDataPlane {
             numpy: numpy.unbind(),
             steps: AtomicU64::new(0),
             outputs: AtomicU64::new(0),
+            cursor: Mutex::new(None),
         })
     }
 
@@ -338,7 +415,8 @@ impl NativeDataPlane {
             num_sampled = self.integers(py, &sampled)?;
             num_rejected = self.integers(py, &rejected)?;
         }
-        let token_starts = self.integers(py, &pending.getattr(intern!(py, "token_starts"))?)?;
+        let token_starts_object = pending.getattr(intern!(py, "token_starts"))?;
+        let token_starts = self.integers(py, &token_starts_object)?;
         let query_start_loc =
             self.integers(py, &pending.getattr(intern!(py, "query_start_loc"))?)?;
         let request_ids = pending.getattr(intern!(py, "request_ids"))?;
@@ -371,12 +449,14 @@ impl NativeDataPlane {
         drop(buffer);
         self.steps.fetch_add(1, Ordering::Relaxed);
         self.outputs.fetch_add(processed.emitted.len() as u64, Ordering::Relaxed);
-        self.outputs_dict(py, processed, contiguous.as_ref(), &request_ids)
+        self.outputs_dict(py, processed, contiguous.as_ref(), &request_ids, &token_starts_object)
     }
 
     /// `close()`: nothing stays in flight; the connector closes its store itself.
-    fn close(&self, py: Python<'_>) {
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.writer.get().ensure_same_process()?;
         py.detach(|| self.lock().close());
+        Ok(())
     }
 
     /// Steps processed natively.
@@ -392,11 +472,12 @@ impl NativeDataPlane {
     }
 
     /// Requests the plane tracks, steps in flight and free staging slots (for tests).
-    fn counts(&self, py: Python<'_>) -> (usize, usize, usize) {
-        py.detach(|| {
+    fn counts(&self, py: Python<'_>) -> PyResult<(usize, usize, usize)> {
+        self.writer.get().ensure_same_process()?;
+        Ok(py.detach(|| {
             let plane = self.lock();
             (plane.num_requests(), plane.steps_in_flight(), plane.free_slots())
-        })
+        }))
     }
 }
 
@@ -408,8 +489,30 @@ impl NativeDataPlane {
         processed: Processed,
         rows: Option<&Bound<'py, PyAny>>,
         request_ids: &Bound<'py, PyAny>,
+        token_starts: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let outputs = PyDict::new(py);
+        let mut cursor = None;
+        if processed.emitted.iter().any(|emitted| emitted.cursor_from_step) {
+            // vLLM's cursor from a step is `token_start + len(rows)`, `token_start` an item of
+            // `pending.token_starts`: its type is that sum's, under the installed NumPy.
+            let kind = token_starts.get_item(0)?.add(1)?.get_type();
+            // The lock is held only to copy or store (no Python runs under it: a thread that
+            // waits for it holds the GIL).
+            let known = self.cursor.lock().unwrap_or_else(PoisonError::into_inner).as_ref().map(
+                |known| CursorType { kind: known.kind.clone_ref(py), width: known.width },
+            );
+            cursor = match known {
+                Some(known) if known.kind.bind(py).is(&kind) => Some(known),
+                _ => {
+                    let found = CursorType::of(py, self.numpy.bind(py), kind)?;
+                    let copy = CursorType { kind: found.kind.clone_ref(py), width: found.width };
+                    let old = self.cursor.lock().unwrap_or_else(PoisonError::into_inner).replace(found);
+                    drop(old);
+                    Some(copy)
+                }
+            };
+        }
         let output_class = self.output_class.bind(py);
         let new = py.get_type::<pyo3::types::PyAny>().getattr(intern!(py, "__new__"))?;
         let (token_start, rows_name) = (intern!(py, "token_start"), intern!(py, "rows"));
@@ -438,13 +541,20 @@ impl NativeDataPlane {
             let source = source.expect("rows exist for every emitted range");
             let slice = PySlice::new(py, range.start as isize, range.end as isize, 1);
             let view = source.get_item(slice)?;
+            if emitted.read_only {
+                view.call_method1(intern!(py, "setflags"), (false,))?;
+            }
+            let start = match (&cursor, emitted.cursor_from_step) {
+                (Some(cursor), true) => cursor.make(py, emitted.token_start)?,
+                _ => emitted.token_start.into_pyobject(py)?.into_any(),
+            };
             let output = if self.plain_output {
                 let output = new.call1((output_class,))?;
-                output.setattr(token_start, emitted.token_start)?;
+                output.setattr(token_start, start)?;
                 output.setattr(rows_name, view)?;
                 output
             } else {
-                output_class.call1((emitted.token_start, view))?
+                output_class.call1((start, view))?
             };
             outputs.set_item(request_ids.get_item(emitted.position)?, output)?;
         }

@@ -107,7 +107,7 @@ fn is_exactly(object: &Bound<'_, PyAny>, kind: *mut ffi::PyTypeObject) -> bool {
 #[derive(Default)]
 pub(crate) struct Owners {
     pub(crate) objects: Vec<Py<PyAny>>,
-    #[expect(dead_code, reason = "held only so the exports stay alive and in place")]
+    /// Held only so the exports stay alive and in place.
     buffers: Vec<PyUntypedBuffer>,
     /// A data-plane call's own copy of its keys and payloads (no Python object owns them).
     #[expect(dead_code, reason = "held only so the views stay valid")]
@@ -118,6 +118,11 @@ impl Owners {
     /// The owners of a data-plane call: its own bytes, no Python object.
     pub(crate) fn holding(publication: crate::dataplane::Publication) -> Self {
         Self { objects: Vec::new(), buffers: Vec::new(), publication: Some(publication) }
+    }
+
+    /// Whether dropping these needs the GIL (a Python object or buffer export among them).
+    pub(crate) fn hold_python(&self) -> bool {
+        !self.objects.is_empty() || !self.buffers.is_empty()
     }
 }
 

@@ -9,7 +9,8 @@ use pyo3::exceptions::PyAssertionError;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::ffi;
+use pyo3::types::{PyDict, PyList};
 use pyo3::PyTraverseError;
 
 use super::gather::Gathered;
@@ -212,20 +213,44 @@ impl<A: Allocator> Handle<A> {
     }
 
     pub(crate) fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (lru, refs, objects) = self.with_store(py, |s| -> Contents {
-            (
-                s.lru_keys().into_iter().map(Cow::into_owned).collect(),
-                s.references().into_iter().map(|(k, c)| (k.into_owned(), c)).collect(),
-                s.objects().into_iter().map(|(k, p)| (k.into_owned(), p.into_owned())).collect(),
-            )
-        })?;
+        // The payloads are copied out under the lock: fallibly, so a snapshot that does not fit
+        // in memory raises `MemoryError` instead of aborting the process.
+        let (lru, refs, objects) = self
+            .with_store(py, |s| -> Result<Contents, StoreError> {
+                let listed = s.objects();
+                let mut objects = Vec::new();
+                objects.try_reserve_exact(listed.len()).map_err(|_| out_of_memory(listed.len()))?;
+                for (key, payload) in listed {
+                    let mut copy = Vec::new();
+                    copy.try_reserve_exact(payload.len())
+                        .map_err(|_| out_of_memory(payload.len()))?;
+                    copy.extend_from_slice(&payload);
+                    objects.push((key.into_owned(), copy));
+                }
+                Ok((
+                    s.lru_keys().into_iter().map(Cow::into_owned).collect(),
+                    s.references().into_iter().map(|(k, c)| (k.into_owned(), c)).collect(),
+                    objects,
+                ))
+            })?
+            .map_err(to_py_err)?;
         let references = PyDict::new(py);
         for (key, count) in refs {
             references.set_item(key, count)?;
         }
         let payloads = PyDict::new(py);
         for (key, payload) in objects {
-            payloads.set_item(key, PyBytes::new(py, &payload))?;
+            // Each copy is freed once its `bytes` exists; a failed `bytes` is a `MemoryError`.
+            // SAFETY: a pointer and length of a live buffer; the result is checked for NULL.
+            let bytes = unsafe {
+                let made = ffi::PyBytes_FromStringAndSize(
+                    payload.as_ptr().cast(),
+                    payload.len() as ffi::Py_ssize_t,
+                );
+                Bound::from_owned_ptr_or_err(py, made)?
+            };
+            drop(payload);
+            payloads.set_item(key, bytes)?;
         }
         let dict = PyDict::new(py);
         dict.set_item("lru", PyList::new(py, lru)?)?;
@@ -233,6 +258,10 @@ impl<A: Allocator> Handle<A> {
         dict.set_item("objects", payloads)?;
         Ok(dict)
     }
+}
+
+fn out_of_memory(bytes: usize) -> StoreError {
+    StoreError::OutOfMemory { what: "snapshot's copy", bytes }
 }
 
 /// `stats()`: occupancy, then the counters (`growths` only where the store can grow).

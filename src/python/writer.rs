@@ -137,6 +137,8 @@ pub(crate) enum Refusal {
     Failed,
     /// The store refused a read.
     Store(StoreError),
+    /// A forked child: the writer's thread is the parent's.
+    Forked,
 }
 
 fn run(shared: &Arc<Shared>, core: &dyn Target) {
@@ -182,12 +184,24 @@ fn run(shared: &Arc<Shared>, core: &dyn Target) {
             }
             _ => {}
         }
-        let owners = state.in_flight.take().unwrap_or_default();
-        state.done.push(Job { views, owners });
+        let job = Job { views, owners: state.in_flight.take().unwrap_or_default() };
         state.busy = false;
+        // A data-plane call owns its bytes and no Python object: this thread drops it at once,
+        // not parked until the main thread runs Python (it may wait in C for the whole run).
+        let owned = match job.owners.hold_python() {
+            true => {
+                state.done.push(job);
+                None
+            }
+            false => Some(job),
+        };
+        let release = owned.is_none() || !state.growths.is_empty();
         drop(state);
         shared.finished.notify_all();
-        schedule_release(shared);
+        drop(owned);
+        if release {
+            schedule_release(shared);
+        }
     }
 }
 
@@ -295,14 +309,13 @@ extern "C" fn release_done(arg: *mut c_void) -> c_int {
 }
 
 impl NativeWriter {
-    fn ensure_same_process(&self) -> PyResult<()> {
-        if self.generation != fork_generation() {
-            return Err(PyRuntimeError::new_err(
-                "this aostore background writer was created in the parent process before fork(); \
-                 its thread does not exist here: create a new store and writer in the child",
-            ));
+    /// The writer's `RuntimeError` in a forked child, before any lock (a parent thread may have
+    /// held one at the fork).
+    pub(crate) fn ensure_same_process(&self) -> PyResult<()> {
+        match self.generation == fork_generation() {
+            true => Ok(()),
+            false => Err(forked_error()),
         }
-        Ok(())
     }
 
     /// Drops finished jobs and logs growths; needs the GIL, which every caller holds.
@@ -463,6 +476,9 @@ impl NativeWriter {
     /// Queues one data-plane call, owned whole, with the GIL released: the job holds no Python
     /// object, so a refused one may be dropped here. Waits while the queue is full.
     pub(crate) fn hand_over(&self, publication: Publication) -> Result<(), Refusal> {
+        if self.generation != fork_generation() {
+            return Err(Refusal::Forked);
+        }
         let text = publication.text.as_bytes();
         let key = |range: &std::ops::Range<usize>| RawBytes::of(&text[range.clone()]);
         let views = OwnedViews {
@@ -503,6 +519,9 @@ impl NativeWriter {
     /// `get_concatenated(keys)` with the GIL released: waits for queued jobs, refuses after a
     /// latched error, then reads the store.
     pub(crate) fn read_detached(&self, keys: &[&str], out: &mut Vec<u8>) -> Result<(), Refusal> {
+        if self.generation != fork_generation() {
+            return Err(Refusal::Forked);
+        }
         self.wait_idle_detached();
         {
             let state = self.shared.lock();
@@ -526,6 +545,7 @@ impl NativeWriter {
                 Ok(()) => PyRuntimeError::new_err("the aostore writer refused the call"),
             },
             Refusal::Store(error) => to_py_err(error),
+            Refusal::Forked => forked_error(),
         }
     }
 
@@ -552,6 +572,13 @@ impl NativeWriter {
         drop(state);
         self.shared.finished.notify_all();
     }
+}
+
+fn forked_error() -> PyErr {
+    PyRuntimeError::new_err(
+        "this aostore background writer was created in the parent process before fork(); \
+         its thread does not exist here: create a new store and writer in the child",
+    )
 }
 
 fn closed_error() -> PyErr {
@@ -697,6 +724,15 @@ impl NativeWriter {
         }
         self.shared.apply_delay_us.store((seconds * 1e6) as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// For tests: once the queue is applied, how many applied jobs that hold no Python object
+    /// (a data-plane call's own bytes) are still parked for the main thread to drop; the writer
+    /// thread drops those itself, so 0. Collects nothing (`wait` would drop them).
+    fn _parked_owned_jobs(&self, py: Python<'_>) -> PyResult<usize> {
+        self.ensure_same_process()?;
+        py.detach(|| self.wait_idle_detached());
+        Ok(self.shared.lock().done.iter().filter(|job| !job.owners.hold_python()).count())
     }
 
     /// Whether `close()` was called.

@@ -376,6 +376,48 @@ impl<M: Copy + Default> Core<M> {
         }
     }
 
+    /// Batch keys not stored yet: `Placement::new_keys`, known before any change.
+    pub(super) fn new_batch_keys(&self, s: &Scratch) -> usize {
+        s.batch.iter().filter(|&&(idx, _)| !self.keys.slab[idx].has_slot()).count()
+    }
+
+    /// The keys a put's victims would be chosen from once its reference changes apply
+    /// (`Placement::older` plus the kept released keys), counted before any change, so a put
+    /// that must grow can map its arena first (a failure then changes nothing). Those are the
+    /// stored keys that end unreferenced outside the batch, and the batch keys released to zero.
+    pub(super) fn eligible_after_references(&self, s: &Scratch) -> Result<usize, StoreError> {
+        let slab = &self.keys.slab;
+        let in_batch = |idx: u32| batch_position(slab, &s.batch, idx).is_some();
+        // Stored batch keys that are evictable now: the LRU holds them, the count excludes them.
+        let lru_in_batch = s.batch.iter().filter(|&&(idx, _)| slab[idx].is_evictable()).count();
+        let mut eligible = (slab.lru_len() - lru_in_batch) as isize;
+        // Net change and whether a release touched it, per key; retains apply before releases,
+        // so a released key reaches zero exactly when its final count is zero.
+        let mut tally: Vec<(u32, i64, bool)> = Vec::new();
+        tally.try_reserve_exact(s.retains.len() + s.releases.len()).map_err(|_| {
+            StoreError::OutOfMemory {
+                what: "put's reference tally",
+                bytes: (s.retains.len() + s.releases.len()) * std::mem::size_of::<(u32, i64, bool)>(),
+            }
+        })?;
+        tally.extend(s.retains.iter().map(|&idx| (idx, 1, false)));
+        tally.extend(s.releases.iter().map(|&idx| (idx, -1, true)));
+        tally.sort_unstable_by_key(|&(idx, ..)| idx);
+        for run in tally.chunk_by(|a, b| a.0 == b.0) {
+            let idx = run[0].0;
+            let net: i64 = run.iter().map(|&(_, d, _)| d).sum();
+            let released = run.iter().any(|&(.., r)| r);
+            let entry = &slab[idx];
+            let ends_unreferenced = i64::from(entry.refs) + net == 0;
+            if in_batch(idx) {
+                eligible += isize::from(released && ends_unreferenced);
+            } else if entry.has_slot() {
+                eligible += isize::from(ends_unreferenced) - isize::from(entry.refs == 0);
+            }
+        }
+        Ok(eligible.max(0) as usize)
+    }
+
     /// Applies retains, then releases; keys whose count reached zero go to `s.released`.
     pub(super) fn apply_references<const UNDO: bool>(&mut self, s: &mut Scratch) {
         for &idx in &s.retains {

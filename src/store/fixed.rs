@@ -46,6 +46,8 @@ pub struct FixedSlots {
     free_slots: Vec<u32>,
     /// Slots below this were handed out; above it the arena is untouched.
     next_slot: u32,
+    /// The size `reserve_room` mapped for the put under way, taken by `make_room`.
+    reserved: Option<usize>,
 }
 
 /// Every victim frees one slot.
@@ -119,6 +121,7 @@ impl BlockStore {
             profile: options.profile,
             free_slots: Vec::new(),
             next_slot: 0,
+            reserved: None,
         };
         Ok(Store::from_parts(Core::new(keys), slots))
     }
@@ -305,6 +308,32 @@ impl Allocator for FixedSlots {
         Ok(())
     }
 
+    fn reserve_room(&mut self, core: &Core<()>, s: &Scratch) -> Result<(), StoreError> {
+        self.reserved = None;
+        if self.profile != Profile::Grow {
+            return Ok(());
+        }
+        let new_keys = core.new_batch_keys(s);
+        let need = (core.stored + new_keys).saturating_sub(self.num_slots);
+        if need == 0 {
+            return Ok(());
+        }
+        // Each retain and each batch key takes at most one key out of the eligible ones: the
+        // common evicting put is decided without counting.
+        let floor = core.keys.slab.lru_len().saturating_sub(s.retains.len() + s.batch.len());
+        if floor >= need {
+            return Ok(());
+        }
+        let eligible = core.eligible_after_references(s)?;
+        if eligible >= need {
+            return Ok(());
+        }
+        let num_slots = grown_size(core.stored + new_keys - eligible, self.num_slots);
+        self.map_slots(num_slots)?;
+        self.reserved = Some(num_slots);
+        Ok(())
+    }
+
     #[inline]
     fn need(&self, core: &Core<()>, placed: &Placement) -> usize {
         (core.stored + placed.new_keys).saturating_sub(self.num_slots)
@@ -327,9 +356,12 @@ impl Allocator for FixedSlots {
         if self.profile != Profile::Grow {
             return Err(self.refusal());
         }
-        // As vLLM 0.33: every eligible key goes, and the arena holds the rest, at least doubled.
-        let num_slots = (core.stored + placed.new_keys - eligible).max(self.num_slots * 2);
-        self.grow_arena(num_slots)?;
+        let num_slots = grown_size(core.stored + placed.new_keys - eligible, self.num_slots);
+        // `reserve_room` mapped it before the put's reference changes; mapping here is a bug.
+        let reserved = self.reserved.take();
+        debug_assert_eq!(reserved, Some(num_slots), "reserve_room predicts every growth");
+        self.map_slots(num_slots)?;
+        self.num_slots = num_slots;
         core.counters.growths += 1;
         Ok(PutReport { grown_to: Some(num_slots) })
     }
@@ -391,6 +423,7 @@ impl Allocator for FixedSlots {
 
     /// Writes the new keys into free slots and, profile `grow`, replaced keys' bytes in place.
     fn write_batch(&mut self, core: &mut Core<()>, s: &Scratch, objects: &[BlockRef<'_>]) {
+        debug_assert_eq!(self.reserved.take(), None, "a growth reserve_room predicted happened");
         let arena = self.arena.as_mut().expect("checked open");
         for &(idx, position) in &s.batch {
             let entry = &mut core.keys.slab[idx];
@@ -424,16 +457,25 @@ impl Allocator for FixedSlots {
     }
 }
 
+/// As vLLM 0.33: every eligible key goes, and the arena holds the rest, at least doubled.
+fn grown_size(kept: usize, num_slots: usize) -> usize {
+    kept.max(num_slots * 2)
+}
+
 impl FixedSlots {
-    fn grow_arena(&mut self, num_slots: usize) -> Result<(), StoreError> {
+    /// Maps at least `num_slots` slots, keeping every byte at its slot; `num_slots`, the
+    /// capacity the store reports and fills, is the caller's to raise once the put is sure.
+    fn map_slots(&mut self, num_slots: usize) -> Result<(), StoreError> {
         if num_slots > MAX_SLOTS {
             return Err(StoreError::CapacityTooLarge {
                 num_slots: num_slots as u64,
                 object_nbytes: self.object_nbytes as u64,
             });
         }
-        self.arena.as_mut().expect("checked open").grow(num_slots)?;
-        self.num_slots = num_slots;
+        let arena = self.arena.as_mut().expect("checked open");
+        if arena.num_slots() < num_slots {
+            arena.grow(num_slots)?;
+        }
         Ok(())
     }
 }

@@ -85,6 +85,11 @@ mod sealed {
             s: &mut Scratch,
             objects: &[BlockRef<'_>],
         ) -> Result<(), StoreError>;
+        /// Before any reference change: maps the room the put will grow to, so that a failure
+        /// to map changes nothing and tells no policy of changes that never happened.
+        fn reserve_room(&mut self, _core: &Core<Self::Meta>, _s: &Scratch) -> Result<(), StoreError> {
+            Ok(())
+        }
         /// What the put lacks once its keys are placed, in charge units.
         fn need(&self, core: &Core<Self::Meta>, placed: &Placement) -> usize;
         /// What a victim frees.
@@ -191,6 +196,10 @@ impl<A: Allocator> Store<A> {
         if let Err(error) = alloc.charge_batch(core, s, objects) {
             core.keys.forget_orphans(&s.created);
             core.counters.capacity_errors += 1;
+            return Err(error);
+        }
+        if let Err(error) = alloc.reserve_room(core, s) {
+            core.keys.forget_orphans(&s.created);
             return Err(error);
         }
         let referenced_before = core.referenced;

@@ -219,15 +219,17 @@ def _configs(params: Params) -> tuple[Any, Any]:
     return config, kv_cache_config
 
 
-def build_connector(params: Params) -> tuple[Any, standins.StandInCapturer]:
-    """vLLM's connector built by its own ``__init__`` with the classes vLLM's modules name now."""
+def build_connector(
+    params: Params, connector_class: type | None = None
+) -> tuple[Any, standins.StandInCapturer]:
+    """vLLM's connector built by its own ``__init__`` with the classes vLLM's modules name now
+    (``connector_class``: a class derived from the worker module's connector instead)."""
     import torch
 
     config, kv_cache_config = _configs(params)
     standins.set_next_profile(params.shape_per_token, params.dtype_name)
-    connector = worker_module().AuxOutputWorkerConnector(
-        vllm_config=config, model=torch.nn.Module(), kv_cache_config=kv_cache_config
-    )
+    cls = connector_class or worker_module().AuxOutputWorkerConnector
+    connector = cls(vllm_config=config, model=torch.nn.Module(), kv_cache_config=kv_cache_config)
     capturer = standins.built.pop()
     standins.built.clear()
     return connector, capturer

@@ -5,8 +5,8 @@ the inputs); after it, the harness compares with the first contender (the refere
 
 - the exception: both raise or neither does; the other's is an instance of the reference's
   class, or of the class aostore's plugin put in its place (messages are not compared);
-- after ``process_output``: the outputs' request ids (in order), each ``token_start`` and its
-  rows (dtype, shape and bytes);
+- after ``process_output``: the outputs' request ids (in order), each ``token_start`` (value and
+  type) and its rows (type, dtype, shape, bytes, and the ``writeable`` and ``c_contiguous`` flags);
 - the store's contents (:class:`~.contenders.StoreView`: keys and bytes, reference counts,
   evictable keys in LRU order, ``num_slots``, whether the writer latched an error), read once
   the writer has applied every queued put;
@@ -142,9 +142,19 @@ def _output_diff(reference: Any, other: Any) -> str:
         theirs = other[rid]
         if int(theirs.token_start) != int(mine.token_start):
             return f"{rid}: token_start {theirs.token_start} instead of {mine.token_start}"
+        if type(theirs.token_start) is not type(mine.token_start):
+            kinds = type(theirs.token_start).__name__, type(mine.token_start).__name__
+            return f"{rid}: token_start is a {kinds[0]}, not a {kinds[1]}"
+        if type(theirs.rows) is not type(mine.rows):
+            return f"{rid}: rows are a {type(theirs.rows).__name__}, not {type(mine.rows).__name__}"
         a, b = np.asarray(mine.rows), np.asarray(theirs.rows)
         if a.dtype != b.dtype or a.shape != b.shape:
             return f"{rid}: rows {b.dtype}{b.shape} instead of {a.dtype}{a.shape}"
+        # The flags a consumer can observe (not OWNDATA or .base, which name the memory's owner).
+        for flag in ("writeable", "c_contiguous"):
+            theirs_flag, mine_flag = getattr(b.flags, flag), getattr(a.flags, flag)
+            if theirs_flag != mine_flag:
+                return f"{rid}: rows.flags.{flag} is {theirs_flag}, not {mine_flag}"
         if a.tobytes() != b.tobytes():
             return f"{rid}: rows differ"
     return ""

@@ -681,3 +681,39 @@ def test_a_store_that_cannot_get_memory_raises_and_changes_nothing() -> None:
     assert writer_line in {"writer applied", "writer refused", "writer latched MemoryError"}, (
         writer_line
     )
+
+
+def test_a_snapshot_that_does_not_fit_in_memory_raises_memory_error() -> None:
+    # snapshot() copies every payload: under an address-space limit that a put survives, it
+    # aborted the interpreter ("memory allocation of N bytes failed", SIGABRT).
+    script = """
+import os, resource
+import numpy as np
+from aostore import BlockObject, BlockObjectStore
+
+def address_space():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+NBYTES = 16 << 20
+store = BlockObjectStore(max_bytes=4 * NBYTES, object_nbytes=NBYTES)
+payloads = [np.full(NBYTES, i, dtype=np.uint8) for i in range(4)]
+store.put([BlockObject(f"k{i}", payloads[i]) for i in range(4)], retain_keys=["k0"])
+before = store.stats()
+resource.setrlimit(resource.RLIMIT_AS, (address_space() + (24 << 20), resource.RLIM_INFINITY))
+store.put([], release_keys=["k0"])  # a put fits
+try:
+    store.snapshot()
+    print("copied")
+except MemoryError as error:
+    print("refused", "snapshot" in str(error))
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+store.check()
+snapshot = store.snapshot()
+print("intact", all(snapshot["objects"][f"k{i}"] == payloads[i].tobytes() for i in range(4)))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-3000:]}"
+    assert result.stdout.split() == ["refused", "True", "intact", "True"]

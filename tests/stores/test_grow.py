@@ -355,3 +355,57 @@ def test_a_refused_grow_put_keeps_a_replaced_object_with_its_old_bytes():
         timeout=120,
     )
     assert out.split() == ["refused", "kept"]
+
+
+def test_a_grow_put_that_cannot_map_its_arena_changes_nothing_and_calls_no_hook():
+    # The put retains its new keys and must double the full arena; under the address-space
+    # limit the larger arena cannot be mapped. MemoryError, and the store (references, LRU,
+    # counters) and the policy are as before: no retain kept, no hook called.
+    out = run_script(
+        """
+        import resource
+
+        class Recorder:
+            def __init__(self):
+                self.calls = []
+            def on_reference_change(self, key, old, new):
+                self.calls.append(("ref", key, old, new))
+            def select_victims(self, candidates, count):
+                self.calls.append(("select", count))
+                return [next(candidates) for _ in range(count)]
+            def on_remove(self, keys, reason):
+                self.calls.append(("remove", sorted(keys), reason))
+
+        def vm():
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+        NBYTES = 16 << 20
+        policy = Recorder()
+        store = BlockObjectStore(
+            max_bytes=4 * NBYTES, object_nbytes=NBYTES, profile="grow", policy=policy
+        )
+        payload = np.full(NBYTES, 1, dtype=np.uint8)
+        store.put([BlockObject(f"k{i}", payload) for i in range(4)], retain_keys=["k0", "k1"])
+        store.put([], release_keys=["k1"], retain_keys=["k2"])
+        policy.calls.clear()
+        before = (store.snapshot(), store.stats(), store.num_slots)
+        limit = vm() + (48 << 20)
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        batch = [BlockObject(f"n{i}", payload) for i in range(4)]
+        try:
+            store.put(batch, retain_keys=[b.key for b in batch] + ["k3"], release_keys=["k0"])
+        except MemoryError as error:
+            print("refused", "could not map" in str(error))
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        store.check()
+        print("unchanged", (store.snapshot(), store.stats(), store.num_slots) == before)
+        print("hooks", len(policy.calls))
+        # The same put fits once the limit is lifted, and grows as vLLM's does.
+        store.put(batch, retain_keys=[b.key for b in batch] + ["k3"], release_keys=["k0"])
+        print("grown", store.num_slots, store.stats()["referenced"])
+        """,
+        timeout=120,
+    )
+    assert out.split() == ["refused", "True", "unchanged", "True", "hooks", "0", "grown", "8", "6"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -35,6 +36,29 @@ SCHEDULER = "AuxOutputSchedulerConnector"
 NAMES = (CONNECTOR, BUFFER, SCHEDULER)
 KV_EVENTS = {"vLLM 0.33.0": True, "vLLM 0.32.0": False}
 """Whether a release's scheduler connector tracks the KV cache (retains and releases)."""
+CONNECTOR_METHODS = (
+    "begin_step",
+    "prepare_output",
+    "process_output",
+    "_commit_output",
+    "_publish_blocks",
+    "_teardown",
+    "close",
+)
+"""The connector's methods the data plane stands in for: an override of any of them (a subclass,
+an instance attribute, a patch of vLLM's class) keeps the plane off, so that code runs."""
+WORKER_OBJECTS = (
+    "publish_routed_experts",
+    "materialize_routed_experts",
+    "routed_experts_keys",
+    "PendingAuxOutput",
+    "AuxRequestOutput",
+)
+"""The worker module's names vLLM's connector calls: a wrap of any of them keeps the plane off."""
+SCHEDULER_OWN = {True: ("_take_new_hashes", "_pack_hashes"), False: ("_pack_new_hashes",)}
+"""The scheduler connector's helpers that the native ``build_connector_meta`` stands in for, by
+layout (0.33.0's, with KV events; 0.32.0's): while any is not vLLM's own (a subclass's, an
+instance's, a patch), vLLM's method runs."""
 MARK = "__aostore_data_plane__"
 """The worker module's attribute: vLLM's classes the data plane replaced, by name."""
 ENV_REPORT = "AOSTORE_VLLM_DATA_PLANE_REPORT"
@@ -125,6 +149,11 @@ def install(store_classes: dict[str, Any], release: str, swap: Any, undo: list[A
     _installed.update(store_classes)
     _installed[BUFFER] = buffer
     _installed[CONNECTOR] = connector
+    # What the connector's decision compares against: vLLM's code as it stood at install.
+    _installed["methods"] = {
+        name: inspect.getattr_static(connector, name) for name in CONNECTOR_METHODS
+    }
+    _installed["worker objects"] = {name: vars(worker).get(name) for name in WORKER_OBJECTS}
     setattr(worker, MARK, originals)
     return patched
 
@@ -146,6 +175,9 @@ def _why_not(connector: Any) -> str | None:
     store, buffer = connector.__dict__.get("_store"), connector.__dict__.get("_buffer")
     if store is None or buffer is None:
         return "not the output rank (no store)"
+    why = _hooked(connector, worker)
+    if why is not None:
+        return why
     if type(buffer) is not _installed[BUFFER]:
         return f"the buffer is a {type(buffer).__name__}"
     if type(store) is not _installed["BackgroundBlockObjectStore"]:
@@ -154,6 +186,24 @@ def _why_not(connector: Any) -> str | None:
         return "the store's writer is not aostore's Rust writer"
     if type(store.store) is not _installed["BlockObjectStore"]:
         return f"the writer's store is a {type(store.store).__name__}"
+    return None
+
+
+def _hooked(connector: Any, worker: Any) -> str | None:
+    """Why code that hooks vLLM's connector would be skipped by the plane, or ``None``: the
+    plane's state lives in Rust and cannot hand back to vLLM's Python mid-run, so this is
+    decided once, here; a patch made later is not seen (docs/data-plane.md)."""
+    installed = _installed[CONNECTOR]
+    if type(connector) is not installed:
+        return f"the connector is a {type(connector).__qualname__}, a subclass: its methods run"
+    for name, method in _installed["methods"].items():
+        if name in vars(connector):
+            return f"the connector's {name} is replaced on the instance"
+        if inspect.getattr_static(installed, name) is not method:
+            return f"{CONNECTOR}.{name} was patched after aostore installed its connector"
+    for name, value in _installed["worker objects"].items():
+        if vars(worker).get(name) is not value:
+            return f"the worker module's {name} was replaced after aostore installed its connector"
     return None
 
 
@@ -291,7 +341,8 @@ class DataPlaneConnector:
 def scheduler_subclass(vllm_scheduler: type, module: Any, *, kv_events: bool) -> type:
     """aostore's scheduler-side connector over vLLM's ``AuxOutputSchedulerConnector``:
     ``build_connector_meta`` in Rust over vLLM's own state (its other methods are vLLM's);
-    ``module``: vLLM's connector module, ``kv_events``: 0.33.0's layout."""
+    ``module``: vLLM's connector module, ``kv_events``: 0.33.0's layout. The helpers the native
+    method stands in for (:data:`SCHEDULER_OWN`) are recorded now and compared on every call."""
     return type(
         SCHEDULER,
         (DataPlaneSchedulerConnector, vllm_scheduler),
@@ -301,6 +352,9 @@ def scheduler_subclass(vllm_scheduler: type, module: Any, *, kv_events: bool) ->
             "__doc__": DataPlaneSchedulerConnector.__doc__,
             "_aostore_module": module,
             "_aostore_kv_events": kv_events,
+            "_aostore_own": tuple(
+                (name, getattr(vllm_scheduler, name)) for name in SCHEDULER_OWN[kv_events]
+            ),
         },
     )
 
@@ -317,7 +371,10 @@ class DataPlaneSchedulerConnector:
 
     _aostore_module: Any
     _aostore_kv_events: bool
+    _aostore_own: tuple[tuple[str, Any], ...]
     _aostore_steps = 0
+    _aostore_fallbacks = 0
+    _aostore_why_not: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -325,6 +382,14 @@ class DataPlaneSchedulerConnector:
             atexit.register(_report_scheduler, self)
 
     def build_connector_meta(self, scheduler_output: Any, requests: Any) -> Any:
+        # vLLM's state lives in its own dicts, so this is decided per call: while a helper is
+        # not vLLM's own (a subclass's, an instance's, a later patch), vLLM's method calls it.
+        cls, attributes = type(self), getattr(self, "__dict__", {})
+        for name, function in self._aostore_own:
+            if name in attributes or getattr(cls, name) is not function:
+                self._aostore_fallbacks += 1
+                self._aostore_why_not = f"{SCHEDULER}.{name} is not vLLM's own"
+                return super().build_connector_meta(scheduler_output, requests)  # type: ignore[misc]
         self._aostore_steps += 1
         return _native.build_connector_meta(
             self, scheduler_output, requests, self._aostore_module, self._aostore_kv_events
@@ -336,7 +401,14 @@ def _report_scheduler(connector: Any) -> None:
     path = os.environ.get(ENV_REPORT)
     if not path:
         return
-    line = {"side": "scheduler", "pid": os.getpid(), "on": True, "steps": connector._aostore_steps}
+    line = {
+        "side": "scheduler",
+        "pid": os.getpid(),
+        "on": connector._aostore_fallbacks == 0,
+        "why_not": connector._aostore_why_not,
+        "steps": connector._aostore_steps,
+        "fallbacks": connector._aostore_fallbacks,
+    }
     try:
         with open(path, "a") as file:
             file.write(json.dumps(line) + "\n")
