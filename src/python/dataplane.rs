@@ -10,9 +10,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::ffi;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 
 use super::writer::{NativeWriter, Refusal};
@@ -499,15 +499,19 @@ impl NativeDataPlane {
             let kind = token_starts.get_item(0)?.add(1)?.get_type();
             // The lock is held only to copy or store (no Python runs under it: a thread that
             // waits for it holds the GIL).
-            let known = self.cursor.lock().unwrap_or_else(PoisonError::into_inner).as_ref().map(
-                |known| CursorType { kind: known.kind.clone_ref(py), width: known.width },
-            );
+            let known = self
+                .cursor
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+                .map(|known| CursorType { kind: known.kind.clone_ref(py), width: known.width });
             cursor = match known {
                 Some(known) if known.kind.bind(py).is(&kind) => Some(known),
                 _ => {
                     let found = CursorType::of(py, self.numpy.bind(py), kind)?;
                     let copy = CursorType { kind: found.kind.clone_ref(py), width: found.width };
-                    let old = self.cursor.lock().unwrap_or_else(PoisonError::into_inner).replace(found);
+                    let old =
+                        self.cursor.lock().unwrap_or_else(PoisonError::into_inner).replace(found);
                     drop(old);
                     Some(copy)
                 }

@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::exceptions::PyAssertionError;
+use pyo3::ffi;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::ffi;
 use pyo3::types::{PyDict, PyList};
 use pyo3::PyTraverseError;
 

@@ -397,7 +397,8 @@ impl<M: Copy + Default> Core<M> {
         tally.try_reserve_exact(s.retains.len() + s.releases.len()).map_err(|_| {
             StoreError::OutOfMemory {
                 what: "put's reference tally",
-                bytes: (s.retains.len() + s.releases.len()) * std::mem::size_of::<(u32, i64, bool)>(),
+                bytes: (s.retains.len() + s.releases.len())
+                    * std::mem::size_of::<(u32, i64, bool)>(),
             }
         })?;
         tally.extend(s.retains.iter().map(|&idx| (idx, 1, false)));

@@ -87,7 +87,11 @@ mod sealed {
         ) -> Result<(), StoreError>;
         /// Before any reference change: maps the room the put will grow to, so that a failure
         /// to map changes nothing and tells no policy of changes that never happened.
-        fn reserve_room(&mut self, _core: &Core<Self::Meta>, _s: &Scratch) -> Result<(), StoreError> {
+        fn reserve_room(
+            &mut self,
+            _core: &Core<Self::Meta>,
+            _s: &Scratch,
+        ) -> Result<(), StoreError> {
             Ok(())
         }
         /// What the put lacks once its keys are placed, in charge units.

@@ -57,8 +57,10 @@ def main(argv: list[str]) -> int:
                     failed.append(label)
                 continue
             command = [
-                str(python), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-                f"--confcutdir={HERE}", str(HERE.relative_to(ROOT)), *args,
+                str(python), "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                f"--confcutdir={HERE}",
+                f"--junitxml={ROOT / 'target' / 'test-connector' / f'{HERE.name}-{venv.name}.xml'}",
+                str(HERE.relative_to(ROOT)), *args,
             ]  # fmt: skip
             print(f"connector differential: {label} ({venv.name})", flush=True)
             started = time.perf_counter()

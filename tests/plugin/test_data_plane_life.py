@@ -33,7 +33,7 @@ def in_child(body: Callable[[], list[str]]) -> list[str]:
         os.close(read)
         try:
             lines = body()
-        except BaseException as error:  # noqa: BLE001 - reported to the parent
+        except BaseException as error:  # reported to the parent
             lines = [f"raised {type(error).__name__}: {error}"]
         os.write(write, "\n".join(lines).encode())
         os._exit(0)
@@ -55,7 +55,7 @@ def outcome(call: Callable[[], object]) -> str:
         call()
     except RuntimeError as error:
         return "fork" if "fork" in str(error) else f"RuntimeError: {error}"
-    except BaseException as error:  # noqa: BLE001 - compared by the test
+    except BaseException as error:  # compared by the test
         return f"{type(error).__name__}: {error}"
     return "returned"
 

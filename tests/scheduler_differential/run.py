@@ -59,7 +59,8 @@ def _run_all(args: list[str], env: dict[str, str], allow_missing: bool) -> int:
                 failed.append(label)
             continue
         command = [
-            str(python), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--noconftest",
+            str(python), "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--noconftest",
+            f"--junitxml={ROOT / 'target' / 'test-connector' / f'{HERE.name}-{venv.name}.xml'}",
             str(HERE.relative_to(ROOT)), *args,
         ]  # fmt: skip
         print(f"scheduler differential: {label} ({venv.name})", flush=True)
