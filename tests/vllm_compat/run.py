@@ -201,7 +201,12 @@ def run_vllm_tests(source: Path, plugin: bool) -> str:
 def run_plugin_tests() -> str:
     """aostore's own plugin tests and the dry run's (``aostore vllm-check``), whose real-vLLM
     cases skip unless vLLM is installed."""
-    files = ["plugin/test_plugin.py", "plugin/test_vllm_check.py", "plugin/test_data_plane.py"]
+    files = [
+        "plugin/test_plugin.py",
+        "plugin/test_vllm_check.py",
+        "plugin/test_data_plane.py",
+        "plugin/test_data_plane_life.py",
+    ]
     label = f"aostore's tests/{' and '.join(files)} with vLLM {VLLM_VERSION} installed"
     env = clean_env()
     env["PYTHONPATH"] = str(ROOT / "tests" / "support")  # vllm_trees.py, without the conftest
