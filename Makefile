@@ -138,4 +138,4 @@ bench-engine: engine-install
 	$(ENGINE_PY) benches/engine.py --quick --out target/bench-engine
 
 clean:
-	rm -rf target $(WHEEL_DIR) $(VENV) .venv-vllm $(ENGINE_VENV)
+	rm -rf target $(WHEEL_DIR) $(VENV) .venv-vllm .venv-vllm34 $(ENGINE_VENV)

@@ -235,7 +235,7 @@ def run(
         from aostore.vllm.dataplane import scheduler_subclass
         from vllm.distributed.aux_output_connector import connector as module
 
-        cls = scheduler_subclass(AuxOutputSchedulerConnector, module, kv_events=True)
+        cls = scheduler_subclass(AuxOutputSchedulerConnector, module, layout="0.33")
     connector = cls(manager)
     rows = np.zeros((max(r.prompt_len for r in requests), worker.LAYERS, worker.TOP_K), np.uint8)
     one_row = rows[:1]

@@ -14,6 +14,8 @@ use std::ops::Range;
 
 use foldhash::HashMap;
 
+use crate::layout::Layout;
+
 /// What the connector was built with (vLLM's `RoutedExpertsBuffer` arguments, in bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlaneConfig {
@@ -24,6 +26,8 @@ pub struct PlaneConfig {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub max_concurrent_batches: usize,
+    /// The vLLM release's shape of the connector (`Layout`).
+    pub layout: Layout,
 }
 
 impl PlaneConfig {
@@ -576,10 +580,10 @@ impl DataPlane {
                 let have = (stored.len() / row).saturating_sub(local).min(wanted);
                 processed.owned.extend_from_slice(&stored[local * row..(local + have) * row]);
                 if stored_end < token_end {
-                    self.read_tail(index, stored_end, token_end, &mut processed.owned)?;
+                    self.read(index, stored_end, token_end, &mut processed.owned)?;
                 }
             } else {
-                self.read_tail(index, emit_start, token_end, &mut processed.owned)?;
+                self.read(index, emit_start, token_end, &mut processed.owned)?;
             }
             let last = processed.owned.len() / row;
             let state = self.state_mut(index);
@@ -660,7 +664,23 @@ impl DataPlane {
         Ok(completed)
     }
 
-    /// `RoutedExpertsBuffer.read`: rows `[from, to)` of the request's tail, appended to `out`.
+    /// `RoutedExpertsBuffer.read(request_id, from, to, ...)`, appended to `out`, as the
+    /// layout's vLLM reads.
+    fn read<E>(
+        &self,
+        index: u32,
+        from: i64,
+        to: i64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), PlaneError<E>> {
+        if self.config.layout.reads_pending_blocks() {
+            self.read_staged(index, from, to, out)
+        } else {
+            self.read_tail(index, from, to, out)
+        }
+    }
+
+    /// 0.32.0 and 0.33.0: rows `[from, to)` of the request's tail.
     fn read_tail<E>(
         &self,
         index: u32,
@@ -680,6 +700,49 @@ impl DataPlane {
         out.extend_from_slice(
             &self.staging[at + local_start as usize * row..at + local_end as usize * row],
         );
+        Ok(())
+    }
+
+    /// 0.34.0: the request's unkeyed full blocks, then its tail, taken as one run of rows from
+    /// the first block's start (vLLM concatenates them and assumes they are contiguous), and
+    /// rows `[from, to)` of it, sliced as Python slices it. No staged row: vLLM's
+    /// `np.concatenate([])`, a `ValueError`.
+    fn read_staged<E>(
+        &self,
+        index: u32,
+        from: i64,
+        to: i64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), PlaneError<E>> {
+        let state = self.state(index);
+        let (block, n, row) =
+            (self.config.block_size, self.config.block_nbytes(), self.config.row_nbytes);
+        let parts: Vec<(i64, Slot, usize)> = state
+            .pending_blocks
+            .iter()
+            .map(|&(start, slot)| (start, slot, block))
+            .chain(state.tail.map(|tail| (tail.block_start, tail.slot, tail.length)))
+            .collect();
+        let first = parts.first().map_or(from, |part| part.0);
+        let available: usize = parts.iter().map(|part| part.2).sum();
+        if !(first <= from && to <= first + available as i64) {
+            return assertion("auxiliary output range is unavailable");
+        }
+        if parts.is_empty() {
+            return Err(PlaneError::Value("need at least one array to concatenate".to_owned()));
+        }
+        let wanted = python_slice(available, from - first, to - first);
+        let mut at = 0;
+        for (_, slot, length) in parts {
+            let (lo, hi) = (wanted.start.max(at), wanted.end.min(at + length));
+            if lo < hi {
+                let base = slot as usize * n;
+                out.extend_from_slice(
+                    &self.staging[base + (lo - at) * row..base + (hi - at) * row],
+                );
+            }
+            at += length;
+        }
         Ok(())
     }
 
@@ -836,6 +899,7 @@ mod tests {
             max_num_seqs: 256,
             max_num_batched_tokens: 16384,
             max_concurrent_batches: 2,
+            layout: crate::Layout::V0_33,
         };
         assert_eq!(config.max_blocks(), 2 * (1024 + 256) + 256);
     }

@@ -8,6 +8,7 @@ mod digest;
 mod error;
 mod index;
 mod keys;
+pub mod layout;
 mod ledger;
 mod references;
 mod sched;
@@ -21,6 +22,7 @@ mod python;
 
 pub use arena::Prefault;
 pub use error::StoreError;
+pub use layout::Layout;
 pub use store::{
     BlockRef, BlockStore, ChunkChains, Counters, FixedSlots, Profile, PutReport, ReadPlan,
     RemoveReason, Stats, Store, StoreOptions, VariableStats, VariableStore, VictimPolicy,

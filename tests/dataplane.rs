@@ -7,18 +7,23 @@ use aostore::dataplane::{
     key_for, DataPlane, EmittedRows, PlaneConfig, PlaneError, Processed, Publication, Sink,
     StepInput, StepMetadata,
 };
-use aostore::{BlockRef, BlockStore, StoreError};
+use aostore::{BlockRef, BlockStore, Layout, StoreError};
 
 const BLOCK: usize = 4;
 const ROW: usize = 3;
 
 fn config(max_num_seqs: usize, batched: usize) -> PlaneConfig {
+    config_for(Layout::V0_33, max_num_seqs, batched)
+}
+
+fn config_for(layout: Layout, max_num_seqs: usize, batched: usize) -> PlaneConfig {
     PlaneConfig {
         block_size: BLOCK,
         row_nbytes: ROW,
         max_num_seqs,
         max_num_batched_tokens: batched,
         max_concurrent_batches: 1,
+        layout,
     }
 }
 
@@ -290,4 +295,29 @@ fn a_generation_change_releases_every_key_in_request_order() {
     let expected = [key_for(0, &hash(1, 1)), key_for(0, &hash(1, 0)), key_for(0, &hash(2, 0))];
     assert_eq!(released, expected.iter().map(|k| &**k).collect::<Vec<_>>());
     assert_eq!((plane.num_requests(), plane.generation()), (0, 1));
+}
+
+/// Request 2 shares request 1's first block, and its own two full blocks have no hash yet when
+/// the step reads its rows back: 0.33.0 reads the tail alone and asserts; 0.34.0 reads the
+/// unkeyed full blocks, then the tail.
+fn a_prefix_hit_ahead_of_its_hashes(layout: Layout) -> Result<Vec<u8>, PlaneError<StoreError>> {
+    let mut plane = DataPlane::new(config_for(layout, 2, 16)).expect("plane");
+    let mut sink = StoreSink::new(false);
+    let hashes = vec![(1, vec![hash(1, 0)])];
+    begin(&mut plane, &mut sink, &[(1, 0)], &hashes, &[]).expect("begin");
+    step(&mut plane, &mut sink, &[(1, 0, BLOCK + 1)]).expect("prefill");
+    let shared = vec![(2, vec![hash(1, 0)])];
+    begin(&mut plane, &mut sink, &[(2, 0)], &shared, &[]).expect("begin");
+    let out = step(&mut plane, &mut sink, &[(2, BLOCK as i64, 2 * BLOCK + 1)])?;
+    let EmittedRows::Owned(range) = &out.emitted[0].rows else { panic!("not read back") };
+    Ok(out.owned[range.start * ROW..range.end * ROW].to_vec())
+}
+
+#[test]
+fn a_read_over_unkeyed_full_blocks_asserts_before_0_34_and_reads_them_on_it() {
+    let error = a_prefix_hit_ahead_of_its_hashes(Layout::V0_33).expect_err("0.33.0 asserts");
+    assert_eq!(error, PlaneError::Assertion("auxiliary output range is unavailable".into()));
+    let rows = a_prefix_hit_ahead_of_its_hashes(Layout::V0_34).expect("0.34.0 reads");
+    let mine: Vec<u8> = (BLOCK..3 * BLOCK + 1).flat_map(|t| row(2, t)).collect();
+    assert_eq!(rows, [expected_block(1, 0), mine].concat());
 }

@@ -5,7 +5,8 @@ aostore, of vLLM's own ``BlockObjectStore`` (when ``vllm`` is importable, else i
 why not; ``--no-vllm`` skips it) and of the pure-Python replica of it, all from the same run,
 judged against the targets (``aostore.bench.report``); ``churn`` exercises a full store in
 steady state instead, in ns per object, and ``vllm-check`` is a dry run of the vLLM plugin
-(exit status 0 when aostore would be used, 1 when not).
+(exit status 0 when aostore would be used, 1 when not); ``vllm-fingerprint`` prints the
+installed vLLM's files beside each release record (docs/adding-a-vllm-release.md).
 """
 
 from __future__ import annotations
@@ -234,7 +235,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_parser.add_argument(
         "--json", dest="as_json", action="store_true", help="print the report as JSON"
     )
+    fingerprint_parser = sub.add_parser(
+        "vllm-fingerprint",
+        help="the installed vLLM's files beside each release record (exit 0: one record's)",
+    )
+    fingerprint_parser.add_argument(
+        "--root", metavar="DIR", help="a vLLM package directory instead of the installed one"
+    )
     args = parser.parse_args(argv)
+    if args.command == "vllm-fingerprint":
+        from pathlib import Path
+
+        from aostore.vllm.compat import releases
+
+        root = Path(args.root) if args.root else releases.vllm_root()
+        lines, status = releases.describe(root)
+        print("\n".join(lines))
+        return status
     if args.command == "vllm-check":
         from aostore.vllm import report
 

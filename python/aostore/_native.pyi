@@ -188,8 +188,24 @@ class NativeWriter:
     def store(self) -> NativeStore | NativeVariableStore: ...
 
 def build_connector_meta(
-    this: Any, scheduler_output: Any, requests: Any, module: Any, kv_events: bool
+    this: Any, scheduler_output: Any, requests: Any, module: Any, layout: str
 ) -> Any: ...
+
+@final
+class Layout:
+    """One shape of vLLM's aux-output connectors (``aostore.vllm.compat.releases``)."""
+
+    def __new__(cls, name: str) -> Layout: ...
+    @staticmethod
+    def names() -> list[str]: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def kv_events(self) -> bool: ...
+    @property
+    def reads_pending_blocks(self) -> bool: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
 
 @final
 class NativeDataPlane:
@@ -199,6 +215,7 @@ class NativeDataPlane:
         cls,
         writer: NativeWriter,
         *,
+        layout: str,
         block_size: int,
         shape_per_token: Sequence[int],
         dtype: Any,

@@ -329,11 +329,12 @@ fn metadata<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult
 #[pymethods]
 impl NativeDataPlane {
     #[new]
-    #[pyo3(signature = (writer, *, block_size, shape_per_token, dtype, max_num_seqs, max_num_batched_tokens, max_concurrent_batches, output_class))]
+    #[pyo3(signature = (writer, *, layout, block_size, shape_per_token, dtype, max_num_seqs, max_num_batched_tokens, max_concurrent_batches, output_class))]
     #[expect(clippy::too_many_arguments, reason = "the connector's own configuration, by name")]
     fn new(
         py: Python<'_>,
         writer: &Bound<'_, PyAny>,
+        layout: &str,
         block_size: usize,
         shape_per_token: Vec<usize>,
         dtype: &Bound<'_, PyAny>,
@@ -350,6 +351,7 @@ impl NativeDataPlane {
                 "NativeDataPlane needs a writer in front of a fixed-size aostore store",
             ));
         }
+        let layout = super::layout::layout(layout)?;
         let numpy = py.import(intern!(py, "numpy"))?;
         let dtype = numpy.call_method1(intern!(py, "dtype"), (dtype,))?;
         let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
@@ -360,6 +362,7 @@ impl NativeDataPlane {
             max_num_seqs,
             max_num_batched_tokens,
             max_concurrent_batches,
+            layout,
         };
         let plane = DataPlane::new(config).map_err(PyValueError::new_err)?;
         let plain_output = plain_dataclass(output_class)?;

@@ -7,6 +7,7 @@ mod fixed;
 mod fork;
 mod gather;
 mod handle;
+mod layout;
 mod lock;
 mod object;
 mod policy;
@@ -47,5 +48,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     variable::register(m)?;
     dataplane::register(m)?;
     scheduler::register(m)?;
+    layout::register(m)?;
     Ok(())
 }

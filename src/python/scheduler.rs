@@ -105,17 +105,18 @@ fn emit_start(request: &Bound<'_, PyAny>) -> PyResult<i64> {
 }
 
 /// `AuxOutputSchedulerConnector.build_connector_meta(scheduler_output, requests)` for the
-/// connector `this`, as vLLM 0.33.0 (`kv_events`) or 0.32.0 computes it; `module` is vLLM's
-/// connector module.
+/// connector `this`, as the release of `layout` computes it (with KV-cache events from 0.33.0
+/// on, `Layout::kv_events`); `module` is vLLM's connector module.
 #[pyfunction]
 pub(crate) fn build_connector_meta<'py>(
     this: &Bound<'py, PyAny>,
     scheduler_output: &Bound<'py, PyAny>,
     requests: &Bound<'py, PyAny>,
     module: &Bound<'py, PyAny>,
-    kv_events: bool,
+    layout: &str,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = this.py();
+    let kv_events = super::layout::layout(layout)?.kv_events();
     let classes = classes(module)?;
     let sent = this.getattr(intern!(py, "_sent_hash_counts"))?.cast_into::<PyDict>()?;
     let scheduled = PyDict::new(py);

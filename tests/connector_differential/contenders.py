@@ -222,17 +222,53 @@ def _configs(params: Params) -> tuple[Any, Any]:
 def build_connector(
     params: Params, connector_class: type | None = None
 ) -> tuple[Any, standins.StandInCapturer]:
-    """vLLM's connector built by its own ``__init__`` with the classes vLLM's modules name now
-    (``connector_class``: a class derived from the worker module's connector instead)."""
+    """vLLM's connector built as vLLM's model runner builds it, with the classes vLLM's modules
+    name now (``connector_class``: a class derived from the worker module's connector instead):
+    by its ``__init__`` (0.32.0, 0.33.0), or by ``__init__`` and then
+    ``initialize_output_storage`` once the KV cache is laid out (0.34.0), with the TP-group
+    stand-in in force (``standins.install``)."""
     import torch
 
     config, kv_cache_config = _configs(params)
     standins.set_next_profile(params.shape_per_token, params.dtype_name)
     cls = connector_class or worker_module().AuxOutputWorkerConnector
-    connector = cls(vllm_config=config, model=torch.nn.Module(), kv_cache_config=kv_cache_config)
+    if two_phase():
+        connector = cls(vllm_config=config, model=torch.nn.Module())
+        connector.initialize_output_storage(kv_cache_config)
+    else:
+        connector = cls(
+            vllm_config=config, model=torch.nn.Module(), kv_cache_config=kv_cache_config
+        )
     capturer = standins.built.pop()
     standins.built.clear()
     return connector, capturer
+
+
+@functools.cache
+def release() -> Any:
+    """The release record (``aostore.vllm.compat.releases``) of the vLLM installed here, for
+    the worker plane: the differential runs once per release, in that release's environment."""
+    from aostore.vllm.compat import releases
+
+    root = releases.vllm_root()
+    assert root is not None, "vLLM is not installed"
+    for record in releases.RELEASES:
+        if not releases.differences(record, releases.WORKER, root):
+            return record
+    lines, _ = releases.describe(root)
+    raise AssertionError("the vLLM here matches no release record:\n" + "\n".join(lines))
+
+
+def layout() -> Any:
+    """The installed release's layout (``aostore._native.Layout``)."""
+    from aostore._native import Layout
+
+    return Layout(release().layout)
+
+
+def two_phase() -> bool:
+    """vLLM 0.34.0's shape: the connector's storage is built after the KV cache."""
+    return hasattr(worker_module().AuxOutputWorkerConnector, "initialize_output_storage")
 
 
 def vllm_store_view(background: Any) -> StoreView:

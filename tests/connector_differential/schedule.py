@@ -115,10 +115,11 @@ BAD_INPUTS = (
 
 
 class _Model:
-    def __init__(self, seed: int, kv_events: bool) -> None:
+    def __init__(self, seed: int, kv_events: bool, pending_reads: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
         rng = self.rng
         self.kv_events = kv_events
+        self.pending_reads = pending_reads
         block = int(rng.choice([1, 2, 4]))
         seqs = int(rng.integers(2, 7))
         batched = int(rng.choice([16, 32, 64]))
@@ -260,6 +261,11 @@ class _Model:
             settled = request.capture >= request.prompt_len and request.emit >= request.capture
             if request.hit and request.sent < request.hit // block:
                 target = known  # a prefix hit sends its cached blocks' hashes at once
+                if self.pending_reads and request.sent == 0 and rng.random() < 0.5:
+                    # 0.34.0 reads full blocks that have no key yet: the hit's hashes now, the
+                    # prompt's own after its rows, so the first output reads them unkeyed.
+                    target = request.hit // block
+                    self.seen["prompt hashes after a prefix hit's rows"] += 1
             elif settled and rng.random() < self.p_lag * 0.6:
                 # Lags behind its rows (by at most two blocks, so the staging pool suffices).
                 target = max(request.sent + int(rng.integers(0, 2)), known - 2)
@@ -499,10 +505,12 @@ class _Model:
         self.ops.append(self.begin([]))
 
 
-def generate(seed: int, kv_events: bool) -> Schedule:
+def generate(seed: int, kv_events: bool, pending_reads: bool = False) -> Schedule:
     """The schedule of ``seed``; ``kv_events``: the metadata carries KV-cached retains and
-    releases (vLLM 0.33.0)."""
-    model = _Model(seed, kv_events)
+    releases (vLLM 0.33.0 on); ``pending_reads``: the worker reads rows of full blocks whose
+    hash has not arrived (vLLM 0.34.0), so schedules also send a prompt's hashes after its
+    rows behind a prefix hit (earlier releases assert there)."""
+    model = _Model(seed, kv_events, pending_reads)
     while model.run_step():
         pass
     if not model.injected:

@@ -34,6 +34,8 @@ KV_EVENTS = "retained_block_hashes" in {
     f.name for f in dataclasses.fields(AuxOutputConnectorMetadata)
 }
 """Whether this vLLM's metadata carries KV-cached retains and releases (0.33.0's does)."""
+PENDING_READS = contenders.layout().reads_pending_blocks
+"""Whether this vLLM reads unkeyed full blocks back (0.34.0), from its release record."""
 
 CHUNK = 100
 
@@ -74,7 +76,7 @@ def quiet_growth() -> Iterator[None]:
 def _run(seeds: list[int], factories: list[contenders.Factory]) -> list[harness.Outcome]:
     outcomes = []
     for seed in seeds:
-        plan = schedule.generate(seed, KV_EVENTS)
+        plan = schedule.generate(seed, KV_EVENTS, PENDING_READS)
         outcome = harness.run_schedule(plan, factories)
         TOTALS["schedules"] += 1
         TOTALS["operations"] += outcome.ops
@@ -126,6 +128,8 @@ def test_coverage(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     if KV_EVENTS:
         wanted += ["KV-cached retain", "KV-cached release"]
+    if PENDING_READS:
+        wanted += ["prompt hashes after a prefix hit's rows"]
     assert all(TOTALS[name] > 0 for name in wanted), {name: TOTALS[name] for name in wanted}
     rejected = [name for name in TOTALS if name.startswith("rejected input")]
     raised = [name for name in rejected if not name.endswith("raised nothing")]
@@ -196,7 +200,36 @@ def _aliases_rows(params: contenders.Params) -> contenders.Built:
     return built
 
 
-@pytest.mark.parametrize("broken", [_drops_one_release, _shifts_token_start, _aliases_rows])
+def _reads_the_tail_only(params: contenders.Params) -> contenders.Built:
+    """The data plane with the read of the release before (the tail only) on a vLLM that reads
+    unkeyed full blocks back (0.34.0): the schedules must reach those reads."""
+    from aostore._native import NativeDataPlane
+
+    built = contenders.dataplane_contender(params)
+    connector = built.connector
+    buffer, config = connector._buffer, contenders._configs(params)[0]
+    connector._aostore_plane.close()
+    connector._aostore_plane = NativeDataPlane(
+        connector._store._writer,
+        layout="0.33",
+        block_size=buffer.block_size,
+        shape_per_token=tuple(buffer.shape_per_token),
+        dtype=buffer.dtype,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        max_concurrent_batches=config.max_concurrent_batches,
+        output_class=contenders.worker_module().AuxRequestOutput,
+    )
+    built.name = "reads-the-tail-only"
+    return built
+
+
+BROKEN = [_drops_one_release, _shifts_token_start, _aliases_rows]
+if PENDING_READS:
+    BROKEN.append(_reads_the_tail_only)
+
+
+@pytest.mark.parametrize("broken", BROKEN)
 def test_harness_reports_a_broken_contender(broken: contenders.Factory) -> None:
     """Each deliberately broken contender is reported within 30 schedules (so the harness
     compares what it says it compares)."""

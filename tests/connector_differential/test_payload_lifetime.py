@@ -46,7 +46,8 @@ def _held_back(params: contenders.Params) -> contenders.Built:
 def test_a_held_back_writer_stores_the_bytes_that_were_published() -> None:
     # Schedules that vLLM runs without an error: when a store fails, the call that reports
     # it depends on how far its writer got, which a held-back writer changes on purpose.
-    candidates = [schedule.generate(seed, KV_EVENTS) for seed in range(100)]
+    pending_reads = contenders.layout().reads_pending_blocks
+    candidates = [schedule.generate(seed, KV_EVENTS, pending_reads) for seed in range(100)]
     valid = [
         s
         for s in candidates

@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from aostore import BackgroundBlockObjectStore, VariableBlockObjectStore
-from aostore._native import NativeDataPlane
-from aostore.vllm import dataplane, plan
+from aostore._native import Layout, NativeDataPlane
+from aostore.vllm import plan
+from aostore.vllm.compat import releases
 from aostore.vllm.settings import ENV_DATA_PLANE, Settings
 from planes import BLOCK, SHAPE, Output, Plane, metadata, rows_of
 
@@ -124,6 +126,7 @@ def test_unknown_requests_and_bad_metadata_raise_as_vllm() -> None:
 
 def test_the_plane_needs_aostores_rust_writer_in_front_of_a_fixed_store() -> None:
     kwargs: dict[str, Any] = dict(
+        layout="0.33",
         block_size=BLOCK,
         shape_per_token=SHAPE,
         dtype=np.uint8,
@@ -142,6 +145,8 @@ def test_the_plane_needs_aostores_rust_writer_in_front_of_a_fixed_store() -> Non
     fixed = Plane().background
     with pytest.raises(ValueError):
         NativeDataPlane(fixed._writer, **{**kwargs, "block_size": 0})
+    with pytest.raises(ValueError, match=r"unknown vLLM layout '0\.99'"):
+        NativeDataPlane(fixed._writer, **{**kwargs, "layout": "0.99"})
 
 
 def _plan(**fields: Any) -> plan.Plan:
@@ -156,31 +161,125 @@ def test_the_plugin_says_why_the_data_plane_is_off() -> None:
     off = Settings.from_env({ENV_DATA_PLANE: "off"})
     assert not off.data_plane and Settings.from_env({}).data_plane
     assert plan._data_plane(_plan(release="vLLM 0.33.0"), off) == (
-        False,
+        (),
         f"data plane off ({ENV_DATA_PLANE}=off)",
     )
     on = Settings()
     kept = _plan(release="vLLM 0.33.0")
     kept.replace = {}
-    assert plan._data_plane(kept, on) == (False, "data plane off (vLLM's store is kept)")
+    assert plan._data_plane(kept, on) == ((), "data plane off (vLLM's store is kept)")
     tier = _plan(release="vLLM 0.33.0", mooncake=object())
     assert "Mooncake tier" in plan._data_plane(tier, on)[1]
     assert "not a release CI proves" in plan._data_plane(_plan(release=None), on)[1]
-    assert "no data plane proven" in plan._data_plane(_plan(release="vLLM 9.9"), on)[1]
-    assert set(dataplane.KNOWN_MODULES) == {"vLLM 0.33.0", "vLLM 0.32.0"}
+    assert "no record for vLLM 9.9" in plan._data_plane(_plan(release="vLLM 9.9"), on)[1]
+
+
+def _tree(root: Path, record: releases.Release, feature: str) -> None:
+    """Files under ``root`` whose sha256 are ``record``'s for ``feature``: the record is
+    rewritten to the bytes written (a test cannot hold vLLM's files)."""
+    for relative in record.files(feature):
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(f"# {relative}\n")
+
+
+def _record_of(root: Path, name: str = "vLLM 9.0.0", layout: str = "0.34") -> releases.Release:
+    """A record whose hashes are the files under ``root`` (as ``_tree`` wrote them)."""
+    base = releases.RELEASES[0]
+    package_dir = root / releases.PACKAGE_DIR
+
+    def hashed(paths: Any, under: Path) -> dict[str, str]:
+        return {path: releases.digest(under / path) or "" for path in paths}
+
+    return releases.Release(
+        name=name,
+        distributions=("vllm==9.0.0",),
+        layout=layout,
+        package=hashed(base.package, package_dir),
+        worker=hashed(base.worker, root),
+        scheduler=hashed(base.scheduler, root),
+    )
+
+
+def test_a_release_is_recognized_per_feature(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for feature in releases.FEATURES:
+        _tree(tmp_path, releases.RELEASES[0], feature)
+    record = _record_of(tmp_path)
+    monkeypatch.setitem(releases.BY_NAME, record.name, record)
+    for feature in releases.FEATURES:
+        assert releases.recognized(record.name, feature, tmp_path) is None
+    # A patched model runner: the worker plane is not recognized, the scheduler side still is.
+    (tmp_path / "v1/worker/gpu/model_runner.py").write_text("# patched\n")
+    why = releases.recognized(record.name, releases.WORKER, tmp_path)
+    assert why == "vllm/v1/worker/gpu/model_runner.py differs from vLLM 9.0.0's record"
+    assert releases.recognized(record.name, releases.SCHEDULER, tmp_path) is None
+    # A file the package gains is not the record's either; a missing one is named.
+    (tmp_path / releases.PACKAGE_DIR / "extra.py").write_text("")
+    store = releases.recognized(record.name, releases.STORE, tmp_path)
+    assert store is not None and "extra.py is not in vLLM 9.0.0's record" in store
+    (tmp_path / "v1/request.py").unlink()
+    scheduler = releases.recognized(record.name, releases.SCHEDULER, tmp_path)
+    assert scheduler is not None and "vllm/v1/request.py is missing" in scheduler
+
+
+def test_the_plugin_installs_the_features_a_release_is_recognized_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for feature in releases.FEATURES:
+        _tree(tmp_path, releases.RELEASES[0], feature)
+    record = _record_of(tmp_path)
+    monkeypatch.setitem(releases.BY_NAME, record.name, record)
+    monkeypatch.setattr(releases, "vllm_root", lambda: tmp_path)
+    on = Settings()
+    features, said = plan._data_plane(_plan(release=record.name), on)
+    assert features == (releases.WORKER, releases.SCHEDULER)
+    assert said == "data plane on (vLLM 9.0.0's worker and scheduler files recognized)"
+    (tmp_path / "v1/outputs.py").write_text("# patched\n")
+    features, said = plan._data_plane(_plan(release=record.name), on)
+    assert features == (releases.SCHEDULER,)
+    assert said == (
+        "data plane on for the scheduler side only (worker plane off: "
+        "vllm/v1/outputs.py differs from vLLM 9.0.0's record)"
+    )
+    (tmp_path / "v1/core/sched/scheduler.py").write_text("# patched\n")
+    features, said = plan._data_plane(_plan(release=record.name), on)
+    assert features == ()
+    assert said == "data plane off (vllm/v1/outputs.py differs from vLLM 9.0.0's record)"
+
+
+def test_every_record_names_a_layout_the_rust_side_knows() -> None:
+    assert [record.name for record in releases.RELEASES] == [
+        "vLLM 0.34.0",
+        "vLLM 0.33.0",
+        "vLLM 0.32.0",
+    ]
+    for record in releases.RELEASES:
+        layout = Layout(record.layout)
+        assert layout.name == record.layout
+        assert layout.kv_events == (record.layout != "0.32")
+        assert all(
+            len(digest) == 64 for f in releases.FEATURES for digest in record.files(f).values()
+        )
+    assert Layout("0.34").reads_pending_blocks and not Layout("0.33").reads_pending_blocks
+    with pytest.raises(ValueError, match=r"unknown vLLM layout '0\.99'"):
+        Layout("0.99")
 
 
 def test_an_installed_vllm_is_recognized_or_told_why_not() -> None:
     """With vLLM installed (``make test-vllm`` runs this file in its environment): a release CI
-    proves has exactly the modules the data plane needs; a file changed by a byte is named."""
+    proves is its record's for every feature; another record's files are named as differing."""
     vllm = pytest.importorskip("vllm")
-    release = {"0.33.0": "vLLM 0.33.0", "0.32.0": "vLLM 0.32.0"}.get(vllm.__version__)
-    if release is None:
-        pytest.skip(f"vLLM {vllm.__version__} is not a release the data plane knows")
-    assert dataplane.modules_recognized(release) is None
-    other = "vLLM 0.32.0" if release == "vLLM 0.33.0" else "vLLM 0.33.0"
-    why = dataplane.modules_recognized(other)
-    assert why is not None and f"is not {other}'s" in why
+    release = f"vLLM {vllm.__version__.split('+')[0]}"
+    if release not in releases.BY_NAME:
+        pytest.skip(f"{release} is not a release the data plane knows")
+    for feature in releases.FEATURES:
+        assert releases.recognized(release, feature) is None, feature
+    other = next(record.name for record in releases.RELEASES if record.name != release)
+    why = releases.recognized(other, releases.WORKER)
+    assert why is not None and f"differs from {other}'s record" in why
+    lines, status = releases.describe(releases.vllm_root())
+    assert status == 0 and lines[-1].startswith(f"result: this tree is {release}'s"), lines
 
 
 def _decode(plane: Plane, steps: int, process: Any, room: Any = None) -> None:

@@ -182,9 +182,9 @@ def test_the_staging_pool_commits_no_memory_when_built() -> None:
         gc.collect()
         before = rss()
         plane = NativeDataPlane(
-            background._writer, block_size=64, shape_per_token=(46, 8), dtype=np.uint8,
-            max_num_seqs=1024, max_num_batched_tokens=65536, max_concurrent_batches=2,
-            output_class=tuple,
+            background._writer, layout="0.34", block_size=64, shape_per_token=(46, 8),
+            dtype=np.uint8, max_num_seqs=1024, max_num_batched_tokens=65536,
+            max_concurrent_batches=2, output_class=tuple,
         )
         print(plane.counts()[2], (rss() - before) >> 10)
         """

@@ -1280,7 +1280,7 @@ def test_any_changed_file_of_the_package_is_no_longer_the_release(make_tree: Tre
 
 
 def test_known_releases_name_the_files_ci_runs() -> None:
-    assert set(compat_fingerprint.KNOWN_RELEASES) == {"vLLM 0.32.0", "vLLM 0.33.0"}
+    assert set(compat_fingerprint.KNOWN_RELEASES) == {"vLLM 0.32.0", "vLLM 0.33.0", "vLLM 0.34.0"}
     for files in compat_fingerprint.KNOWN_RELEASES.values():
         assert {"store.py", "worker.py", "routed_experts.py"} <= set(files)
         assert all(len(digest) == 64 for digest in files.values())

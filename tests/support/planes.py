@@ -52,7 +52,11 @@ class Plane:
     """A plane in front of a real store and Rust writer, and the pending objects it reads."""
 
     def __init__(
-        self, output_class: Any = Output, in_flight: int = 1, max_pending_batches: int = 4
+        self,
+        output_class: Any = Output,
+        in_flight: int = 1,
+        max_pending_batches: int = 4,
+        layout: str = "0.33",
     ) -> None:
         self.background = BackgroundBlockObjectStore(
             BlockObjectStore(max_bytes=64 * BLOCK * ROW, object_nbytes=BLOCK * ROW),
@@ -60,6 +64,7 @@ class Plane:
         )
         self.plane = NativeDataPlane(
             self.background._writer,
+            layout=layout,
             block_size=BLOCK,
             shape_per_token=SHAPE,
             dtype=np.uint8,

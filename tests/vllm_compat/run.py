@@ -1,9 +1,14 @@
-"""``make test-vllm``: vLLM's own store tests, unmodified, against aostore through its plugin.
+"""``make test-vllm``: vLLM's own store tests, unmodified, against aostore through its plugin,
+on every release the project recognizes that runs on this CPU's index (:data:`TARGETS`:
+0.33.0 and 0.34.0; ``--release 0.34.0`` runs one). For each:
 
-1. Keeps a virtual environment, ``.venv-vllm``, with ``vllm==0.33.0`` and vLLM's test pin of
-   pytest (rebuilt when the pins below change; a stamp file records them) and installs the
-   aostore wheel from ``dist/`` into it.
-2. Fetches vLLM 0.33.0's source distribution with pip from the configured index. pip prepares
+1. Keeps a virtual environment (``.venv-vllm`` for 0.33.0, ``.venv-vllm34`` for 0.34.0) with
+   that vLLM and vLLM's test pin of pytest (rebuilt when the pins below change; a stamp file
+   records them) and installs the aostore wheel from ``dist/`` into it. vLLM 0.34.0 pins
+   ``flashinfer-python==0.7.3``, which the package index lacks, so ``pip install vllm==0.34.0``
+   fails here: its wheel goes in with ``--no-deps``, then its own requirements (read from the
+   installed metadata) less ``flashinfer-python``, which nothing on a CPU imports.
+2. Fetches that vLLM's source distribution with pip from the configured index. pip prepares
    an sdist's metadata before saving it; vLLM's ``setup.py`` then imports torch and reports
    ``0.33.0+empty`` for ``VLLM_TARGET_DEVICE=empty`` unless ``VLLM_VERSION_OVERRIDE`` names the
    version, so both are set and the build helpers are installed in the environment.
@@ -30,6 +35,8 @@ shows no start-up line from aostore's plugin.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -42,19 +49,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
-PYTHON = VENV / "bin" / "python"
-STAMP = VENV / ".aostore-pins"
 
-VLLM_VERSION = "0.33.0"
-PINS = (
-    f"vllm=={VLLM_VERSION}",
-    "pytest==9.1.0",  # vLLM 0.33.0's requirements/test pin
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One vLLM release whose tests run here."""
+
+    version: str
+    venv: Path
+    expected: int
+    """vLLM's test items that must all pass (test_store.py and test_routed_experts_capture.py)."""
+    left_out: tuple[str, ...] = ()
+    """Requirements of vLLM's wheel that the index lacks: the wheel goes in with ``--no-deps``
+    and its other requirements after it."""
+
+
+TARGETS = {
+    "0.33.0": Target("0.33.0", ROOT / ".venv-vllm", 124),
+    "0.34.0": Target("0.34.0", ROOT / ".venv-vllm34", 131, left_out=("flashinfer-python",)),
+}
+TOOLS = (
+    "pytest==9.1.0",  # vLLM 0.33.0's and 0.34.0's requirements/test pin
     # What vLLM's setup.py imports to prepare the sdist's metadata (its build-system table).
     "setuptools>=77.0.3,<81",
     "setuptools-scm>=8",
     "setuptools-rust>=1.9",
 )
+# Set by main() for the release being run.
+TARGET = TARGETS["0.33.0"]
+VENV = TARGET.venv
+PYTHON = VENV / "bin" / "python"
+VLLM_VERSION = TARGET.version
 
 STORE_TESTS = "tests/distributed/aux_output_connector/test_store.py"
 # All of it: its worker-store tests build the connector (so the data plane's subclass) through
@@ -68,7 +93,6 @@ MEMBERS = (
     "tests/model_executor/__init__.py",
     CAPTURE_TESTS,
 )
-EXPECTED = 124
 
 _OUTCOME = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
@@ -84,17 +108,37 @@ def run(*command: str | Path, env: dict[str, str] | None = None) -> None:
         sys.exit(f"test-vllm: failed (exit status {done.returncode}): {shown}")
 
 
+def _name(requirement: str) -> str:
+    """A requirement's project name, normalized as pip compares them."""
+    return re.split(r"[\s;<>=!~\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
 def ensure_venv() -> None:
-    pins = "\n".join((sys.version.split()[0], *PINS)) + "\n"
-    if PYTHON.exists() and STAMP.exists() and STAMP.read_text() == pins:
-        step(f"reusing {VENV.name} ({', '.join(PINS[:2])})")
+    vllm = f"vllm=={VLLM_VERSION}"
+    stamp = VENV / ".aostore-pins"
+    left_out = [f"without {name}" for name in TARGET.left_out]
+    pins = "\n".join((sys.version.split()[0], vllm, *TOOLS, *left_out)) + "\n"
+    if PYTHON.exists() and stamp.exists() and stamp.read_text() == pins:
+        step(f"reusing {VENV.name} ({vllm}, {TOOLS[0]})")
         return
-    step(f"creating {VENV.name} with {', '.join(PINS)}")
+    step(f"creating {VENV.name} with {', '.join((vllm, *TOOLS, *left_out))}")
     shutil.rmtree(VENV, ignore_errors=True)
     run(sys.executable, "-m", "venv", VENV)
     run(PYTHON, "-m", "pip", "install", "-q", "--upgrade", "pip")
-    run(PYTHON, "-m", "pip", "install", "-q", *PINS)
-    STAMP.write_text(pins)
+    if not TARGET.left_out:
+        run(PYTHON, "-m", "pip", "install", "-q", vllm, *TOOLS)
+    else:
+        run(PYTHON, "-m", "pip", "install", "-q", "--no-deps", vllm)
+        script = "import importlib.metadata as m; print(*m.requires('vllm'), sep='\\n')"
+        listed = subprocess.run(
+            [str(PYTHON), "-c", script], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+        wanted = [
+            line for line in listed
+            if "extra ==" not in line and _name(line) not in TARGET.left_out
+        ]  # fmt: skip
+        run(PYTHON, "-m", "pip", "install", "-q", *wanted, *TOOLS)
+    stamp.write_text(pins)
 
 
 def install_wheel() -> None:
@@ -176,7 +220,7 @@ def run_vllm_tests(source: Path, plugin: bool) -> str:
     status, lines = run_pytest(
         f"vLLM's tests, {label}", ["-p", "engine_plugins", *items], source, env
     )
-    summary, problems = outcome(status, lines, EXPECTED)
+    summary, problems = outcome(status, lines, TARGET.expected)
     # Whose classes the test modules held (engine_plugins prints it), and the plugin's line.
     owner = "aostore" if plugin else "vllm"
     proof = [line for line in lines if line.startswith("aostore-compat:")]
@@ -218,7 +262,23 @@ def run_plugin_tests() -> str:
     return ""
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--release", action="append", choices=sorted(TARGETS), help="one release (repeatable)"
+    )
+    chosen = parser.parse_args(argv).release or list(TARGETS)
+    failed = [version for version in chosen if not run_target(TARGETS[version])]
+    if failed:
+        sys.exit(f"test-vllm: FAILED on vLLM {', '.join(failed)}")
+
+
+def run_target(target: Target) -> bool:
+    """Every step for one release; ``True`` when all is well."""
+    global TARGET, VENV, PYTHON, VLLM_VERSION
+    TARGET, VENV, VLLM_VERSION = target, target.venv, target.version
+    PYTHON = VENV / "bin" / "python"
+    step(f"vLLM {VLLM_VERSION} in {VENV.name}")
     started = time.monotonic()
     ensure_venv()
     install_wheel()
@@ -228,10 +288,9 @@ def main() -> None:
     failures.append(run_plugin_tests())
     for failure in filter(None, failures):
         print(f"test-vllm: {failure}", file=sys.stderr)
-    step(f"done in {time.monotonic() - started:.0f} s")
-    if any(failures):
-        sys.exit(1)
+    step(f"vLLM {VLLM_VERSION}: done in {time.monotonic() - started:.0f} s")
+    return not any(failures)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

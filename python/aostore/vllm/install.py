@@ -120,7 +120,10 @@ def _register(settings: Settings) -> None:
         if decision.data_plane:
             installed = {name: decision.replace[name] for name in (FIXED_STORE, WRAPPER)}
             release = decision.release or ""
-            patched = sorted({*patched, *dataplane.install(installed, release, swap, undo)})
+            planes = dataplane.install(
+                installed, release, decision.data_plane, swap, undo, settings.data_plane_report
+            )
+            patched = sorted({*patched, *planes})
         if FIXED_STORE in decision.replace:
             targeted = _log.add_growth_target(store_module_logger)
     except BaseException:
@@ -139,7 +142,8 @@ def _register(settings: Settings) -> None:
 def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bool) -> None:
     parts = []
     if decision.replace:
-        names = [*decision.replace, *(dataplane.NAMES if decision.data_plane else ())]
+        planes = [name for f in decision.data_plane for name in dataplane.BY_FEATURE[f]]
+        names = [*decision.replace, *planes]
         replaced = ", ".join(names)
         parts.append(f"replaced {replaced} in {len(patched)} module(s) ({', '.join(patched)})")
         if profile:

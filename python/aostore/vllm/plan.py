@@ -18,8 +18,8 @@ from typing import Any, cast
 import aostore
 from aostore import BlockObjectStore, ShmBlockObjectStore, _log
 
-from . import dataplane, probe
-from .compat import differential
+from . import probe
+from .compat import differential, releases
 from .compat.compare import compare, private_gap, private_names
 from .compat.fingerprint import package_directory, recognize
 from .compat.hazards import source_hazards
@@ -96,9 +96,10 @@ class Plan:
     it)."""
     differentials: dict[str, Any] = dataclasses.field(default_factory=dict)
     """vLLM store name -> the ``aostore.vllm.compat.differential.Verdict`` of its differential."""
-    data_plane: bool = False
-    """Whether the native data plane goes in (``aostore.vllm.dataplane``); set by
-    :func:`decide`."""
+    data_plane: tuple[str, ...] = ()
+    """The data-plane features that go in (``aostore.vllm.dataplane``; the worker plane, the
+    scheduler side: ``aostore.vllm.compat.releases.FEATURES``), each where the release record
+    recognizes its files; set by :func:`decide`."""
     data_plane_said: str = ""
     """Why the data plane is on or off, for the start-up line and ``aostore vllm-check``."""
 
@@ -374,15 +375,22 @@ def decide(store_module: Any, settings: Settings) -> tuple[Plan, str, str, bool]
     return decision, profile, reason, warn
 
 
-def _data_plane(decision: Plan, settings: Settings) -> tuple[bool, str]:
-    """Whether the native data plane goes in, and the start-up line's words for it."""
+def _data_plane(decision: Plan, settings: Settings) -> tuple[tuple[str, ...], str]:
+    """The data-plane features that go in, and the start-up line's words for them."""
     if not settings.data_plane:
-        return False, f"data plane off ({ENV_DATA_PLANE}={settings.raw.get(ENV_DATA_PLANE, '')})"
+        return (), f"data plane off ({ENV_DATA_PLANE}={settings.raw.get(ENV_DATA_PLANE, '')})"
     if FIXED_STORE not in decision.replace or WRAPPER not in decision.replace:
-        return False, "data plane off (vLLM's store is kept)"
+        return (), "data plane off (vLLM's store is kept)"
     if decision.mooncake is not None:
-        return False, "data plane off (the Mooncake tier is on; its blocks go through the tier)"
-    why = dataplane.modules_recognized(decision.release)
-    if why is not None:
-        return False, f"data plane off ({why})"
-    return True, f"data plane on ({decision.release}'s worker modules recognized)"
+        return (), "data plane off (the Mooncake tier is on; its blocks go through the tier)"
+    why = {
+        feature: releases.recognized(decision.release, feature)
+        for feature in (releases.WORKER, releases.SCHEDULER)
+    }
+    on = tuple(feature for feature, reason in why.items() if reason is None)
+    if not on:
+        return (), f"data plane off ({why[releases.WORKER]})"
+    if len(on) == len(why):
+        return on, f"data plane on ({decision.release}'s worker and scheduler files recognized)"
+    off = ", ".join(f"{feature} off: {reason}" for feature, reason in why.items() if reason)
+    return on, f"data plane on for the {on[0]} only ({off})"

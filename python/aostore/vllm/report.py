@@ -191,6 +191,8 @@ def check() -> dict[str, Any]:
         "profile_reason": "",
         "prefault": "",
         "mooncake": "",
+        "data_plane": "",
+        "data_plane_on": [],
         "problem": "",
     }
     problems = []
@@ -211,6 +213,7 @@ def check() -> dict[str, Any]:
         report["note"] = decision.note
         report["mooncake"] = decision.mooncake_said
         report["data_plane"] = decision.data_plane_said
+        report["data_plane_on"] = list(decision.data_plane)
     if result.profile:
         report["profile"] = result.profile
         report["profile_reason"] = result.reason
@@ -257,7 +260,9 @@ def render(report: dict[str, Any]) -> str:
     if report.get("data_plane"):
         lines.append(f"  data plane:  {report['data_plane']}")
     if report["use"]:
-        lines.append("result: aostore would be used (exit status 0)")
+        planes = report.get("data_plane_on") or []
+        plane = f"data plane on for the {' and the '.join(planes)}" if planes else "data plane off"
+        lines.append(f"result: aostore would be used, {plane} (exit status 0)")
     else:
         lines.append(f"result: aostore would not be used: {report['problem']} (exit status 1)")
     return "\n".join(lines)

@@ -30,7 +30,18 @@ ENV_DATA_PLANE = "AOSTORE_VLLM_DATA_PLANE"
 """Set to ``0``/``false``/``no``/``off`` to keep vLLM's worker connector code (the data plane
 off) while the plugin's store stays."""
 
-VARIABLES = (ENV_DISABLE, ENV_PROFILE, ENV_PREFAULT, ENV_MOONCAKE, ENV_DATA_PLANE)
+ENV_DATA_PLANE_REPORT = "AOSTORE_VLLM_DATA_PLANE_REPORT"
+"""A file that each data-plane connector appends one JSON line to at close or exit (tests'
+proof from inside vLLM's processes): whether its data plane was on, why not, its steps."""
+
+VARIABLES = (
+    ENV_DISABLE,
+    ENV_PROFILE,
+    ENV_PREFAULT,
+    ENV_MOONCAKE,
+    ENV_DATA_PLANE,
+    ENV_DATA_PLANE_REPORT,
+)
 PROFILES = ("fail-closed", "grow")
 
 Prefault = bool | Literal["background"]
@@ -55,7 +66,7 @@ class MooncakeTier:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What the five variables say, validated; the defaults are those of an empty environment."""
+    """What the six variables say, validated; the defaults are those of an empty environment."""
 
     enabled: bool = True
     """``AOSTORE_VLLM_PLUGIN`` leaves the plugin on."""
@@ -71,6 +82,8 @@ class Settings:
     """Why ``AOSTORE_VLLM_MOONCAKE`` is ignored; ``""``: unset or valid."""
     data_plane: bool = True
     """``AOSTORE_VLLM_DATA_PLANE`` leaves the native data plane on (where vLLM is recognized)."""
+    data_plane_report: str | None = None
+    """``AOSTORE_VLLM_DATA_PLANE_REPORT``'s file; ``None``: unset or empty."""
     raw: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     """The variables that were set, as found (what ``aostore vllm-check`` quotes)."""
 
@@ -89,6 +102,7 @@ class Settings:
             tier=tier,
             tier_said=tier_said,
             data_plane=not _off(env.get(ENV_DATA_PLANE, "1")),
+            data_plane_report=env.get(ENV_DATA_PLANE_REPORT) or None,
             raw={name: env[name] for name in VARIABLES if name in env},
         )
 

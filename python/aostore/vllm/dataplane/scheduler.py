@@ -1,0 +1,81 @@
+"""The scheduler side: aostore's subclass of vLLM's ``AuxOutputSchedulerConnector``, whose
+``build_connector_meta`` runs in Rust over vLLM's own state (``aostore._native``)."""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+from aostore import _native
+from aostore._native import Layout
+
+from .install import SCHEDULER
+from .report import report_scheduler
+
+OWN_HELPERS = {True: ("_take_new_hashes", "_pack_hashes"), False: ("_pack_new_hashes",)}
+"""The scheduler connector's helpers that the native ``build_connector_meta`` stands in for,
+by whether the layout has KV-cache events (0.33.0 on; 0.32.0 not): while any is not vLLM's own
+(a subclass's, an instance's, a patch), vLLM's method runs."""
+
+
+def scheduler_subclass(
+    vllm_scheduler: type, module: Any, *, layout: str, report: str | None = None
+) -> type:
+    """aostore's scheduler-side connector over vLLM's ``AuxOutputSchedulerConnector``:
+    ``build_connector_meta`` in Rust over vLLM's own state (its other methods are vLLM's);
+    ``module``: vLLM's connector module, ``layout``: the release record's. The helpers the native
+    method stands in for (:data:`OWN_HELPERS`) are recorded now and compared on every call."""
+    kv_events = Layout(layout).kv_events
+    return type(
+        SCHEDULER,
+        (DataPlaneSchedulerConnector, vllm_scheduler),
+        {
+            "__module__": __name__,
+            "__qualname__": SCHEDULER,
+            "__doc__": DataPlaneSchedulerConnector.__doc__,
+            "_aostore_module": module,
+            "_aostore_layout": layout,
+            "_aostore_report": report,
+            "_aostore_own": tuple(
+                (name, getattr(vllm_scheduler, name)) for name in OWN_HELPERS[kv_events]
+            ),
+        },
+    )
+
+
+class DataPlaneSchedulerConnector:
+    """vLLM's scheduler-side connector; the loop over each step's requests runs in Rust.
+
+    ``build_connector_meta`` reads and updates the connector's own dicts and lists in vLLM's
+    order (``aostore._native.build_connector_meta``), so vLLM's other methods
+    (``take_output``, ``request_finished``, ``reset``, the KV-cache lookups) run unchanged on
+    the same state. (A native ``take_output`` gained nothing: vLLM's scheduler calls it once
+    per request, and that call is most of its cost.)
+    """
+
+    _aostore_module: Any
+    _aostore_layout: str
+    _aostore_report: str | None
+    _aostore_own: tuple[tuple[str, Any], ...]
+    _aostore_steps = 0
+    _aostore_fallbacks = 0
+    _aostore_why_not: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._aostore_report:
+            atexit.register(report_scheduler, self, self._aostore_report)
+
+    def build_connector_meta(self, scheduler_output: Any, requests: Any) -> Any:
+        # vLLM's state lives in its own dicts, so this is decided per call: while a helper is
+        # not vLLM's own (a subclass's, an instance's, a later patch), vLLM's method calls it.
+        cls, attributes = type(self), getattr(self, "__dict__", {})
+        for name, function in self._aostore_own:
+            if name in attributes or getattr(cls, name) is not function:
+                self._aostore_fallbacks += 1
+                self._aostore_why_not = f"{SCHEDULER}.{name} is not vLLM's own"
+                return super().build_connector_meta(scheduler_output, requests)  # type: ignore[misc]
+        self._aostore_steps += 1
+        return _native.build_connector_meta(
+            self, scheduler_output, requests, self._aostore_module, self._aostore_layout
+        )
