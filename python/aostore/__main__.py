@@ -235,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_parser.add_argument(
         "--json", dest="as_json", action="store_true", help="print the report as JSON"
     )
+    check_parser.add_argument(
+        "--verbose", action="store_true", help="show what importing vLLM and torch writes"
+    )
     fingerprint_parser = sub.add_parser(
         "vllm-fingerprint",
         help="the installed vLLM's files beside each release record (exit 0: one record's)",
@@ -255,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "vllm-check":
         from aostore.vllm import report
 
-        return report.run(as_json=args.as_json)
+        return report.run(as_json=args.as_json, verbose=args.verbose)
     if args.command != "churn":
         return replay(args)
     if args.slots < _BATCH or args.object_nbytes < 1 or args.batches < 1:

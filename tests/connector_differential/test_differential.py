@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -241,7 +240,5 @@ def test_harness_reports_a_broken_contender(broken: contenders.Factory) -> None:
 
 def test_same_contender_twice_agrees() -> None:
     """vLLM against itself: the harness itself is deterministic (no false differences)."""
-    started = time.perf_counter()
     outcomes = _run(list(range(1_000_000, 1_000_030)), [contenders.vllm_contender] * 2)
     assert not any(outcome.differences for outcome in outcomes), _report(outcomes)
-    assert time.perf_counter() - started < 60

@@ -11,7 +11,6 @@ A failure names each failing seed and how to replay it.
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from collections import Counter
 from typing import Any
@@ -230,8 +229,6 @@ def test_harness_reports_a_broken_contender(broken: contenders.Factory) -> None:
 def test_same_contender_twice_agrees() -> None:
     """vLLM against itself, three instances: the harness is deterministic (no false
     differences), on seeds the chunks do not use."""
-    started = time.perf_counter()
     factories = [contenders.vllm_contender] * 3
     outcomes = _run(list(range(1_000_000, 1_000_100)), factories, ["a", "b", "c"])
     assert not any(outcome.differences for outcome in outcomes), _report(outcomes)
-    assert time.perf_counter() - started < 60

@@ -271,15 +271,54 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aostore vllm-check", description=DESCRIPTION)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show what importing vLLM and torch writes"
+    )
     args = parser.parse_args(argv)
-    return run(as_json=args.json)
+    return run(as_json=args.json, verbose=args.verbose)
 
 
-def run(*, as_json: bool = False) -> int:
-    """Prints the dry run; returns the exit status (0: aostore would be used)."""
-    report = check()
+def run(*, as_json: bool = False, verbose: bool = False) -> int:
+    """Prints the dry run; returns the exit status (0: aostore would be used). What importing
+    vLLM and torch writes to standard error (deprecation lines that read like failures) is held
+    back and counted, unless ``verbose``."""
+    if verbose:
+        report = check()
+        held = ""
+    else:
+        report, held = _holding_stderr(check)
     print(json.dumps(report, indent=1) if as_json else render(report))
+    if held.strip() and not as_json:
+        count = len(held.strip().splitlines())
+        print(
+            f"({count} line(s) that importing vLLM and torch wrote to stderr held back: --verbose)"
+        )
     return 0 if report["use"] else 1
+
+
+def _holding_stderr(call: Any) -> tuple[Any, str]:
+    """``call()`` with file descriptor 2 (C and Python writers alike) sent to a temporary file;
+    its result and what was written. What was written goes back to stderr if ``call`` raises."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            result = call()
+        except BaseException:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        return result, held.read().decode(errors="replace")
 
 
 if __name__ == "__main__":
