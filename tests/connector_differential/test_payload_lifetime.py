@@ -33,6 +33,8 @@ HOLD_S = 0.003
 
 def _held_back(params: contenders.Params) -> contenders.Built:
     built = contenders.dataplane_contender(params)
+    # Behind, not in step: the plane runs ahead of a writer that applies each call late.
+    built.connector._store._writer._synchronous(False)
     built.connector._store._writer._hold_back(HOLD_S)
     read = built.read_store
 

@@ -38,7 +38,8 @@ impl<'py> Shape33<'py> {
             return Ok(None);
         }
         sent.set_item(request_id, num_keyed)?;
-        let new = block_hashes.get_item(PySlice::new(py, num_sent as isize, num_keyed as isize, 1))?;
+        let new =
+            block_hashes.get_item(PySlice::new(py, num_sent as isize, num_keyed as isize, 1))?;
         pack(&call.classes, &new)
     }
 }
