@@ -659,3 +659,32 @@ def test_a_bytearray_payload_is_released_once_its_batch_is_applied(aostore):
     assert resized, "the payload stayed exported after its batch was applied"
     assert store.get_concatenated(["k"]) == fill(5)
     writer.close()
+
+
+@pytest.mark.parametrize("synchronous", [False, True])
+def test_a_synchronous_writer_reports_a_failed_put_at_the_next_call(
+    aostore: Any, synchronous: bool
+) -> None:
+    """``NativeWriter._synchronous`` (the connector differential's): a put returns once its
+    batch is applied, so the next put always reports a put that failed; a writer held back
+    has not applied it yet, and the next put is queued as if nothing failed."""
+    background = aostore.BackgroundBlockObjectStore(
+        aostore.BlockObjectStore(max_bytes=64, object_nbytes=64), max_pending_batches=4
+    )
+    writer = background._writer
+    writer._synchronous(synchronous)
+    writer._hold_back(0 if synchronous else SETTLE)
+    try:
+        two = [aostore.BlockObject(f"k{i}", bytes(64)) for i in range(2)]
+        # Two referenced objects in a one-slot fail-closed store: refused by the writer.
+        background.put(two, retain_keys=["k0", "k1"])
+        other = [aostore.BlockObject("k2", bytes(64))]
+        if synchronous:
+            with pytest.raises(aostore.BlockObjectStoreError, match="publication failed"):
+                background.put(other)
+        else:
+            background.put(other)  # queued behind the failing put, not yet applied
+    finally:
+        writer._hold_back(0)
+        with pytest.raises(aostore.BlockObjectStoreError):
+            background.close()
