@@ -64,7 +64,9 @@ def test_a_tree_of_no_release_is_shown_beside_every_record(tmp_path: Path) -> No
     assert done.stderr == ""
 
 
-def test_a_partial_match_names_each_feature(tmp_path: Path) -> None:
+def test_a_partial_match_names_each_feature(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The package is 0.34.0's only in content we can write: use a record made of our files.
     files = {f"{releases.PACKAGE_DIR}/{name}": f"# {name}\n" for name in NEWEST.package}
     _write_package(tmp_path, files)
@@ -102,6 +104,9 @@ def test_a_partial_match_names_each_feature(tmp_path: Path) -> None:
         0,
         "result: this tree is vLLM 9.0.0's for every feature (exit status 0)",
     )
+    monkeypatch.setattr(releases, "RELEASES", (whole, *releases.RELEASES))
+    assert releases.installed(releases.WORKER, tmp_path) is whole
+    assert releases.installed(releases.WORKER, tmp_path / "nothing") is None
 
 
 def test_an_unreadable_file_is_shown_as_missing_not_raised(tmp_path: Path) -> None:

@@ -221,6 +221,15 @@ def recognized(release_name: str | None, feature: str, root: Path | None = None)
     return None
 
 
+def installed(feature: str, root: Path | None = None) -> Release | None:
+    """The record whose files for ``feature`` the installed vLLM (or the tree at ``root``) has,
+    newest first; ``None`` when none does or vLLM is not installed."""
+    root = root if root is not None else vllm_root()
+    if root is None:
+        return None
+    return next((r for r in RELEASES if not differences(r, feature, root)), None)
+
+
 def _short(digest_or_none: str | None) -> str:
     return "missing" if digest_or_none is None else digest_or_none[:12]
 
