@@ -305,7 +305,7 @@ def test_data_plane_on(runs: Runs) -> None:
         assert line["on"] or line["why_not"] == "not the output rank (no store)", lines
     assert result["startup_lines"], "no aostore start-up line in the log"
     for line in result["startup_lines"]:
-        assert PLANE_ON in line and "worker modules recognized" in line, line
+        assert PLANE_ON in line and "worker and scheduler files recognized" in line, line
     assert any(CONNECTOR_ON in line for line in result["connector_lines"]), result[
         "connector_lines"
     ]
