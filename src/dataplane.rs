@@ -10,7 +10,8 @@
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
-use std::ops::Range;
+use std::ops::{Deref, DerefMut, Range};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use foldhash::HashMap;
 
@@ -70,7 +71,7 @@ pub struct Publication {
     pub text: String,
     /// (key in `text`, payload in `payload`) per object, in vLLM's order.
     pub objects: Vec<(Range<usize>, Range<usize>)>,
-    pub payload: Vec<u8>,
+    pub payload: Payload,
     pub retains: Vec<Range<usize>>,
     pub releases: Vec<Range<usize>>,
 }
@@ -88,6 +89,90 @@ impl Publication {
         let start = self.text.len();
         self.text.push_str(key);
         start..self.text.len()
+    }
+}
+
+/// Payload buffers pooled: at most this many, of at most this capacity each.
+const POOLED_PAYLOADS: usize = 4;
+const POOLED_PAYLOAD_BYTES: usize = 2 << 20;
+
+/// Payload buffers back from applied calls, for the next calls: a call's payloads are then
+/// copied into pages already committed, not into a fresh allocation's (which the kernel
+/// zeroes page by page as the copy faults them in).
+#[derive(Debug, Default)]
+struct PayloadPool {
+    buffers: Mutex<Vec<Vec<u8>>>,
+}
+
+impl PayloadPool {
+    /// An empty buffer with room for `bytes`.
+    fn take(&self, bytes: usize) -> Vec<u8> {
+        let pooled = self.buffers.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        let mut buffer = pooled.unwrap_or_default();
+        buffer.clear();
+        buffer.reserve(bytes);
+        buffer
+    }
+
+    fn give(&self, buffer: Vec<u8>) {
+        if buffer.capacity() == 0 || buffer.capacity() > POOLED_PAYLOAD_BYTES {
+            return;
+        }
+        let mut buffers = self.buffers.lock().unwrap_or_else(PoisonError::into_inner);
+        if buffers.len() < POOLED_PAYLOADS {
+            buffers.push(buffer);
+        }
+    }
+}
+
+/// A call's payloads, back to back (a `Vec<u8>` to read and write). The plane's calls take
+/// their buffer from its pool, and it goes back there when the call is dropped (by the
+/// writer's thread, once applied).
+#[derive(Default)]
+pub struct Payload {
+    bytes: Vec<u8>,
+    pool: Option<Arc<PayloadPool>>,
+}
+
+impl Deref for Payload {
+    type Target = Vec<u8>;
+
+    fn deref(&self) -> &Vec<u8> {
+        &self.bytes
+    }
+}
+
+impl DerefMut for Payload {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.bytes
+    }
+}
+
+impl Drop for Payload {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.give(std::mem::take(&mut self.bytes));
+        }
+    }
+}
+
+impl Clone for Payload {
+    fn clone(&self) -> Self {
+        Self { bytes: self.bytes.clone(), pool: None }
+    }
+}
+
+impl PartialEq for Payload {
+    fn eq(&self, other: &Self) -> bool {
+        self.bytes == other.bytes
+    }
+}
+
+impl Eq for Payload {}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.bytes.fmt(f)
     }
 }
 
@@ -223,9 +308,15 @@ pub struct DataPlane {
     by_id: HashMap<Box<str>, u32>,
     next_seq: u64,
     generation: i64,
+    /// `vllm-artifact/<generation>/`, the prefix of every key made in this generation.
+    key_prefix: String,
     in_flight: VecDeque<InFlight>,
     next_token: u64,
     store_open: bool,
+    /// Buffers of the calls' payloads, reused (`PayloadPool`).
+    payloads: Arc<PayloadPool>,
+    /// The last prefix read's buffer, reused by the next (at most `POOLED_PAYLOAD_BYTES`).
+    read_buffer: Vec<u8>,
 }
 
 type Batches = Vec<(u32, Vec<(i64, Block)>)>;
@@ -251,9 +342,12 @@ impl DataPlane {
             by_id: HashMap::default(),
             next_seq: 0,
             generation: 0,
+            key_prefix: key_prefix(0),
             in_flight: VecDeque::new(),
             next_token: 0,
             store_open: true,
+            payloads: Arc::default(),
+            read_buffer: Vec::new(),
         })
     }
 
@@ -328,7 +422,11 @@ impl DataPlane {
     }
 
     fn key_text(&self, hash: &[u8]) -> Box<str> {
-        key_for(self.generation, hash)
+        // Sized exactly, so the boxed text keeps the allocation (no shrinking copy).
+        let mut key = String::with_capacity(self.key_prefix.len() + 2 * hash.len());
+        key.push_str(&self.key_prefix);
+        push_hex(&mut key, hash);
+        key.into_boxed_str()
     }
 
     fn slot_bytes(&mut self, slot: Slot) -> &mut [u8] {
@@ -379,6 +477,7 @@ impl DataPlane {
             }
             self.reset();
             self.generation = metadata.generation;
+            self.key_prefix = key_prefix(metadata.generation);
         }
         for &(id, emit_start) in &metadata.requests {
             let index = match self.by_id.get(id) {
@@ -561,7 +660,7 @@ impl DataPlane {
         // A consumer may reuse a block produced earlier in the same batch: publish first.
         self.publish(batches, input.rows, &[], &[], sink)?;
         let block = self.config.block_size as i64;
-        let mut stored = Vec::new();
+        let mut stored = std::mem::take(&mut self.read_buffer);
         for (position, index, emit_start, token_end) in materialize {
             let state = self.state(index);
             let stored_end = (token_end / block).min(state.keys.len() as i64) * block;
@@ -596,6 +695,9 @@ impl DataPlane {
             });
             state.emit_cursor = token_end;
             state.cursor_from_step = true;
+        }
+        if stored.capacity() <= POOLED_PAYLOAD_BYTES {
+            self.read_buffer = stored;
         }
         Ok(processed)
     }
@@ -764,6 +866,14 @@ impl DataPlane {
         let mut ready: Vec<(u32, i64, Block)> = Vec::new();
         for (index, completed) in batches {
             let keyed_end = self.state(index).keys.len() as i64 * block;
+            if self.state(index).pending_blocks.is_empty()
+                && completed.iter().all(|&(start, _)| start < keyed_end)
+            {
+                // Nothing staged and every completed block keyed (a decode's usual step): all
+                // ready, nothing stays pending.
+                ready.extend(completed.into_iter().map(|(start, data)| (index, start, data)));
+                continue;
+            }
             let blocks: Vec<(i64, Block)> = {
                 let state = self.state(index);
                 state
@@ -795,8 +905,13 @@ impl DataPlane {
         if ready.is_empty() && retains.is_empty() && releases.is_empty() {
             return Ok(());
         }
-        let mut call = Publication::default();
-        call.payload.reserve(ready.len() * n);
+        let mut call = Publication {
+            payload: Payload {
+                bytes: self.payloads.take(ready.len() * n),
+                pool: Some(Arc::clone(&self.payloads)),
+            },
+            ..Default::default()
+        };
         for &(index, start, data) in &ready {
             let key = call.push_key(&self.state(index).keys[(start / block) as usize]);
             let at = call.payload.len();
@@ -855,12 +970,25 @@ impl DataPlane {
 
 /// vLLM's key for a block hash: `vllm-artifact/<generation>/<hash as hex>`.
 pub fn key_for(generation: i64, hash: &[u8]) -> Box<str> {
-    let mut key = String::with_capacity(24 + 2 * hash.len());
-    let _ = write!(key, "vllm-artifact/{generation}/");
-    for byte in hash {
-        let _ = write!(key, "{byte:02x}");
-    }
+    let mut key = key_prefix(generation);
+    push_hex(&mut key, hash);
     key.into_boxed_str()
+}
+
+fn key_prefix(generation: i64) -> String {
+    let mut prefix = String::with_capacity(24);
+    let _ = write!(prefix, "vllm-artifact/{generation}/");
+    prefix
+}
+
+/// `hash.hex()`: two lowercase digits a byte, appended (a table, not a format call a byte).
+fn push_hex(key: &mut String, hash: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    key.reserve(2 * hash.len());
+    for &byte in hash {
+        key.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        key.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
+    }
 }
 
 /// The rows `sequence[start:stop]` selects in Python, for a sequence of `len` rows.
@@ -889,6 +1017,9 @@ mod tests {
     #[test]
     fn keys_are_vllms() {
         assert_eq!(&*key_for(3, &[0x00, 0xab, 0x10]), "vllm-artifact/3/00ab10");
+        let every: Vec<u8> = (0..=255).collect();
+        let hex: String = every.iter().map(|byte| format!("{byte:02x}")).collect();
+        assert_eq!(&*key_for(-1, &every), format!("vllm-artifact/-1/{hex}"));
     }
 
     #[test]

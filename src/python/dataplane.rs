@@ -258,23 +258,37 @@ mod arena {
     use pyo3::prelude::*;
     use std::cell::RefCell;
 
+    /// Items of the first chunk; each next chunk holds twice the one before, up to `MAX_CHUNK`.
+    const FIRST_CHUNK: usize = 64;
+    const MAX_CHUNK: usize = 4096;
+
     pub(super) struct Arena<'py> {
-        // Boxed: a borrow of an item must survive the vector growing.
-        #[expect(clippy::vec_box, reason = "items are borrowed while the vector grows")]
-        items: RefCell<Vec<Box<Bound<'py, PyAny>>>>,
+        // Chunks that never grow past their capacity: a borrow of an item survives later
+        // pushes (a new chunk is started instead), and one allocation serves many items.
+        chunks: RefCell<Vec<Vec<Bound<'py, PyAny>>>>,
     }
 
     impl<'py> Arena<'py> {
         pub(super) fn new() -> Self {
-            Self { items: RefCell::new(Vec::new()) }
+            Self { chunks: RefCell::new(Vec::new()) }
         }
 
         pub(super) fn keep<'a>(&'a self, object: Bound<'py, PyAny>) -> &'a Bound<'py, PyAny> {
-            let boxed = Box::new(object);
-            let at: *const Bound<'py, PyAny> = &*boxed;
-            self.items.borrow_mut().push(boxed);
-            // SAFETY: the box is never dropped or moved out before the arena, and its heap
-            // place does not move when the vector grows.
+            let mut chunks = self.chunks.borrow_mut();
+            let capacity = match chunks.last() {
+                Some(chunk) if chunk.len() < chunk.capacity() => None,
+                Some(chunk) => Some((2 * chunk.capacity()).min(MAX_CHUNK)),
+                None => Some(FIRST_CHUNK),
+            };
+            if let Some(capacity) = capacity {
+                chunks.push(Vec::with_capacity(capacity));
+            }
+            let chunk = chunks.last_mut().expect("a chunk with room");
+            chunk.push(object);
+            let at: *const Bound<'py, PyAny> = chunk.last().expect("just pushed");
+            // SAFETY: a chunk is pushed to only below its capacity, so its items never move
+            // (moving the outer vector moves no chunk's buffer), and no item is dropped or
+            // moved out before the arena.
             unsafe { &*at }
         }
     }
