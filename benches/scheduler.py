@@ -76,7 +76,6 @@ import time
 import types
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -108,80 +107,13 @@ def _import_replay() -> None:
 _import_replay()
 sys.path.insert(0, str(HERE))
 import worker  # noqa: E402  (benches/worker.py: W3's schedule, its sizes and block hashes)
+from vllm_steps import (  # noqa: E402  (the stand-ins, shared with worker.py's vllm-scheduler)
+    block_hasher,
+    kv_cache_manager,
+)
 
 BLOCK = worker.BLOCK
 CALLS = ("max_cache_hit", "build_connector_meta", "take_output", "request_finished")
-
-
-# -- Stand-ins ----------------------------------------------------------------------------------
-
-
-class StandInBlockPool:
-    """What the connector reads of the GPU block pool: ``hash_block_size`` and vLLM's own
-    ``get_cached_block`` over vLLM's ``BlockHashToBlockMap``. A block is in the map while a
-    running request holds it (``hold`` / ``drop``, counted; untimed). Like vLLM's pool, its
-    ``KVCacheBlock`` objects are made up front (``num_blocks``), so the heap the engine's
-    garbage collector walks holds no stand-in objects made while the schedule runs."""
-
-    def __init__(self, hash_block_size: int, num_blocks: int) -> None:
-        from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
-        from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
-
-        self._key_of = make_block_hash_with_group_id
-        self.get_cached_block = types.MethodType(BlockPool.get_cached_block, self)
-        self.hash_block_size = hash_block_size
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
-        # Block 0 is vLLM's null block; the free list is popped from its end.
-        self._free = [KVCacheBlock(block_id) for block_id in range(num_blocks, 0, -1)]
-        self._holders: dict[bytes, int] = {}
-        self._blocks: dict[bytes, Any] = {}
-
-    def hold(self, block_hash: bytes) -> None:
-        holders = self._holders.get(block_hash, 0)
-        self._holders[block_hash] = holders + 1
-        if holders == 0:
-            block = self._free.pop()
-            self._blocks[block_hash] = block
-            self.cached_block_hash_to_block.insert(self._key_of(block_hash, 0), block)
-
-    def drop(self, block_hash: bytes) -> None:
-        holders = self._holders[block_hash] - 1
-        if holders:
-            self._holders[block_hash] = holders
-            return
-        del self._holders[block_hash]
-        block = self._blocks.pop(block_hash)
-        self.cached_block_hash_to_block.pop(self._key_of(block_hash, 0), block.block_id)
-        self._free.append(block)
-
-    def __len__(self) -> int:
-        return len(self._holders)
-
-
-def kv_cache_manager(num_blocks: int) -> tuple[SimpleNamespace, StandInBlockPool]:
-    """The smallest KV cache manager 0.33.0's connector reads: one full-attention group."""
-    pool = StandInBlockPool(BLOCK, num_blocks)
-    manager = SimpleNamespace(block_size=BLOCK, block_pool=pool)
-    return (
-        SimpleNamespace(
-            coordinator=SimpleNamespace(single_type_managers=[manager]),
-            block_pool=pool,
-            kv_cache_config=SimpleNamespace(num_blocks=num_blocks),
-        ),
-        pool,
-    )
-
-
-def _hasher(hashes: list[bytes]) -> Any:
-    """A request's block hasher: the hashes of its blocks that became full (vLLM's contract:
-    those after ``len(request.block_hashes)``)."""
-
-    def block_hasher(request: Any) -> list[bytes]:
-        done = len(request.block_hashes)
-        full = min(request.num_tokens // BLOCK, len(hashes))
-        return hashes[done:full] if full > done else []
-
-    return block_hasher
 
 
 # -- One run ------------------------------------------------------------------------------------
@@ -223,7 +155,7 @@ def run(
             [0] * r.prompt_len,
             SamplingParams(max_tokens=r.out_len, routed_experts_prompt_start=0),
             None,
-            block_hasher=_hasher(hashes[r.index]),
+            block_hasher=block_hasher(hashes[r.index]),
         )
         for r in requests
     ]

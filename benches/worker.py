@@ -38,6 +38,24 @@ the scheduler's KV-cached retains and releases
 (``retained_block_hashes``/``released_block_hashes``, sent as ``None``), chunked prefill,
 preemption, speculative decoding, async scheduling.
 
+``--schedule vllm-scheduler`` takes the metadata from vLLM itself instead (``vllm_steps.py``):
+W3's requests (256 prompts x 2 samples by default, at most 256 running, the first 1,500 steps)
+run as vLLM ``Request`` objects through a model of vLLM's scheduler with speculative decoding
+(``--spec-tokens`` draft tokens a decode, each accepted with ``--accept`` until the first
+rejection) and chunked prefill, and vLLM's own ``AuxOutputSchedulerConnector`` (its class as
+shipped, in every arm) builds each step's metadata, which crosses to the worker through a pickle
+round trip. So the worker connector gets what vLLM's scheduler sends: prefix hits (vLLM's
+``max_cache_hit`` over a GPU prefix cache of running requests' blocks; read back from the
+store), rejected draft tokens (``num_rejected`` > 0, their rows other rows that must not come
+out), block hashes after their rows (a block completed by accepted drafts), prompts in chunks,
+finishes with their last hashes, KV-cached retains. The batch is in the model runner's order.
+Every output vLLM's ``take_output`` accepts is checked against the expected routed experts.
+The scheduler model runs in the worker's process but untimed; what it leaves behind is kept
+out of the timed calls: the heap is frozen before each step's calls (its objects live in the
+engine core in vLLM, so the collector walks only what the worker's calls made), and a step's
+outputs and pending output are let go after it (vLLM's model runner lets them go outside the
+connector's calls; W3's loop lets them go in the next step's ``prepare_output``).
+
 Stores, each run in its own forked child (vLLM imported once, before any swap), ABBA order
 ``noop vllm aostore aostore vllm noop`` per ``--reps``:
 
@@ -54,6 +72,7 @@ aostore's store-caused total over vLLM's (target: at most 1/5).
     python benches/worker.py                 # W3 at GLM-4.5-Air scale (see --steps)
     python benches/worker.py --quick         # tiny sizes, a smoke run
     python benches/worker.py --out t10.json  # also write every figure as JSON
+    python benches/worker.py --schedule vllm-scheduler --reps 3   # T12 on vLLM's metadata
 
 Run it in an environment of ``make test-vllm`` (``.venv-vllm``: ``vllm==0.33.0``;
 ``.venv-vllm34``: ``vllm==0.34.0``, whose connector is built in two phases, ``__init__`` then
@@ -92,6 +111,7 @@ POOL = 4096  # distinct routed-experts rows; a row's content is a function of (b
 STORES = ("noop", "vllm", "aostore", "dataplane")
 ORDER = (*STORES, *reversed(STORES))
 CALLS = ("begin_step", "prepare_output", "enqueue_cpu_copy", "process_output")
+SCHEDULES = ("w3", "vllm-scheduler")
 
 
 # -- The schedule -------------------------------------------------------------------------------
@@ -332,6 +352,45 @@ def settle(limit_s: float = 30.0) -> float:
     return time.perf_counter() - started
 
 
+def build_timed(
+    store: str, args: argparse.Namespace, max_tokens: int, max_model_len: int
+) -> tuple[Any, dict[str, Any], float, float, list[int]]:
+    """The connector (``build_connector``), checked to run the data plane exactly for
+    ``dataplane``, once start-up is over (``settle``); its writer's ``put`` and
+    ``get_concatenated`` timed into the returned one-item list (ns)."""
+    built = time.perf_counter()
+    connector = build_connector(args, max_tokens, max_model_len)
+    background = connector._store
+    classes = {
+        "background": _qualname(background),
+        "store": _qualname(getattr(background, "_store", None)),
+        "num_slots": int(getattr(background._store, "num_slots", 0)),
+        "object_nbytes": int(getattr(background._store, "object_nbytes", 0)),
+        "data_plane": connector.__dict__.get("_aostore_plane") is not None,
+    }
+    if classes["data_plane"] != (store == "dataplane"):
+        why = connector.__dict__.get("_aostore_why_not")
+        raise RuntimeError(f"{store}: data plane on = {classes['data_plane']} ({why})")
+    settle_s = settle()
+    build_s = time.perf_counter() - built
+    in_store = [0]  # ns the engine thread spends inside the writer's put and get_concatenated
+    clock = time.perf_counter_ns
+
+    def timed(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                in_store[0] += clock() - t0
+
+        return call
+
+    background.put = timed(background.put)
+    background.get_concatenated = timed(background.get_concatenated)
+    return connector, classes, build_s, settle_s, in_store
+
+
 # -- One run ------------------------------------------------------------------------------------
 
 
@@ -368,37 +427,11 @@ def run_store(store: str, args: argparse.Namespace, requests: list[Request]) -> 
             value = hashes[block_id] = block_hash(block_id)
         return value
 
-    built = time.perf_counter()
-    connector = build_connector(args, max_tokens, max_model_len)
-    background = connector._store
-    classes = {
-        "background": _qualname(background),
-        "store": _qualname(getattr(background, "_store", None)),
-        "num_slots": int(getattr(background._store, "num_slots", 0)),
-        "object_nbytes": int(getattr(background._store, "object_nbytes", 0)),
-        "data_plane": connector.__dict__.get("_aostore_plane") is not None,
-    }
-    if classes["data_plane"] != (store == "dataplane"):
-        why = connector.__dict__.get("_aostore_why_not")
-        raise RuntimeError(f"{store}: data plane on = {classes['data_plane']} ({why})")
-    settle_s = settle()
-    build_s = time.perf_counter() - built
+    connector, classes, build_s, settle_s, in_store = build_timed(
+        store, args, max_tokens, max_model_len
+    )
     capturer = connector._capturer
-    in_store = [0]  # ns the engine thread spends inside the writer's put and get_concatenated
     clock = time.perf_counter_ns
-
-    def timed(method: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t0 = clock()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                in_store[0] += clock() - t0
-
-        return call
-
-    background.put = timed(background.put)
-    background.get_concatenated = timed(background.get_concatenated)
 
     step_ns = np.zeros(num_steps, dtype=np.int64)
     store_ns = np.zeros(num_steps, dtype=np.int64)
@@ -515,9 +548,148 @@ def run_store(store: str, args: argparse.Namespace, requests: list[Request]) -> 
     }
 
 
+def run_store_scheduled(
+    store: str, args: argparse.Namespace, requests: list[Request]
+) -> dict[str, Any]:
+    """``--schedule vllm-scheduler``: one store through ``args.steps`` steps whose metadata vLLM's
+    own ``AuxOutputSchedulerConnector`` builds (``vllm_steps.SchedulerSteps``); the figures.
+    Every output vLLM's ``take_output`` accepts is checked against the expected routed experts
+    (prefix hits read back included; not with the no-op store, whose reads are zeros); the
+    rows of rejected draft tokens are other rows, which must not come out."""
+    import torch
+    import vllm_steps
+    from vllm.distributed.aux_output_connector import connector as connector_module
+
+    # vLLM's own scheduler connector, in every arm: taken before the plugin (if this arm turns
+    # it on) puts aostore's subclass in vLLM's module.
+    scheduler_connector = connector_module.AuxOutputSchedulerConnector
+    if scheduler_connector.__module__ != connector_module.__name__:
+        raise RuntimeError(f"not vLLM's scheduler connector: {_qualname(scheduler_connector)}")
+    install(store)
+    shape = args.shape
+    max_model_len = max(r.prompt_len + r.out_len for r in requests) + BLOCK
+    max_tokens = max(shape.max_num_batched_tokens, max_model_len)
+    pool = np.random.default_rng(args.seed).integers(0, 128, (POOL, LAYERS, TOP_K), np.uint8)
+    hashes: dict[int, bytes] = {}
+
+    def hash_of(block_id: int) -> bytes:
+        value = hashes.get(block_id)
+        if value is None:
+            value = hashes[block_id] = block_hash(block_id)
+        return value
+
+    steps = vllm_steps.SchedulerSteps(
+        requests,
+        hash_of,
+        connector_class=scheduler_connector,
+        kv_blocks=shape.kv_blocks,
+        max_running=shape.max_running,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        spec_tokens=args.spec_tokens,
+        accept=args.accept,
+        seed=args.seed,
+    )
+    connector, classes, build_s, settle_s, in_store = build_timed(
+        store, args, max_tokens, max_model_len
+    )
+    capturer = connector._capturer
+    clock = time.perf_counter_ns
+    limit = args.steps or 1 << 40
+    step_list: list[int] = []
+    store_list: list[int] = []
+    call_ns = dict.fromkeys(CALLS, 0)
+    prefix_reads = 0
+
+    def check(r: Request, token_start: int, rows: np.ndarray) -> None:
+        if not np.array_equal(rows, expected_rows(pool, r, token_start, token_start + len(rows))):
+            raise AssertionError(
+                f"{store}: wrong routed experts for {r.request_id} from token {token_start}"
+            )
+
+    by_index = {r.index: r for r in requests}
+    gc.collect()
+    gc.freeze()  # as vLLM's engine does once start-up is over
+    loop_start = time.perf_counter()
+    while not steps.done and len(step_list) < limit:
+        # The scheduler's side, untimed: vLLM's scheduler connector's metadata, the batch and
+        # the step's routed experts (a rejected draft token's rows are other rows).
+        worker_step = steps.next()
+        row_index = []
+        query_start = worker_step.query_start_loc
+        for i, (index, first, kept) in enumerate(worker_step.positions):
+            r = by_index[index]
+            positions = np.arange(first, first + int(query_start[i + 1] - query_start[i]))
+            rows = (r.bases[positions // BLOCK] + positions % BLOCK) % POOL
+            rows[kept:] = (rows[kept:] + POOL // 2) % POOL
+            row_index.append(rows)
+        prefix_reads += worker_step.prefix_reads
+        batch = StandInInputBatch(worker_step.req_ids, query_start, worker_step.num_computed)
+        capturer.rows = torch.from_numpy(pool[np.concatenate(row_index)])
+        metadata = worker_step.metadata
+        num_sampled = worker_step.num_sampled
+        num_rejected = worker_step.num_rejected
+
+        # The objects the scheduler model made (vLLM's requests, their token lists) live in
+        # the engine core, not in the worker: frozen before the timed calls (which also zeroes
+        # the young generation's count), so a collection that starts in a call, triggered by
+        # the call's own allocations, walks only what the worker's calls made.
+        gc.freeze()
+
+        # The engine thread in the connector, timed.
+        in_store[0] = 0
+        t0 = clock()
+        connector.begin_step(metadata)
+        t1 = clock()
+        pending = connector.prepare_output(batch)
+        t2 = clock()
+        pending.enqueue_cpu_copy(num_sampled, num_rejected)
+        t3 = clock()
+        outputs = pending.process_output()
+        t4 = clock()
+        step_list.append(t4 - t0)
+        store_list.append(in_store[0])
+        call_ns["begin_step"] += t1 - t0
+        call_ns["prepare_output"] += t2 - t1
+        call_ns["enqueue_cpu_copy"] += t3 - t2
+        call_ns["process_output"] += t4 - t3
+
+        # Untimed: the scheduler takes the outputs (vLLM's take_output), each checked; then
+        # the step's outputs and pending output are let go here, as the model runner lets them
+        # go outside the connector's calls (not at the next step's assignment, in its calls).
+        steps.finish(outputs, check if store != "noop" else None)
+        del outputs, pending
+        if args.progress and len(step_list) % 4096 == 0:
+            print(f"  {store}: step {len(step_list)}", file=sys.stderr, flush=True)
+    loop_s = time.perf_counter() - loop_start
+    gc.unfreeze()
+    t0 = clock()
+    connector.close()
+    close_ns = clock() - t0
+    return {
+        "store": store,
+        "classes": classes,
+        "steps": len(step_list),
+        "schedule_steps": len(step_list),
+        "max_num_batched_tokens": max_tokens,
+        "step_ns": step_list,
+        "store_ns": store_list,
+        "call_ns": call_ns,
+        "close_ns": close_ns,
+        "loop_s": loop_s,
+        "build_s": build_s,
+        "settle_s": settle_s,
+        "prefix_reads": prefix_reads,
+        "verified_prefills": steps.counts["outputs_checked"],
+        "schedule_counts": steps.counts | {"max_running": steps.max_running_seen},
+    }
+
+
 def _child(store: str, args: argparse.Namespace, requests: list[Request], path: str) -> None:
     try:
-        result = run_store(store, args, requests)
+        if args.schedule == "vllm-scheduler":
+            result = run_store_scheduled(store, args, requests)
+        else:
+            result = run_store(store, args, requests)
     except BaseException:
         result = {"store": store, "error": traceback.format_exc()}
     Path(path).write_text(json.dumps(result))
@@ -538,7 +710,7 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
         "in_store_ms": float(inside.sum() / 1e3),
         "close_ms": run["close_ns"] / 1e6,
         "loop_s": run["loop_s"],
-    }
+    } | {f"{name}_ms": run["call_ns"][name] / 1e6 for name in CALLS}
 
 
 def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -678,6 +850,17 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             f"T10: aostore's store-caused total / vLLM's = {ratio:.3f} (per ABBA half: "
             f"{halves}); target <= 0.2: {verdict}"
         )
+    lines.append("")
+    lines.append(
+        "| store | "
+        + " | ".join(f"{name} ms" for name in CALLS)
+        + " |\n|---|"
+        + "---|" * len(CALLS)
+    )
+    for store in STORES:
+        if store in stores:
+            per_call = " | ".join(f"{stores[store][name + '_ms']['mean']:.1f}" for name in CALLS)
+            lines.append(f"| {labels[store]} | {per_call} |")
     t12 = summary.get("t12", {})
     if "ratio" in t12:
         blocks = ", ".join(
@@ -717,10 +900,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(STORES),
         choices=list(STORES),
     )
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="w3",
+        help="w3 (the default): W3's schedule, its metadata made here; vllm-scheduler: W3's "
+        "requests scheduled with speculative decoding and chunked prefill, the metadata made by "
+        "vLLM's own AuxOutputSchedulerConnector (vllm_steps.py; defaults: 256 prompts x 2 "
+        "samples, at most 256 running, the first 1,500 steps)",
+    )
+    parser.add_argument(
+        "--spec-tokens", type=int, default=3, help="vllm-scheduler: draft tokens a decode"
+    )
+    parser.add_argument(
+        "--accept",
+        type=float,
+        default=0.7,
+        help="vllm-scheduler: each draft's chance of acceptance (until the first rejection)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")
     parser.add_argument("--progress", action="store_true", help="a line every 4,096 steps")
     args = parser.parse_args(argv)
+    scheduled = args.schedule == "vllm-scheduler"
     if args.quick:
         shape = replay.RolloutShape(
             prompts=args.prompts or 3,
@@ -729,6 +931,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             output_tokens=(40, 200),
             kv_blocks=200,
             max_running=6,
+            # vllm-scheduler: a budget that chunks the prompts (W3's replay ignores it there).
+            max_num_batched_tokens=96 if scheduled else 16_384,
+            seed=args.seed,
+        )
+    elif scheduled:
+        shape = replay.RolloutShape(
+            prompts=args.prompts or 256,
+            samples=args.samples or 2,
+            max_running=256,
             seed=args.seed,
         )
     else:
@@ -737,7 +948,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     args.shape = shape
     if args.steps is None:
-        args.steps = 0
+        args.steps = 1500 if scheduled and not args.quick else 0
     return args
 
 
@@ -746,15 +957,28 @@ def main(argv: list[str] | None = None) -> int:
     shape = args.shape
     requests = schedule(shape)
     steps = max(r.finish for r in requests) + 1
-    print(
-        f"worker.py: W3 {shape.prompts} prompts x {shape.samples} samples, "
-        f"{len(requests)} requests, {steps} steps"
-        + (f" (first {args.steps} run)" if args.steps and args.steps < steps else "")
-        + f", {sum(r.cached > 0 for r in requests)} prefix-cache hits; KV {shape.kv_blocks} "
-        f"blocks, store {shape.store_slots} slots x {BLOCK * LAYERS * TOP_K} B, "
-        f"at most {shape.max_running} running",
-        flush=True,
-    )
+    if args.schedule == "vllm-scheduler":
+        print(
+            f"worker.py: W3's requests ({shape.prompts} prompts x {shape.samples} samples, "
+            f"{len(requests)} requests) scheduled by a model of vLLM's scheduler, metadata by "
+            f"vLLM's AuxOutputSchedulerConnector: "
+            + (f"the first {args.steps} steps" if args.steps else "until all finish")
+            + f", {args.spec_tokens} draft tokens a decode (each accepted with p {args.accept}), "
+            f"at most {shape.max_num_batched_tokens} tokens a step; KV {shape.kv_blocks} blocks, "
+            f"store {shape.store_slots} slots x {BLOCK * LAYERS * TOP_K} B, at most "
+            f"{shape.max_running} running",
+            flush=True,
+        )
+    else:
+        print(
+            f"worker.py: W3 {shape.prompts} prompts x {shape.samples} samples, "
+            f"{len(requests)} requests, {steps} steps"
+            + (f" (first {args.steps} run)" if args.steps and args.steps < steps else "")
+            + f", {sum(r.cached > 0 for r in requests)} prefix-cache hits; KV {shape.kv_blocks} "
+            f"blocks, store {shape.store_slots} slots x {BLOCK * LAYERS * TOP_K} B, "
+            f"at most {shape.max_running} running",
+            flush=True,
+        )
     # vLLM imported once, before any swap: every child starts from its shipped classes.
     started = time.perf_counter()
     import vllm
@@ -785,9 +1009,13 @@ def main(argv: list[str] | None = None) -> int:
             f"  run {number + 1}/{len(order)} {store:8s} ({result['classes']['store']}): "
             f"p50 {figures['p50_us']:.1f} µs, p99 {figures['p99_us']:.1f} µs, "
             f"total {figures['total_ms']:.1f} ms over {result['steps']} steps, "
-            f"{result['prefix_reads']} prefix reads, loop {figures['loop_s']:.1f} s",
+            f"{result['prefix_reads']} prefix reads, loop {figures['loop_s']:.1f} s; per call, "
+            "ms: " + ", ".join(f"{name} {figures[name + '_ms']:.1f}" for name in CALLS),
             flush=True,
         )
+        if number == 0 and "schedule_counts" in result:
+            counts = ", ".join(f"{k} {v}" for k, v in result["schedule_counts"].items())
+            print(f"    schedule: {counts}", flush=True)
         runs.append(result)
     summary = report(runs)
     print()
@@ -802,7 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
             },
             "store_slots": shape.store_slots,
             "requests": len(requests),
-            "schedule_steps": steps,
+            "schedule": args.schedule,
+            "schedule_steps": runs[0]["schedule_steps"] if runs else steps,
             "steps": runs[0]["steps"] if runs else 0,
             "order": order,
             "summary": summary,

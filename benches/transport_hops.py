@@ -1,0 +1,604 @@
+"""The three processes of one ``benches/transport.py`` run: vLLM's worker, engine core and
+frontend, each with vLLM 0.33.0's own classes for its hops, in lockstep (one step at a time).
+
+Per step, in order (a process that waits blocks on a pipe or a ZMQ socket, never spins):
+
+- engine core: admits the step's new requests (vLLM ``Request`` objects), tells the worker to
+  run the step;
+- worker: builds the step's ``ModelRunnerOutput`` (untimed: the model runner and, R3 on, the
+  worker connector make it: one ``AuxRequestOutput`` per scheduled request whose ``rows`` are
+  a view of the step's routed-experts array, or the whole prompt's rows for a prefill), then,
+  timed, ``MessageQueue.enqueue((ResponseStatus.SUCCESS, output))`` as ``WorkerProc`` does, and
+  lets the output go; tells the engine core;
+- engine core: ``MessageQueue.dequeue()`` (the unpickling); ``update``: for each scheduled
+  request, vLLM's ``Scheduler._update_request_with_output`` (append the token, ``check_stop``),
+  R3 on: ``AuxOutputSchedulerConnector.take_output``, the ``EngineCoreOutput``, then
+  ``EngineCoreOutputs``, the model runner output let go, the finished requests freed and the
+  outputs put on the output queue; the output thread, vLLM's own
+  ``EngineCoreProc.process_output_sockets``, encodes them (``MsgpackEncoder.encode_into``) and
+  sends them (ZMQ PUSH, ipc);
+- frontend: ``recv_multipart(copy=False)``, ``MsgpackDecoder(EngineCoreOutputs).decode``,
+  ``OutputProcessor.process_outputs`` in chunks of ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE`` as
+  ``AsyncLLM``'s output handler does (the outputs that finish a request in a second call,
+  ``finish``: there the rows are concatenated); then, untimed, the rows of each finished
+  request are checked, and the next step's requests are added; it acks the step to the engine
+  core.
+
+A hop's CPU is its thread's (``time.thread_time_ns``); a process's CPU per step is
+``getrusage(RUSAGE_SELF)`` (every thread: the output thread, libzmq's I/O threads, the
+collector) over the step's window, which spans its hops and excludes the harness's own work
+(building inputs, checks, bookkeeping). Garbage collection runs as vLLM leaves it: each process
+calls vLLM's ``freeze_gc_heap`` once set up, as vLLM's worker, engine core and API server do;
+``gc.callbacks`` count the collections, the full ones (generation 2) by the hop that was running
+in the thread that triggered them.
+
+A transport arm is an :class:`Arm`: whether R3 runs, and what its processes install first (an
+aostore transport would put its classes into vLLM's modules there; every hop looks its class up
+in vLLM's module after that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import queue
+import resource
+import threading
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+LAYERS = 46  # GLM-4.5-Air: MoE layers (as benches/worker.py)
+TOP_K = 8
+ROW_NBYTES = LAYERS * TOP_K  # one token's routed experts, uint8
+POOL = 4096  # distinct rows; a row is a function of (block id, offset): benches/worker.py's
+BLOCK = 16
+TOKEN = 7  # every sampled token (no EOS, no stop tokens: requests finish on max_tokens)
+WAIT_S = 600.0  # the longest a process waits for a peer before it gives up
+
+WORKER_HOPS = ("enqueue",)
+ENGINE_CORE_HOPS = ("dequeue", "update", "encode_send")
+FRONTEND_HOPS = ("recv", "decode", "process_outputs", "finish")
+PROCESS_HOPS = {"worker": WORKER_HOPS, "engine_core": ENGINE_CORE_HOPS, "frontend": FRONTEND_HOPS}
+
+
+# -- Arms ---------------------------------------------------------------------------------------
+
+
+def _nothing(process: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One transport: ``r3`` says whether routed experts are captured and moved; ``install``
+    runs first in each of the arm's processes (``worker``, ``engine_core``, ``frontend``)."""
+
+    name: str
+    label: str
+    r3: bool
+    install: Callable[[str], None] = _nothing
+
+
+ARMS: dict[str, Arm] = {
+    "off": Arm("off", "R3 off", r3=False),
+    "vllm": Arm("vllm", "R3 on, vLLM's transport", r3=True),
+    # "aostore": Arm("aostore", "R3 on, aostore's transport", r3=True, install=...),
+}
+
+
+# -- The plan: what every process knows of the schedule -----------------------------------------
+
+
+@dataclass
+class Plan:
+    """The requests (benches/worker.py's ``Request``) by admission step, and the window."""
+
+    requests: list[Any]
+    steps: int
+    seed: int
+    by_start: dict[int, list[Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        by_start: dict[int, list[Any]] = defaultdict(list)
+        for r in self.requests:
+            if r.start < self.steps:
+                by_start[r.start].append(r)
+        self.by_start = dict(by_start)
+
+    def pool(self) -> np.ndarray:
+        return np.random.default_rng(self.seed).integers(0, 128, (POOL, LAYERS, TOP_K), np.uint8)
+
+
+def expected_rows(pool: np.ndarray, request: Any, start: int, end: int) -> np.ndarray:
+    """The routed experts of tokens ``start:end`` of ``request`` (benches/worker.py's rule)."""
+    positions = np.arange(start, end)
+    rows: np.ndarray = pool[(request.bases[positions // BLOCK] + positions % BLOCK) % POOL]
+    return rows
+
+
+def last_step(request: Any) -> int:
+    """The step that samples a request's last token (it finishes there)."""
+    return int(request.start + request.out_len - 1)
+
+
+# -- Instrumentation ----------------------------------------------------------------------------
+
+
+def _cpu_ns() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return int((usage.ru_utime + usage.ru_stime) * 1e9)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Meter:
+    """One process's figures: per hop and step, the thread CPU; per step, the process's CPU
+    over its window; collections, full ones by the hop running in the triggering thread."""
+
+    def __init__(self, hops: Sequence[str], steps: int) -> None:
+        self.hops = tuple(hops)
+        self.hop_ns = {hop: np.zeros(steps, np.int64) for hop in hops}
+        self.cpu_ns = np.zeros(steps, np.int64)
+        self.bytes = np.zeros(steps, np.int64)
+        self.frames = np.zeros(steps, np.int64)
+        self.full_gcs: dict[str, int] = defaultdict(int)
+        self.full_gc_ns: dict[str, int] = defaultdict(int)
+        self.young_gcs = 0
+        self._hop_of: dict[int, str] = {}  # thread id -> the hop it runs
+        self._gc_started: dict[int, int] = {}
+        self._window = 0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            self.young_gcs += phase == "start"
+            return
+        thread = threading.get_ident()
+        if phase == "start":
+            self._gc_started[thread] = time.perf_counter_ns()
+            return
+        label = self._hop_of.get(thread, "outside")
+        self.full_gcs[label] += 1
+        self.full_gc_ns[label] += time.perf_counter_ns() - self._gc_started.pop(thread, 0)
+
+    def enter(self, hop: str) -> int:
+        self._hop_of[threading.get_ident()] = hop
+        return time.thread_time_ns()
+
+    def leave(self, hop: str, step: int, started: int) -> None:
+        self.hop_ns[hop][step] += time.thread_time_ns() - started
+        self._hop_of[threading.get_ident()] = "outside"
+
+    def begin(self) -> None:
+        self._window = _cpu_ns()
+
+    def end(self, step: int) -> None:
+        self.cpu_ns[step] = _cpu_ns() - self._window
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "hop_ns": {hop: values.tolist() for hop, values in self.hop_ns.items()},
+            "cpu_ns": self.cpu_ns.tolist(),
+            "bytes": self.bytes.tolist(),
+            "frames": self.frames.tolist(),
+            "full_gcs": dict(self.full_gcs),
+            "full_gc_ms": {k: v / 1e6 for k, v in self.full_gc_ns.items()},
+            "young_gcs": self.young_gcs,
+        }
+
+
+def _recv(conn: Connection, what: str) -> Any:
+    if not conn.poll(WAIT_S):
+        raise TimeoutError(f"no {what} in {WAIT_S:.0f} s")
+    return conn.recv()
+
+
+def run_process(
+    process: str, body: Callable[..., dict[str, Any]], result_path: str, *args: Any
+) -> None:
+    """A forked child's entry: ``body``'s figures, or the error, as JSON at ``result_path``."""
+    try:
+        result = body(*args)
+    except BaseException:
+        result = {"process": process, "error": traceback.format_exc()}
+    Path(result_path).write_text(json.dumps(result))
+    os._exit(0)  # no atexit work inherited from the parent
+
+
+# -- Worker -------------------------------------------------------------------------------------
+
+
+def worker(arm: Arm, plan: Plan, conn: Connection) -> dict[str, Any]:
+    """The worker process: ``WorkerProc``'s response queue (``MessageQueue(1, 1)``), one
+    ``enqueue`` a step."""
+    arm.install("worker")
+    from vllm.distributed.aux_output_connector import connector as aux
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.utils.gc_utils import freeze_gc_heap
+    from vllm.v1 import outputs as v1_outputs
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    mq = shm_broadcast.MessageQueue(1, 1)
+    conn.send(mq.export_handle())
+    mq.wait_until_ready()
+    pool = plan.pool()
+    success = WorkerProc.ResponseStatus.SUCCESS
+    has_index = "req_id_to_index" in {
+        f.name for f in dataclasses.fields(v1_outputs.ModelRunnerOutput)
+    }
+    running: list[Any] = []
+    freeze_gc_heap()  # as vLLM's worker does once warm-up is over
+    meter = Meter(WORKER_HOPS, plan.steps)  # after the freeze: its collection is set-up's
+    rss0 = _rss()
+    for step in range(plan.steps):
+        _recv(conn, f"step {step} from the engine core")
+        # The model runner's output, untimed; with R3 the worker connector's outputs: views of
+        # the step's routed experts (a prefill's from token 0, its whole prompt).
+        running = [r for r in running if last_step(r) >= step]
+        running.extend(plan.by_start.get(step, ()))
+        req_ids = [r.request_id for r in running]
+        aux_outputs = None
+        if arm.r3 and running:
+            index: list[Any] = []
+            starts: list[int] = []
+            for r in running:
+                if r.start == step:
+                    starts.append(0)
+                    positions = np.arange(r.prompt_len)
+                    index.append((r.bases[positions // BLOCK] + positions % BLOCK) % POOL)
+                else:
+                    position = r.prompt_len + step - r.start - 1
+                    starts.append(position)
+                    index.append([(int(r.bases[position // BLOCK]) + position % BLOCK) % POOL])
+            rows = pool[np.concatenate(index)]
+            aux_outputs = {}
+            offset = 0
+            for rid, token_start, part in zip(req_ids, starts, index, strict=True):
+                aux_outputs[rid] = aux.AuxRequestOutput(
+                    token_start, rows[offset : offset + len(part)]
+                )
+                offset += len(part)
+            del rows, index
+        fields: dict[str, Any] = {}
+        if has_index:  # vLLM 0.33.0 and earlier; 0.34.0 removed it
+            fields["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
+        output = v1_outputs.ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[[TOKEN] for _ in req_ids],
+            aux_output_connector_output=aux_outputs,
+            **fields,
+        )
+        response = (success, output)
+        del output, aux_outputs, req_ids
+
+        meter.begin()
+        started = meter.enter("enqueue")
+        mq.enqueue(response)
+        del response  # the output is let go once it is sent
+        meter.leave("enqueue", step, started)
+        meter.end(step)
+        conn.send(step)
+    meter.close()
+    result = meter.result() | {"process": "worker", "rss_growth": _rss() - rss0}
+    _recv(conn, "the engine core's end")
+    del mq  # its ring's __del__ unlinks the shared memory (the process ends with os._exit)
+    gc.collect()
+    return result
+
+
+# -- Engine core --------------------------------------------------------------------------------
+
+
+class _OutputQueue(queue.Queue[Any]):
+    """The output thread's queue, timing the thread's hop: from one ``get`` returning to the
+    next ``get`` (vLLM's loop: encode, send, buffer bookkeeping)."""
+
+    def __init__(self, meter: Meter) -> None:
+        super().__init__()
+        self.meter = meter
+        self.step = 0
+        self.sent = threading.Semaphore(0)
+        self._started: int | None = None
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if self._started is not None:
+            self.meter.leave("encode_send", self.step, self._started)
+            self._started = None
+            self.sent.release()
+        item = super().get(block, timeout)
+        self._started = self.meter.enter("encode_send")
+        return item
+
+
+def _shm_message_size(mq: Any) -> tuple[int, int]:
+    """Bytes and buffers of the message last read from ``mq``'s ring (its chunk header: byte 0
+    overflow, bytes 1-2 the buffer count, each buffer after its 4-byte length)."""
+    index = (mq.current_idx - 1) % mq.buffer.max_chunks
+    with mq.buffer.get_data(index) as buf:
+        if buf[0] == 1:
+            return -1, -1  # overflowed to the ZMQ socket: not read here
+        count = int.from_bytes(buf[1:3], "big")
+        offset = 3
+        for _ in range(count):
+            offset += 4 + int.from_bytes(buf[offset : offset + 4], "big")
+        return offset, count
+
+
+def engine_core(
+    arm: Arm, plan: Plan, worker_conn: Connection, frontend_conn: Connection, output_path: str
+) -> dict[str, Any]:
+    """The engine-core process: the response queue's reader, the scheduler's output loop and
+    vLLM's output thread."""
+    arm.install("engine_core")
+    import vllm.envs as envs
+    from vllm.distributed.aux_output_connector import connector as aux
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.gc_utils import freeze_gc_heap
+    from vllm.v1 import engine as v1_engine
+    from vllm.v1.core.sched import scheduler as scheduler_module
+    from vllm.v1.core.sched.utils import remove_all
+    from vllm.v1.engine import core as core_module
+    from vllm.v1.request import Request
+
+    handle = _recv(worker_conn, "the worker's queue handle")
+    mq = shm_broadcast.MessageQueue.create_from_handle(handle, 0)
+    mq.wait_until_ready()
+    connector = None
+    if arm.r3:
+        # What the connector's __init__ reads of the KV cache manager (take_output reads none).
+        manager = SimpleNamespace(
+            coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=BLOCK)]),
+            block_pool=SimpleNamespace(hash_block_size=BLOCK),
+            kv_cache_config=SimpleNamespace(num_blocks=1024),
+        )
+        connector = aux.AuxOutputSchedulerConnector(manager)
+    max_model_len = max(r.prompt_len + r.out_len for r in plan.requests) + BLOCK
+    # Scheduler._update_request_with_output reads max_model_len of the scheduler alone.
+    scheduler = SimpleNamespace(max_model_len=max_model_len)
+    update_request = scheduler_module.Scheduler._update_request_with_output
+    take_output = connector.take_output if connector is not None else None
+    engine_core_output = v1_engine.EngineCoreOutput
+    engine_core_outputs = v1_engine.EngineCoreOutputs
+
+    def update(running: list[Any], output: Any) -> tuple[list[Any], Any]:
+        """The part of ``Scheduler.update_from_output`` a decode or prefill step runs here."""
+        sampled = output.sampled_token_ids
+        index = getattr(output, "req_id_to_index", None)
+        if index is None:  # vLLM 0.34.0: the batch's order is req_ids'
+            index = {rid: i for i, rid in enumerate(output.req_ids)}
+        aux_outputs = output.aux_output_connector_output
+        outputs = []
+        stopped_reqs = set()
+        for request in running:
+            req_id = request.request_id
+            new_token_ids, stopped = update_request(scheduler, request, sampled[index[req_id]])
+            routed_experts = None
+            if take_output is not None:
+                routed_experts = take_output(request, aux_outputs)
+            finish_reason = None
+            if stopped:
+                finish_reason = request.get_finished_reason()
+                stopped_reqs.add(request)
+            outputs.append(
+                engine_core_output(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=finish_reason,
+                    stop_reason=request.stop_reason,
+                    events=request.take_events(),
+                    routed_experts=routed_experts,
+                    num_nans_in_logits=request.num_nans_in_logits,
+                )
+            )
+        if stopped_reqs:
+            running = remove_all(running, stopped_reqs)
+        return running, engine_core_outputs(outputs=outputs)
+
+    freeze_gc_heap()  # as EngineCore.__init__ does
+    envs.enable_envs_cache()
+    meter = Meter(ENGINE_CORE_HOPS, plan.steps)  # after the freeze
+    outputs_queue = _OutputQueue(meter)
+    proc = core_module.EngineCoreProc
+    # vLLM's output thread, its own code: the few attributes it reads of the EngineCoreProc.
+    stand_in = SimpleNamespace(
+        output_queue=outputs_queue, _send_msg_tracking_payload=proc._send_msg_tracking_payload
+    )
+    thread = threading.Thread(
+        target=proc.process_output_sockets,
+        args=(stand_in, [output_path], None, 0),
+        name="EngineCoreOutputIOThread",
+        daemon=True,
+    )
+    thread.start()
+    running: list[Any] = []
+    rss0 = _rss()
+    for step in range(plan.steps):
+        # The scheduler admits the step's requests (untimed).
+        for r in plan.by_start.get(step, ()):
+            running.append(
+                Request(
+                    r.request_id, [0] * r.prompt_len, SamplingParams(max_tokens=r.out_len), None
+                )
+            )
+        meter.begin()
+        worker_conn.send(step)
+        _recv(worker_conn, f"the worker's step {step}")
+        started = meter.enter("dequeue")
+        _, output = mq.dequeue()
+        meter.leave("dequeue", step, started)
+        started = meter.enter("update")
+        running, outputs = update(running, output)
+        del output  # EngineCore.step lets the model runner output go
+        outputs_queue.step = step
+        outputs_queue.put_nowait((0, outputs))
+        del outputs
+        meter.leave("update", step, started)
+        if not outputs_queue.sent.acquire(timeout=WAIT_S):
+            raise TimeoutError(f"the output thread did not send step {step}")
+        _recv(frontend_conn, f"the frontend's ack of step {step}")
+        meter.end(step)
+        meter.bytes[step], meter.frames[step] = _shm_message_size(mq)
+    outputs_queue.put_nowait(proc.ENGINE_CORE_DEAD)
+    thread.join(WAIT_S)
+    meter.close()
+    worker_conn.send("end")
+    return meter.result() | {"process": "engine_core", "rss_growth": _rss() - rss0}
+
+
+# -- Frontend -----------------------------------------------------------------------------------
+
+
+def frontend(
+    arm: Arm, plan: Plan, conn: Connection, output_path: str, verify: bool
+) -> dict[str, Any]:
+    """The frontend process: the output socket's reader, vLLM's decoder and output processor."""
+    arm.install("frontend")
+    import vllm.envs as envs
+    import zmq
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.utils.gc_utils import freeze_gc_heap
+    from vllm.utils.network_utils import make_zmq_socket
+    from vllm.v1 import engine as v1_engine
+    from vllm.v1.engine import output_processor as op_module
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    ctx = zmq.Context()
+    socket = make_zmq_socket(ctx, output_path, zmq.PULL)  # binds, as the client does
+    socket.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
+    decoder = MsgpackDecoder(v1_engine.EngineCoreOutputs)
+    processor = op_module.OutputProcessor(None, log_stats=False)
+    chunk_size = envs.VLLM_V1_OUTPUT_PROC_CHUNK_SIZE
+    pool = plan.pool()
+    by_id = {r.request_id: r for r in plan.requests}
+
+    def add(step: int) -> None:
+        for r in plan.by_start.get(step, ()):
+            params = SamplingParams(
+                max_tokens=r.out_len,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,  # a non-streaming completion
+            )
+            request = v1_engine.EngineCoreRequest(
+                request_id=r.request_id,
+                prompt_token_ids=[0] * r.prompt_len,
+                mm_features=None,
+                sampling_params=params,
+                pooling_params=None,
+                arrival_time=time.time(),
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+                external_req_id=r.request_id,
+            )
+            processor.add_request(request, None)
+
+    rows_held: dict[str, int] = defaultdict(int)  # rows of running requests
+    held = np.zeros(plan.steps, np.int64)
+    rss = np.zeros(plan.steps, np.int64)
+    finishes: list[tuple[int, int, int]] = []  # (step, rows, ns of its share of ``finish``)
+    checked = 0
+    freeze_gc_heap()  # as vLLM's API server does once it is up
+    meter = Meter(FRONTEND_HOPS, plan.steps)  # after the freeze
+    add(0)
+    rss0 = _rss()
+    meter.begin()
+    for step in range(plan.steps):
+        started = meter.enter("recv")
+        frames = socket.recv_multipart(copy=False)
+        meter.leave("recv", step, started)
+        started = meter.enter("decode")
+        outputs = decoder.decode(frames)
+        meter.leave("decode", step, started)
+        engine_outputs = outputs.outputs
+        going = [o for o in engine_outputs if o.finish_reason is None]
+        ending = [o for o in engine_outputs if o.finish_reason is not None]
+        started = meter.enter("process_outputs")
+        for start in range(0, len(going), chunk_size):
+            processor.process_outputs(going[start : start + chunk_size], outputs.timestamp, None)
+        meter.leave("process_outputs", step, started)
+        started = meter.enter("finish")
+        finished = processor.process_outputs(ending, outputs.timestamp, None).request_outputs
+        meter.leave("finish", step, started)
+        meter.end(step)
+
+        # Untimed: sizes, rows held, the finished requests' rows checked.
+        meter.frames[step] = len(frames)
+        meter.bytes[step] = sum(len(frame) for frame in frames)
+        for o in engine_outputs:
+            if o.routed_experts is not None:
+                rows_held[o.request_id] += len(o.routed_experts)
+        finish_ns = int(meter.hop_ns["finish"][step])
+        total_rows = sum(
+            r.prompt_len + r.out_len - 1 for r in (by_id[o.request_id] for o in ending)
+        )
+        for request_output in finished:
+            r = by_id[request_output.request_id]
+            completion = request_output.outputs[0]
+            if len(completion.token_ids) != r.out_len:
+                raise AssertionError(f"{r.request_id}: {len(completion.token_ids)} tokens")
+            rows = completion.routed_experts
+            n = r.prompt_len + r.out_len - 1
+            if not arm.r3:
+                if rows is not None:
+                    raise AssertionError(f"{r.request_id}: routed experts with R3 off")
+            elif rows is None or (
+                verify and not np.array_equal(rows, expected_rows(pool, r, 0, n))
+            ):
+                raise AssertionError(f"{arm.name}: wrong routed experts for {r.request_id}")
+            checked += 1
+            finishes.append((step, n, finish_ns * n // max(total_rows, 1)))
+            rows_held.pop(r.request_id, None)
+        if len(finished) != len(ending):
+            raise AssertionError(f"step {step}: {len(ending)} finishes, {len(finished)} outputs")
+        del frames, outputs, engine_outputs, going, ending, finished
+        held[step] = sum(rows_held.values()) * ROW_NBYTES
+        rss[step] = _rss() - rss0
+        if step + 1 < plan.steps:
+            add(step + 1)
+        meter.begin()
+        conn.send(step)
+
+    # The rows of the requests still running at the end of the window, checked too.
+    partial = 0
+    if arm.r3 and verify:
+        for rid, state in processor.request_states.items():
+            r = by_id[rid]
+            got = np.concatenate(state.routed_experts_chunks)
+            if not np.array_equal(got, expected_rows(pool, r, 0, len(got))):
+                raise AssertionError(f"{arm.name}: wrong routed experts for running {rid}")
+            if len(got) != rows_held[rid]:
+                raise AssertionError(f"{rid}: {len(got)} rows, {rows_held[rid]} received")
+            partial += 1
+    dead = socket.recv()  # the engine core's last message, its output thread's end
+    meter.close()
+    socket.close(linger=0)
+    ctx.term()
+    return meter.result() | {
+        "process": "frontend",
+        "rss_growth": int(rss[-1]),
+        "dead": dead.decode(errors="replace"),
+        "held": held.tolist(),
+        "rss": rss.tolist(),
+        "finishes": finishes,
+        "checked_finished": checked,
+        "checked_running": partial,
+        "running_at_end": len(processor.request_states),
+    }

@@ -1,0 +1,65 @@
+"""``benches/transport.py --quick`` (T13's baseline) in a vLLM environment: vLLM's own classes
+for each hop of the routed-experts rows after the worker connector (worker -> engine core ->
+frontend, three processes in lockstep), R3 off and on, ABBA.
+
+Skips where ``vllm`` is not importable (the main suite); ``make test-vllm`` runs it in each
+release's environment. Checks that every finished request's rows came back right in the R3
+arm (the bench checks them against what the capturer produced) and that none came with R3 off,
+that vLLM's wire is what it measures (a frame per routed-experts array), and that the table and
+the JSON carry each hop; not the figures, which tiny sizes cannot judge.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not importable here", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benches" / "transport.py"
+HOPS = {
+    "worker.enqueue",
+    "engine_core.dequeue",
+    "engine_core.update",
+    "engine_core.encode_send",
+    "frontend.recv",
+    "frontend.decode",
+    "frontend.process_outputs",
+    "frontend.finish",
+}
+
+
+def test_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "t13.json"
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # aostore as installed (the wheel), not the source tree
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "T13 baseline" in done.stdout, done.stdout
+
+    result = json.loads(out.read_text())
+    assert result["order"] == ["off", "vllm", "vllm", "off"]
+    assert len(result["runs"]) == 4
+    for arm, run in zip(result["order"], result["runs"], strict=True):
+        assert set(run["hops"]) == HOPS, run["hops"].keys()
+        assert set(run["processes"]) == {"worker", "engine_core", "frontend"}
+        assert run["checked"]["finished"] > 0, run["checked"]
+        frames = run["processes"]["frontend"]["frames_p50"]  # as the frontend received them
+        # vLLM's output thread sends each routed-experts array of 256 B or more as its own frame.
+        assert (frames > 1) if arm == "vllm" else (frames == 1), (arm, frames)
+    assert set(result["summary"]["arms"]) == {"off", "vllm"}
