@@ -394,6 +394,23 @@ def build_timed(
 # -- One run ------------------------------------------------------------------------------------
 
 
+def count_calls(call_ns: dict[str, int], marks: tuple[int, int, int, int, int]) -> None:
+    """Adds each of the four calls' time in a step: ``marks`` is the clock before each call
+    and after the last."""
+    for name, start, end in zip(CALLS, marks, marks[1:], strict=False):
+        call_ns[name] += end - start
+
+
+def closed_run(connector: Any, loop_start: float, **figures: Any) -> dict[str, Any]:
+    """A run's figures once its loop is over: the loop's wall time, then the connector closed
+    (its drain at close timed) with the collector thawed first."""
+    loop_s = time.perf_counter() - loop_start
+    gc.unfreeze()
+    t0 = time.perf_counter_ns()
+    connector.close()
+    return figures | {"close_ns": time.perf_counter_ns() - t0, "loop_s": loop_s}
+
+
 def run_store(store: str, args: argparse.Namespace, requests: list[Request]) -> dict[str, Any]:
     """One store through the whole schedule in this process; the figures."""
     import torch
@@ -509,10 +526,7 @@ def run_store(store: str, args: argparse.Namespace, requests: list[Request]) -> 
             t2 = t3 = t4 = t1
         step_ns[step] = t4 - t0
         store_ns[step] = in_store[0]
-        call_ns["begin_step"] += t1 - t0
-        call_ns["prepare_output"] += t2 - t1
-        call_ns["enqueue_cpu_copy"] += t3 - t2
-        call_ns["process_output"] += t4 - t3
+        count_calls(call_ns, (t0, t1, t2, t3, t4))
 
         # Untimed: a prefill's output (read back from the store on a prefix-cache hit) is the
         # prompt's routed experts from token 0.
@@ -525,27 +539,22 @@ def run_store(store: str, args: argparse.Namespace, requests: list[Request]) -> 
                 checked += 1
         if args.progress and step % 4096 == 0:
             print(f"  {store}: step {step}/{num_steps}", file=sys.stderr, flush=True)
-    loop_s = time.perf_counter() - loop_start
-    gc.unfreeze()
-    t0 = clock()
-    connector.close()
-    close_ns = clock() - t0
-    return {
-        "store": store,
-        "classes": classes,
-        "steps": num_steps,
-        "schedule_steps": last_step,
-        "max_num_batched_tokens": max_tokens,
-        "step_ns": step_ns.tolist(),
-        "store_ns": store_ns.tolist(),
-        "call_ns": call_ns,
-        "close_ns": close_ns,
-        "loop_s": loop_s,
-        "build_s": build_s,
-        "settle_s": settle_s,
-        "prefix_reads": prefix_reads,
-        "verified_prefills": checked,
-    }
+    return closed_run(
+        connector,
+        loop_start,
+        store=store,
+        classes=classes,
+        steps=num_steps,
+        schedule_steps=last_step,
+        max_num_batched_tokens=max_tokens,
+        step_ns=step_ns.tolist(),
+        store_ns=store_ns.tolist(),
+        call_ns=call_ns,
+        build_s=build_s,
+        settle_s=settle_s,
+        prefix_reads=prefix_reads,
+        verified_prefills=checked,
+    )
 
 
 def run_store_scheduled(
@@ -648,10 +657,7 @@ def run_store_scheduled(
         t4 = clock()
         step_list.append(t4 - t0)
         store_list.append(in_store[0])
-        call_ns["begin_step"] += t1 - t0
-        call_ns["prepare_output"] += t2 - t1
-        call_ns["enqueue_cpu_copy"] += t3 - t2
-        call_ns["process_output"] += t4 - t3
+        count_calls(call_ns, (t0, t1, t2, t3, t4))
 
         # Untimed: the scheduler takes the outputs (vLLM's take_output), each checked; then
         # the step's outputs and pending output are let go here, as the model runner lets them
@@ -660,28 +666,23 @@ def run_store_scheduled(
         del outputs, pending
         if args.progress and len(step_list) % 4096 == 0:
             print(f"  {store}: step {len(step_list)}", file=sys.stderr, flush=True)
-    loop_s = time.perf_counter() - loop_start
-    gc.unfreeze()
-    t0 = clock()
-    connector.close()
-    close_ns = clock() - t0
-    return {
-        "store": store,
-        "classes": classes,
-        "steps": len(step_list),
-        "schedule_steps": len(step_list),
-        "max_num_batched_tokens": max_tokens,
-        "step_ns": step_list,
-        "store_ns": store_list,
-        "call_ns": call_ns,
-        "close_ns": close_ns,
-        "loop_s": loop_s,
-        "build_s": build_s,
-        "settle_s": settle_s,
-        "prefix_reads": prefix_reads,
-        "verified_prefills": steps.counts["outputs_checked"],
-        "schedule_counts": steps.counts | {"max_running": steps.max_running_seen},
-    }
+    return closed_run(
+        connector,
+        loop_start,
+        store=store,
+        classes=classes,
+        steps=len(step_list),
+        schedule_steps=len(step_list),
+        max_num_batched_tokens=max_tokens,
+        step_ns=step_list,
+        store_ns=store_list,
+        call_ns=call_ns,
+        build_s=build_s,
+        settle_s=settle_s,
+        prefix_reads=prefix_reads,
+        verified_prefills=steps.counts["outputs_checked"],
+        schedule_counts=steps.counts | {"max_running": steps.max_running_seen},
+    )
 
 
 def _child(store: str, args: argparse.Namespace, requests: list[Request], path: str) -> None:
@@ -713,7 +714,7 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
     } | {f"{name}_ms": run["call_ns"][name] / 1e6 for name in CALLS}
 
 
-def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def report(runs: list[dict[str, Any]], w3: bool = True) -> dict[str, Any]:
     """Per store: the mean over its runs (and the range) of p50, p99 and total; the
     store-caused part (minus the no-op store's) and T10's ratio, also per half of each ABBA
     block (noop vllm aostore | aostore vllm noop), which gives its range."""
@@ -777,7 +778,10 @@ def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if t12["per_block"]:
         t12["ratio"] = statistics.median(b["ratio"] for b in t12["per_block"])
         t12["p50_us"] = statistics.median(b["dataplane_p50_us"] for b in t12["per_block"])
-        t12["met"] = t12["ratio"] <= 0.25 and t12["p50_us"] <= 500
+        # SPEC T12's p50 bound (0.5 ms) is W3's; on vLLM's scheduler metadata (about four
+        # times W3's tokens a step: drafts) the target is the ratio (the 0.34.0 issue, item 4).
+        t12["p50_bound"] = w3
+        t12["met"] = t12["ratio"] <= 0.25 and (not w3 or t12["p50_us"] <= 500)
     return {
         "t12": t12,
         "stores": stores,
@@ -870,8 +874,9 @@ def table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         lines.append(
             f"T12: aostore's data plane and store / vLLM's connector and store, total = "
             f"{t12['ratio']:.3f}, data plane p50 {t12['p50_us']:.0f} µs/step (median of "
-            f"{len(t12['per_block'])} ABBA blocks: {blocks}); target <= 0.25 and <= 500 µs: "
-            f"{verdict}"
+            f"{len(t12['per_block'])} ABBA blocks: {blocks}); target <= 0.25"
+            + (" and <= 500 µs" if t12["p50_bound"] else " (the 500 µs p50 bound is W3's)")
+            + f": {verdict}"
         )
     if summary["in_store_ratio"] is not None:
         halves = ", ".join(f"{r:.3f}" for r in summary["in_store_ratio_per_half"])
@@ -1017,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
             counts = ", ".join(f"{k} {v}" for k, v in result["schedule_counts"].items())
             print(f"    schedule: {counts}", flush=True)
         runs.append(result)
-    summary = report(runs)
+    summary = report(runs, w3=args.schedule == "w3")
     print()
     print(table(summary, runs))
     if args.quick:

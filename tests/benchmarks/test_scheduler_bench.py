@@ -11,10 +11,6 @@ which tiny sizes cannot judge.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,26 +29,12 @@ if not _importable("vllm.distributed.aux_output_connector.connector"):
         allow_module_level=True,
     )
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benches" / "scheduler.py"
+from bench_runs import run_quick  # noqa: E402  (tests/support)
 
 
 def test_quick_run(tmp_path: Path) -> None:
-    out = tmp_path / "scheduler.json"
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # aostore as installed (the wheel), not the source tree
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "median of 3" in done.stdout, done.stdout
-
-    result = json.loads(out.read_text())
+    stdout, result = run_quick("scheduler.py", tmp_path / "scheduler.json", timeout=300)
+    assert "median of 3" in stdout, stdout
     assert result["requests"] > 0
     assert result["schedule_steps"] > 0
     assert result["steps"] == result["schedule_steps"]

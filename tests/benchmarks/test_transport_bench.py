@@ -12,10 +12,6 @@ the JSON carry each hop; not the figures, which tiny sizes cannot judge.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +19,8 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benches" / "transport.py"
+from bench_runs import run_quick
+
 HOPS = {
     "worker.enqueue",
     "engine_core.dequeue",
@@ -38,21 +34,8 @@ HOPS = {
 
 
 def test_quick_run(tmp_path: Path) -> None:
-    out = tmp_path / "t13.json"
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # aostore as installed (the wheel), not the source tree
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "T13 baseline" in done.stdout, done.stdout
-
-    result = json.loads(out.read_text())
+    stdout, result = run_quick("transport.py", tmp_path / "t13.json", timeout=600)
+    assert "T13 baseline" in stdout, stdout
     assert result["order"] == ["off", "vllm", "vllm", "off"]
     assert len(result["runs"]) == 4
     for arm, run in zip(result["order"], result["runs"], strict=True):

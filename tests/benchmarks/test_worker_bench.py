@@ -14,10 +14,6 @@ JSON carry every figure; not the ratios, which tiny sizes cannot judge.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +22,8 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benches" / "worker.py"
+from bench_runs import run_quick
+
 STORES = ("noop", "vllm", "aostore", "dataplane")
 
 STORE_CLASSES = {
@@ -39,21 +35,7 @@ STORE_CLASSES = {
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
-    out = tmp_path / "worker.json"
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # aostore as installed (the wheel), not the source tree
-    env.pop("AOSTORE_VLLM_PLUGIN", None)
-    env.pop("AOSTORE_VLLM_DATA_PLANE", None)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout, json.loads(out.read_text())
+    return run_quick("worker.py", tmp_path / "worker.json", *extra)
 
 
 def _check_runs(result: dict[str, Any]) -> None:
