@@ -1,4 +1,4 @@
-"""T13's baseline: what vLLM 0.33.0 spends moving routed-experts rows (R3) after the worker
+"""T13's baseline: what vLLM spends moving routed-experts rows (R3) after the worker
 connector, across its processes, with vLLM's own classes for every hop; R3 on minus R3 off.
 
 The multiprocess executor's layout on one node, three processes forked per run, in lockstep (one
@@ -60,7 +60,9 @@ reader's spin-wait (``SpinCondition``: the reader is called once the message is 
     python benches/transport.py --quick          # tiny sizes, a smoke run (under a minute)
     python benches/transport.py --reps 3 --out t13.json
 
-Run it with vLLM 0.33.0 and aostore installed (``.venv-vllm/bin/python``).
+Run it with vLLM 0.33.0 or 0.34.0 and aostore installed (``.venv-vllm/bin/python``,
+``.venv-vllm34/bin/python``; 0.34.0's ``ModelRunnerOutput`` has no ``req_id_to_index``, so
+the engine core indexes the batch by ``req_ids``, as 0.34.0's scheduler does).
 """
 
 from __future__ import annotations
