@@ -41,6 +41,15 @@ step) with the KV cache unbounded, so all 512 requests are admitted in the first
 worker reads a prefix hit back from its store), decodes one token a step and finishes on
 ``max_tokens``. Rows: GLM-4.5-Air's, 46 layers x top-8, uint8 (368 B a token).
 
+Then one long sample's finish (``--sample-tokens``, default 16,384 output tokens after a
+700-token prompt: 17,083 rows, GLM-4.5-Air's 16k sample), per arm in a forked child:
+vLLM's ``OutputProcessor`` taking the sample's outputs one a step (each through vLLM's
+encoder and decoder first, so a row is a view on its frame), the finishing output's
+concatenation, and the API server's answer to a non-streaming ``/v1/completions``
+(``numpy2base64``, ``CompletionResponse``, ``JSONResponse(content=response.model_dump())``):
+CPU per part, the body's bytes, the peak of traced allocations. On its own small heap; the
+window's finishes above are the same work inside a frontend that holds ~500 requests' rows.
+
 Arms, each run in its own three processes, ABBA order per ``--reps`` (``off vllm vllm off``):
 ``off``: R3 off (no rows, no ``take_output``, ``routed_experts`` None); ``vllm``: R3 on with
 vLLM's transport. The R3 share of a figure is ``vllm`` minus ``off``. An arm is a
@@ -146,6 +155,78 @@ def run_arm(arm: hops.Arm, plan: hops.Plan, number: int) -> dict[str, Any]:
     if errors:
         raise RuntimeError(f"{arm.name}: " + "\n".join(errors))
     return {"arm": arm.name, "steps": plan.steps, "processes": results}
+
+
+def run_sample(arm: hops.Arm, args: argparse.Namespace, number: int) -> dict[str, Any]:
+    """``hops.finish_sample`` for ``arm`` in a forked child (the frontend's and API server's
+    work on one long sample's finish)."""
+    context = multiprocessing.get_context("fork")
+    scratch = Path(os.environ.get("TMPDIR", "/tmp"))
+    path = scratch / f"aostore-transport-{os.getpid()}-sample-{number}.json"
+    child = context.Process(
+        target=hops.run_process,
+        args=(
+            "frontend",
+            hops.finish_sample,
+            str(path),
+            arm,
+            args.sample_prompt,
+            args.sample_tokens,
+            args.sample_reps,
+            args.seed,
+        ),
+        name=f"transport-{arm.name}-sample",
+    )
+    child.start()
+    child.join()
+    try:
+        result: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        result = {"error": f"exited with {child.exitcode}, no result"}
+    finally:
+        path.unlink(missing_ok=True)
+    if "error" in result:
+        raise RuntimeError(f"{arm.name} sample: {result['error']}")
+    return result
+
+
+SAMPLE_PARTS = ("accumulate", "finish", "base64", "render")
+
+
+def sample_report(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm over its runs: each part's CPU (median of every repetition, and the cold one:
+    each run's first, a fresh process), the body's bytes, the traced peak."""
+    arms: dict[str, Any] = {}
+    for name in dict.fromkeys(s["arm"] for s in samples):
+        runs = [s for s in samples if s["arm"] == name]
+        reps = [rep for s in runs for rep in s["reps"]]
+        figures: dict[str, Any] = {"rows": runs[0]["rows"], "runs": len(runs)}
+        for part in SAMPLE_PARTS:
+            figures[f"{part}_ms"] = statistics.median(r[f"{part}_ns"] for r in reps) / 1e6
+            figures[f"{part}_cold_ms"] = (
+                statistics.median(s["reps"][0][f"{part}_ns"] for s in runs) / 1e6
+            )
+        figures["body_bytes"] = reps[0]["body_bytes"]
+        figures["peak_mib"] = max(s["peak_bytes"] for s in runs) / 2**20
+        arms[name] = figures
+    return arms
+
+
+def sample_table(arms: dict[str, Any]) -> str:
+    lines = [
+        "| arm | rows | accumulate ms | finish ms (cold) | base64 ms (cold) | render ms (cold) |"
+        " finish + answer ms | body bytes | traced peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in arms.items():
+        answer = f["finish_ms"] + f["base64_ms"] + f["render_ms"]
+        lines.append(
+            f"| {hops.ARMS[name].label} | {f['rows']:,} | {f['accumulate_ms']:.1f} | "
+            f"{f['finish_ms']:.1f} ({f['finish_cold_ms']:.1f}) | {f['base64_ms']:.1f} "
+            f"({f['base64_cold_ms']:.1f}) | {f['render_ms']:.1f} ({f['render_cold_ms']:.1f}) | "
+            f"{answer:.1f} | {f['body_bytes']:,} | {f['peak_mib']:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 # -- Figures ------------------------------------------------------------------------------------
@@ -415,7 +496,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arms", nargs="+", default=list(hops.ARMS), choices=list(hops.ARMS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")
+    parser.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=None,
+        help="output tokens of the one long sample whose finish is measured (default 16,384, "
+        "with a 700-token prompt: 17,083 rows; --quick: 1,000; 0: none)",
+    )
+    parser.add_argument("--sample-prompt", type=int, default=700)
+    parser.add_argument("--sample-reps", type=int, default=3, help="repetitions a run")
     args = parser.parse_args(argv)
+    if args.sample_tokens is None:
+        args.sample_tokens = 1000 if args.quick else 16_384
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     if "off" not in args.arms:
@@ -485,9 +577,28 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         runs.append(run)
+    samples: list[dict[str, Any]] = []
+    if args.sample_tokens:
+        for number, name in enumerate(order):
+            try:
+                samples.append(run_sample(hops.ARMS[name], args, number))
+            except RuntimeError as error:
+                print(f"transport.py: {error}", file=sys.stderr)
+                return 1
     summary = report(runs)
     print()
     print(table(summary, [a for a in hops.ARMS if a in args.arms]))
+    if samples:
+        summary["sample"] = sample_report(samples)
+        print()
+        print(
+            f"One sample's finish ({args.sample_prompt:,}-token prompt, {args.sample_tokens:,} "
+            "output tokens), the frontend's `OutputProcessor` and the API server's answer to a "
+            "non-streaming /v1/completions (`numpy2base64`, `CompletionResponse`, "
+            f"`JSONResponse`); CPU, median of {args.sample_reps} repetitions a run (cold: each "
+            "run's first):"
+        )
+        print(sample_table(summary["sample"]))
     if args.quick:
         print("(--quick: tiny sizes, a smoke run; its figures are noise, not T13)")
     if args.out is not None:

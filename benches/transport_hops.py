@@ -602,3 +602,138 @@ def frontend(
         "checked_running": partial,
         "running_at_end": len(processor.request_states),
     }
+
+
+# -- One long sample's finish (the frontend and the API server) ---------------------------------
+
+
+def finish_sample(arm: Arm, prompt_len: int, out_len: int, reps: int, seed: int) -> dict[str, Any]:
+    """One request of ``prompt_len`` prompt tokens and ``out_len`` output tokens through vLLM's
+    ``OutputProcessor`` as the frontend gets it (the prefill's output with the prompt's rows,
+    then one row a decode), ``reps`` times, each with a fresh processor (the first on a cold
+    heap); then the API server's answer to a non-streaming ``/v1/completions``: vLLM's
+    ``numpy2base64`` of the rows, its ``CompletionResponse``, and the router's
+    ``JSONResponse(content=response.model_dump())``. CPU per part by thread time; the rows
+    checked; the peak of traced allocations over the finish and the answer in one more,
+    untimed, repetition. The outputs go through vLLM's encoder and decoder first (not through
+    ZMQ: a row is a view on a ``bytes`` frame rather than on a ``zmq.Frame``)."""
+    arm.install("frontend")
+    import tracemalloc
+
+    from fastapi.responses import JSONResponse
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionResponse,
+        CompletionResponseChoice,
+    )
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.utils.serial_utils import numpy2base64
+    from vllm.v1 import engine as v1_engine
+    from vllm.v1.engine import output_processor as op_module
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    rows_total = prompt_len + out_len - 1  # the last sampled token is not forwarded
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 128, (rows_total, LAYERS, TOP_K), np.uint8)
+    clock = time.thread_time_ns
+
+    encoder = MsgpackEncoder()
+    decoder = MsgpackDecoder(v1_engine.EngineCoreOutputs)
+
+    def outputs() -> list[Any]:
+        """The outputs as the frontend decodes them: each through vLLM's encoder and decoder,
+        so a row is a view on its own frame, as on the wire."""
+        made = []
+        for i in range(out_len):
+            if not arm.r3:
+                part = None
+            elif i == 0:
+                part = rows[:prompt_len].copy()
+            else:
+                part = rows[prompt_len + i - 1 : prompt_len + i].copy()
+            made.append(
+                v1_engine.EngineCoreOutput(
+                    request_id="sample",
+                    new_token_ids=[TOKEN],
+                    finish_reason=(v1_engine.FinishReason.LENGTH if i == out_len - 1 else None),
+                    routed_experts=part,
+                )
+            )
+        return [
+            decoder.decode(encoder.encode(v1_engine.EngineCoreOutputs(outputs=[o]))).outputs[0]
+            for o in made
+        ]
+
+    def one(timed: bool) -> dict[str, Any]:
+        processor = op_module.OutputProcessor(None, log_stats=False)
+        params = SamplingParams(
+            max_tokens=out_len, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        processor.add_request(
+            v1_engine.EngineCoreRequest(
+                request_id="sample",
+                prompt_token_ids=[0] * prompt_len,
+                mm_features=None,
+                sampling_params=params,
+                pooling_params=None,
+                arrival_time=time.time(),
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+                external_req_id="sample",
+            ),
+            None,
+        )
+        made = outputs()
+        t0 = clock()
+        for output in made[:-1]:
+            processor.process_outputs([output], None, None)
+        t1 = clock()
+        if not timed:
+            tracemalloc.start()
+        finished = processor.process_outputs(made[-1:], None, None).request_outputs
+        t2 = clock()
+        completion = finished[0].outputs[0]
+        encoded = None
+        if completion.routed_experts is not None:
+            encoded = numpy2base64(completion.routed_experts)
+        t3 = clock()
+        response = CompletionResponse(
+            model="glm-4.5-air",
+            choices=[
+                CompletionResponseChoice(
+                    index=0,
+                    text="",
+                    finish_reason=completion.finish_reason,
+                    routed_experts=encoded,
+                )
+            ],
+            usage=UsageInfo(
+                prompt_tokens=prompt_len,
+                completion_tokens=out_len,
+                total_tokens=prompt_len + out_len,
+            ),
+        )
+        body = JSONResponse(content=response.model_dump()).body
+        t4 = clock()
+        peak = 0
+        if not timed:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        got = completion.routed_experts
+        if arm.r3 and (got is None or not np.array_equal(got, rows)):
+            raise AssertionError(f"{arm.name}: wrong routed experts for the sample")
+        if not arm.r3 and got is not None:
+            raise AssertionError("routed experts with R3 off")
+        return {
+            "accumulate_ns": t1 - t0,
+            "finish_ns": t2 - t1,
+            "base64_ns": t3 - t2,
+            "render_ns": t4 - t3,
+            "body_bytes": len(bytes(body)),
+            "peak_bytes": peak,
+        }
+
+    timed = [one(True) for _ in range(reps)]
+    traced = one(False)
+    return {"arm": arm.name, "rows": rows_total, "reps": timed, "peak_bytes": traced["peak_bytes"]}

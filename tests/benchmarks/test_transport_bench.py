@@ -46,3 +46,10 @@ def test_quick_run(tmp_path: Path) -> None:
         # vLLM's output thread sends each routed-experts array of 256 B or more as its own frame.
         assert (frames > 1) if arm == "vllm" else (frames == 1), (arm, frames)
     assert set(result["summary"]["arms"]) == {"off", "vllm"}
+    # One long sample's finish: the rows came back right in the R3 arm (the bench checks them),
+    # and only there the answer's body carries them (base64 .npy: more than their bytes).
+    sample = result["summary"]["sample"]
+    assert set(sample) == {"off", "vllm"}
+    assert sample["off"]["rows"] == sample["vllm"]["rows"] > 0
+    assert sample["vllm"]["body_bytes"] > sample["vllm"]["rows"] * 368 > sample["off"]["body_bytes"]
+    assert "One sample's finish" in stdout, stdout
