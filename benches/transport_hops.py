@@ -466,6 +466,31 @@ def engine_core(
 # -- Frontend -----------------------------------------------------------------------------------
 
 
+def engine_request(request_id: str, prompt_len: int, out_len: int) -> Any:
+    """The ``EngineCoreRequest`` the frontend registers for a non-streaming completion of
+    ``out_len`` tokens, without detokenization."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1 import engine as v1_engine
+
+    params = SamplingParams(
+        max_tokens=out_len,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # a non-streaming completion
+    )
+    return v1_engine.EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=[0] * prompt_len,
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        external_req_id=request_id,
+    )
+
+
 def frontend(
     arm: Arm, plan: Plan, conn: Connection, output_path: str, verify: bool
 ) -> dict[str, Any]:
@@ -473,7 +498,6 @@ def frontend(
     arm.install("frontend")
     import vllm.envs as envs
     import zmq
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.utils.gc_utils import freeze_gc_heap
     from vllm.utils.network_utils import make_zmq_socket
     from vllm.v1 import engine as v1_engine
@@ -491,24 +515,7 @@ def frontend(
 
     def add(step: int) -> None:
         for r in plan.by_start.get(step, ()):
-            params = SamplingParams(
-                max_tokens=r.out_len,
-                detokenize=False,
-                output_kind=RequestOutputKind.FINAL_ONLY,  # a non-streaming completion
-            )
-            request = v1_engine.EngineCoreRequest(
-                request_id=r.request_id,
-                prompt_token_ids=[0] * r.prompt_len,
-                mm_features=None,
-                sampling_params=params,
-                pooling_params=None,
-                arrival_time=time.time(),
-                lora_request=None,
-                cache_salt=None,
-                data_parallel_rank=None,
-                external_req_id=r.request_id,
-            )
-            processor.add_request(request, None)
+            processor.add_request(engine_request(r.request_id, r.prompt_len, r.out_len), None)
 
     rows_held: dict[str, int] = defaultdict(int)  # rows of running requests
     held = np.zeros(plan.steps, np.int64)
@@ -626,7 +633,6 @@ def finish_sample(arm: Arm, prompt_len: int, out_len: int, reps: int, seed: int)
         CompletionResponseChoice,
     )
     from vllm.entrypoints.serve.engine.protocol import UsageInfo
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.utils.serial_utils import numpy2base64
     from vllm.v1 import engine as v1_engine
     from vllm.v1.engine import output_processor as op_module
@@ -666,24 +672,7 @@ def finish_sample(arm: Arm, prompt_len: int, out_len: int, reps: int, seed: int)
 
     def one(timed: bool) -> dict[str, Any]:
         processor = op_module.OutputProcessor(None, log_stats=False)
-        params = SamplingParams(
-            max_tokens=out_len, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
-        )
-        processor.add_request(
-            v1_engine.EngineCoreRequest(
-                request_id="sample",
-                prompt_token_ids=[0] * prompt_len,
-                mm_features=None,
-                sampling_params=params,
-                pooling_params=None,
-                arrival_time=time.time(),
-                lora_request=None,
-                cache_salt=None,
-                data_parallel_rank=None,
-                external_req_id="sample",
-            ),
-            None,
-        )
+        processor.add_request(engine_request("sample", prompt_len, out_len), None)
         made = outputs()
         t0 = clock()
         for output in made[:-1]:

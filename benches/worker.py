@@ -83,6 +83,7 @@ Run it in an environment of ``make test-vllm`` (``.venv-vllm``: ``vllm==0.33.0``
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import multiprocessing
@@ -436,13 +437,7 @@ def run_store(store: str, args: argparse.Namespace, requests: list[Request]) -> 
     )
     max_tokens = max(-(-max_tokens // 256) * 256, max_model_len)
     pool = np.random.default_rng(args.seed).integers(0, 128, (POOL, LAYERS, TOP_K), np.uint8)
-    hashes: dict[int, bytes] = {}
-
-    def hash_of(block_id: int) -> bytes:
-        value = hashes.get(block_id)
-        if value is None:
-            value = hashes[block_id] = block_hash(block_id)
-        return value
+    hash_of = functools.cache(block_hash)  # each block's hash made once, in this run
 
     connector, classes, build_s, settle_s, in_store = build_timed(
         store, args, max_tokens, max_model_len
@@ -579,13 +574,7 @@ def run_store_scheduled(
     max_model_len = max(r.prompt_len + r.out_len for r in requests) + BLOCK
     max_tokens = max(shape.max_num_batched_tokens, max_model_len)
     pool = np.random.default_rng(args.seed).integers(0, 128, (POOL, LAYERS, TOP_K), np.uint8)
-    hashes: dict[int, bytes] = {}
-
-    def hash_of(block_id: int) -> bytes:
-        value = hashes.get(block_id)
-        if value is None:
-            value = hashes[block_id] = block_hash(block_id)
-        return value
+    hash_of = functools.cache(block_hash)  # each block's hash made once, in this run
 
     steps = vllm_steps.SchedulerSteps(
         requests,
