@@ -88,13 +88,52 @@ class Arm:
     label: str
     r3: bool
     install: Callable[[str], None] = _nothing
+    packed: bool = False
+    """The worker's output is what aostore's data plane hands over with its transport on: one
+    ``StepRows`` a step (else vLLM's dict)."""
+
+
+def _aostore(process: str) -> None:
+    """What aostore's plugin puts in for the transport in each process: the encoder's method
+    and the frontend's ``RequestState`` everywhere, and in the engine core aostore's scheduler
+    connector (its ``take_output`` reads a packed step)."""
+    from aostore.vllm.dataplane.scheduler import scheduler_subclass
+    from aostore.vllm.install import swap
+    from aostore.vllm.transport import install
+    from vllm.distributed.aux_output_connector import connector as aux
+
+    install(swap, [])
+    if process == "engine_core":
+        vllm_class = aux.AuxOutputSchedulerConnector
+        ours = scheduler_subclass(vllm_class, aux, layout=_layout())
+        swap({"AuxOutputSchedulerConnector": vllm_class}, {"AuxOutputSchedulerConnector": ours}, [])
+
+
+def _layout() -> str:
+    from aostore.vllm.compat import releases
+
+    record = releases.installed(releases.TRANSPORT)
+    if record is None:
+        raise SystemExit("aostore arm: the installed vLLM is not recognized for the transport")
+    return record.layout
 
 
 ARMS: dict[str, Arm] = {
     "off": Arm("off", "R3 off", r3=False),
     "vllm": Arm("vllm", "R3 on, vLLM's transport", r3=True),
-    # "aostore": Arm("aostore", "R3 on, aostore's transport", r3=True, install=...),
+    "aostore": Arm("aostore", "R3 on, aostore's transport", r3=True, install=_aostore, packed=True),
 }
+
+
+def step_rows(ids: list[str], starts: list[int], counts: list[int], rows: np.ndarray) -> Any:
+    """What aostore's worker plane hands over for a step (``StepRows.packed``): the rows in a
+    fresh buffer, with the index of (token start, row end) per request."""
+    from aostore.vllm.transport import StepRows
+
+    index = np.empty((len(ids), 2), "<i8")
+    index[:, 0] = starts
+    index[:, 1] = np.cumsum(counts)
+    return StepRows.packed(tuple(ids), index.tobytes(), bytearray(rows), rows.dtype, rows.shape[1:])
 
 
 # -- The plan: what every process knows of the schedule -----------------------------------------
@@ -268,13 +307,16 @@ def worker(arm: Arm, plan: Plan, conn: Connection) -> dict[str, Any]:
                     starts.append(position)
                     index.append([(int(r.bases[position // BLOCK]) + position % BLOCK) % POOL])
             rows = pool[np.concatenate(index)]
-            aux_outputs = {}
-            offset = 0
-            for rid, token_start, part in zip(req_ids, starts, index, strict=True):
-                aux_outputs[rid] = aux.AuxRequestOutput(
-                    token_start, rows[offset : offset + len(part)]
-                )
-                offset += len(part)
+            if arm.packed:
+                aux_outputs = step_rows(req_ids, starts, [len(part) for part in index], rows)
+            else:
+                aux_outputs = {}
+                offset = 0
+                for rid, token_start, part in zip(req_ids, starts, index, strict=True):
+                    aux_outputs[rid] = aux.AuxRequestOutput(
+                        token_start, rows[offset : offset + len(part)]
+                    )
+                    offset += len(part)
             del rows, index
         fields: dict[str, Any] = {}
         if has_index:  # vLLM 0.33.0 and earlier; 0.34.0 removed it
@@ -657,6 +699,8 @@ def finish_sample(arm: Arm, prompt_len: int, out_len: int, reps: int, seed: int)
                 part = rows[:prompt_len].copy()
             else:
                 part = rows[prompt_len + i - 1 : prompt_len + i].copy()
+            if part is not None and arm.packed:  # a view of its step's buffer, as taken
+                part = step_rows(["sample"], [0], [len(part)], part)["sample"].rows
             made.append(
                 v1_engine.EngineCoreOutput(
                     request_id="sample",

@@ -56,9 +56,13 @@ pub struct NativeDataPlane {
     /// It is a plain dataclass of `token_start` and `rows`: made without running its
     /// `__init__` (the same instance, a Python frame less per request).
     plain_output: bool,
-    /// The capture dtype (a numpy dtype) and shape per token.
+    /// The capture dtype (a numpy dtype) and shape per token, and one row's bytes.
     dtype: Py<PyAny>,
     shape: Py<PyTuple>,
+    row_nbytes: usize,
+    /// `aostore.vllm.transport.StepRows.packed`: outputs go as one buffer a step
+    /// (`super::step_rows`); `None`: as vLLM's dict.
+    step_rows: Option<Py<PyAny>>,
     numpy: Py<PyModule>,
     /// Steps processed and outputs emitted natively: the proof that the plane ran.
     steps: AtomicU64,
@@ -343,7 +347,7 @@ fn metadata<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult
 #[pymethods]
 impl NativeDataPlane {
     #[new]
-    #[pyo3(signature = (writer, *, layout, block_size, shape_per_token, dtype, max_num_seqs, max_num_batched_tokens, max_concurrent_batches, output_class))]
+    #[pyo3(signature = (writer, *, layout, block_size, shape_per_token, dtype, max_num_seqs, max_num_batched_tokens, max_concurrent_batches, output_class, step_rows = None))]
     #[expect(clippy::too_many_arguments, reason = "the connector's own configuration, by name")]
     fn new(
         py: Python<'_>,
@@ -356,6 +360,7 @@ impl NativeDataPlane {
         max_num_batched_tokens: usize,
         max_concurrent_batches: usize,
         output_class: &Bound<'_, PyAny>,
+        step_rows: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let writer = writer.cast::<NativeWriter>().map_err(|_| {
             PyTypeError::new_err("NativeDataPlane needs aostore's Rust writer (NativeWriter)")
@@ -387,6 +392,8 @@ impl NativeDataPlane {
             plain_output,
             dtype: dtype.unbind(),
             shape: PyTuple::new(py, &shape_per_token)?.unbind(),
+            row_nbytes,
+            step_rows: step_rows.map(Bound::unbind),
             numpy: numpy.unbind(),
             steps: AtomicU64::new(0),
             outputs: AtomicU64::new(0),
@@ -414,7 +421,7 @@ impl NativeDataPlane {
         py: Python<'py>,
         pending: &Bound<'py, PyAny>,
         token: u64,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let routed = pending.getattr(intern!(py, "routed_experts"))?;
         let sampled = pending.getattr(intern!(py, "num_sampled"))?;
         let rejected = pending.getattr(intern!(py, "num_rejected"))?;
@@ -463,10 +470,25 @@ impl NativeDataPlane {
         };
         let processed =
             self.with_plane(py, |plane, sink| plane.process_output(token, &input, sink))?;
-        drop(buffer);
         self.steps.fetch_add(1, Ordering::Relaxed);
         self.outputs.fetch_add(processed.emitted.len() as u64, Ordering::Relaxed);
-        self.outputs_dict(py, processed, contiguous.as_ref(), &request_ids, &token_starts_object)
+        if let Some(step_rows) = &self.step_rows {
+            let packed = super::step_rows::pack(
+                step_rows.bind(py),
+                &processed,
+                rows,
+                self.row_nbytes,
+                &request_ids,
+                self.dtype.bind(py),
+                self.shape.bind(py),
+            );
+            drop(buffer);
+            return packed;
+        }
+        drop(buffer);
+        Ok(self
+            .outputs_dict(py, processed, contiguous.as_ref(), &request_ids, &token_starts_object)?
+            .into_any())
     }
 
     /// `close()`: nothing stays in flight; the connector closes its store itself.

@@ -12,6 +12,7 @@ mod lock;
 mod object;
 mod policy;
 mod scheduler;
+mod step_rows;
 mod variable;
 mod writer;
 

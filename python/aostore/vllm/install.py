@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from aostore import _log
 
-from . import dataplane, stores
+from . import dataplane, stores, transport
 from .compat.names import FIXED_STORE, PACKAGE, STORE_MODULE, WRAPPER
 from .compat.usage import vllm_modules
 from .plan import Plan, decide
@@ -36,8 +36,9 @@ def store_module_logger() -> logging.Logger | None:
     return cast("logging.Logger | None", getattr(sys.modules.get(STORE_MODULE), "logger", None))
 
 
-# (module namespace, global name, the value it had): what undoing a swap puts back.
-_Undo = list[tuple[dict[str, Any], str, Any]]
+# (module namespace, or a class's attributes; global name, the value it had): what undoing a
+# swap puts back.
+_Undo = list[tuple[Any, str, Any]]
 
 
 def patch_namespace(
@@ -121,9 +122,17 @@ def _register(settings: Settings) -> None:
             installed = {name: decision.replace[name] for name in (FIXED_STORE, WRAPPER)}
             release = decision.release or ""
             planes = dataplane.install(
-                installed, release, decision.data_plane, swap, undo, settings.data_plane_report
+                installed,
+                release,
+                decision.data_plane,
+                swap,
+                undo,
+                settings.data_plane_report,
+                transport=decision.transport,
             )
             patched = sorted({*patched, *planes})
+        if decision.transport:
+            patched = sorted({*patched, *transport.install(swap, undo)})
         if FIXED_STORE in decision.replace:
             targeted = _log.add_growth_target(store_module_logger)
     except BaseException:
@@ -158,6 +167,8 @@ def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bo
         parts.append(decision.mooncake_said)
     if decision.data_plane_said:
         parts.append(decision.data_plane_said)
+    if decision.transport_said:
+        parts.append(decision.transport_said)
     if decision.note:
         parts.append(decision.note)
     parts += [f"kept vLLM's {name}: {why}" for name, why in decision.keep.items()]

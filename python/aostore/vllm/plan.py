@@ -38,7 +38,7 @@ from .compat.names import (
 from .compat.references import hidden_references
 from .compat.surface import surface
 from .compat.usage import usage, vllm_sources
-from .settings import ENV_DATA_PLANE, ENV_MOONCAKE, MooncakeTier, Settings
+from .settings import ENV_DATA_PLANE, ENV_MOONCAKE, ENV_TRANSPORT, MooncakeTier, Settings
 from .stores import (
     EngineBlockObjectStore,
     EngineShmBlockObjectStore,
@@ -102,6 +102,10 @@ class Plan:
     recognizes its files; set by :func:`decide`."""
     data_plane_said: str = ""
     """Why the data plane is on or off, for the start-up line and ``aostore vllm-check``."""
+    transport: bool = False
+    """Whether aostore's transport (``aostore.vllm.transport``) goes in; set by :func:`decide`."""
+    transport_said: str = ""
+    """Why the transport is on or off, for the start-up line."""
 
 
 def _module_classes(module: Any) -> dict[str, type]:
@@ -372,7 +376,19 @@ def decide(store_module: Any, settings: Settings) -> tuple[Plan, str, str, bool]
         decision.replace[SHM_STORE] = EngineShmBlockObjectStore
     decision.mooncake, decision.mooncake_said = tier, said
     decision.data_plane, decision.data_plane_said = _data_plane(decision, settings)
+    decision.transport, decision.transport_said = _transport(decision, settings)
     return decision, profile, reason, warn
+
+
+def _transport(decision: Plan, settings: Settings) -> tuple[bool, str]:
+    """Whether the transport goes in, and the start-up line's words for it."""
+    if not settings.transport:
+        return False, f"transport off ({ENV_TRANSPORT}={settings.raw.get(ENV_TRANSPORT, '')})"
+    why = releases.recognized(decision.release, releases.TRANSPORT)
+    if why is not None:
+        return False, f"transport off ({why})"
+    packs = "" if releases.WORKER in decision.data_plane else ", rows unpacked: no data plane"
+    return True, f"transport on ({decision.release}'s transport files recognized{packs})"
 
 
 def _data_plane(decision: Plan, settings: Settings) -> tuple[tuple[str, ...], str]:

@@ -193,6 +193,8 @@ def check() -> dict[str, Any]:
         "mooncake": "",
         "data_plane": "",
         "data_plane_on": [],
+        "transport": "",
+        "transport_on": False,
         "problem": "",
     }
     problems = []
@@ -214,6 +216,8 @@ def check() -> dict[str, Any]:
         report["mooncake"] = decision.mooncake_said
         report["data_plane"] = decision.data_plane_said
         report["data_plane_on"] = list(decision.data_plane)
+        report["transport"] = decision.transport_said
+        report["transport_on"] = decision.transport
     if result.profile:
         report["profile"] = result.profile
         report["profile_reason"] = result.reason
@@ -259,6 +263,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  mooncake:    {report['mooncake']}")
     if report.get("data_plane"):
         lines.append(f"  data plane:  {report['data_plane']}")
+    if report.get("transport"):
+        lines.append(f"  transport:   {report['transport']}")
     if report["use"]:
         planes = report.get("data_plane_on") or []
         plane = f"data plane on for the {' and the '.join(planes)}" if planes else "data plane off"

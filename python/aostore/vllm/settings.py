@@ -34,6 +34,10 @@ ENV_DATA_PLANE_REPORT = "AOSTORE_VLLM_DATA_PLANE_REPORT"
 """A file that each data-plane connector appends one JSON line to at close or exit (tests'
 proof from inside vLLM's processes): whether its data plane was on, why not, its steps."""
 
+ENV_TRANSPORT = "AOSTORE_VLLM_TRANSPORT"
+"""Set to ``0``/``false``/``no``/``off`` to keep vLLM's own transport of routed-experts rows
+across its processes (``aostore.vllm.transport``) while the store and data plane stay."""
+
 VARIABLES = (
     ENV_DISABLE,
     ENV_PROFILE,
@@ -41,6 +45,7 @@ VARIABLES = (
     ENV_MOONCAKE,
     ENV_DATA_PLANE,
     ENV_DATA_PLANE_REPORT,
+    ENV_TRANSPORT,
 )
 PROFILES = ("fail-closed", "grow")
 
@@ -66,7 +71,7 @@ class MooncakeTier:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What the six variables say, validated; the defaults are those of an empty environment."""
+    """What the seven variables say, validated; the defaults are those of an empty environment."""
 
     enabled: bool = True
     """``AOSTORE_VLLM_PLUGIN`` leaves the plugin on."""
@@ -84,6 +89,8 @@ class Settings:
     """``AOSTORE_VLLM_DATA_PLANE`` leaves the native data plane on (where vLLM is recognized)."""
     data_plane_report: str | None = None
     """``AOSTORE_VLLM_DATA_PLANE_REPORT``'s file; ``None``: unset or empty."""
+    transport: bool = True
+    """``AOSTORE_VLLM_TRANSPORT`` leaves aostore's transport on (where vLLM is recognized)."""
     raw: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     """The variables that were set, as found (what ``aostore vllm-check`` quotes)."""
 
@@ -103,6 +110,7 @@ class Settings:
             tier_said=tier_said,
             data_plane=not _off(env.get(ENV_DATA_PLANE, "1")),
             data_plane_report=env.get(ENV_DATA_PLANE_REPORT) or None,
+            transport=not _off(env.get(ENV_TRANSPORT, "1")),
             raw={name: env[name] for name in VARIABLES if name in env},
         )
 

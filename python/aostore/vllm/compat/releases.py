@@ -9,7 +9,10 @@ feature depends on, by sha256 of the file's bytes, paths relative to the ``vllm`
 - ``worker plane``: the package, and the model runner's output path, the asynchronous copy,
   the capturer (dtype, shape, what it writes) and the output type;
 - ``scheduler side``: the package, and the scheduler that calls the scheduler-side connector
-  and the request it reads.
+  and the request it reads;
+- ``transport``: the package, and what moves a step's rows from the worker to the frontend
+  (the shared-memory queue, the multiprocess executor, the engine core and its client, the
+  output types, the msgpack encoder, the output processor): ``aostore.vllm.transport``.
 
 A release is recognized per feature: a tree can be one release's for the store and none's for
 the worker plane (a patched model runner), and the start-up line says which.
@@ -26,8 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 PACKAGE_DIR = "distributed/aux_output_connector"
-STORE, WORKER, SCHEDULER = "store", "worker plane", "scheduler side"
-FEATURES = (STORE, WORKER, SCHEDULER)
+STORE, WORKER, SCHEDULER, TRANSPORT = "store", "worker plane", "scheduler side", "transport"
+FEATURES = (STORE, WORKER, SCHEDULER, TRANSPORT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +49,19 @@ class Release:
     """The files outside the package the worker plane depends on, relative to ``vllm``."""
     scheduler: Mapping[str, str]
     """The files outside the package the scheduler side depends on, relative to ``vllm``."""
+    transport: Mapping[str, str] | None = None
+    """The files outside the package the transport depends on; ``None``: not recorded (the
+    transport stays off on this release)."""
 
     def files(self, feature: str) -> dict[str, str]:
         """Every file ``feature`` depends on, relative to the ``vllm`` package."""
         package = {f"{PACKAGE_DIR}/{name}": digest for name, digest in self.package.items()}
-        outside = {STORE: {}, WORKER: self.worker, SCHEDULER: self.scheduler}[feature]
+        outside = {
+            STORE: {},
+            WORKER: self.worker,
+            SCHEDULER: self.scheduler,
+            TRANSPORT: self.transport or {},
+        }[feature]
         return {**package, **outside}
 
 
@@ -62,6 +73,33 @@ _PACKAGE_0_33 = {
     "worker.py": "15ccb8393649e51895a781a453ad91af592a559150fbe4a01939bee401b7fb15",
 }
 _REQUEST_0_32 = "dd7c30bf8b0894dc123a739c299c0133566f8cc075b081e45905f1c29506e69d"
+_SERIAL_UTILS = "8a99e91c9ba9b34288b03e19f7f2afc6f884b5864d432a7aaf6e2664d2105927"
+"""``v1/serial_utils.py``: the same bytes in 0.32.0, 0.33.0 and 0.34.0."""
+
+
+
+def _transport(
+    *,
+    shm_broadcast: str,
+    multiproc_executor: str,
+    core: str,
+    core_client: str,
+    output_processor: str,
+    engine: str,
+    outputs: str,
+) -> dict[str, str]:
+    """A release's transport files, by the role each plays."""
+    return {
+        "distributed/device_communicators/shm_broadcast.py": shm_broadcast,
+        "v1/executor/multiproc_executor.py": multiproc_executor,
+        "v1/engine/core.py": core,
+        "v1/engine/core_client.py": core_client,
+        "v1/engine/output_processor.py": output_processor,
+        "v1/engine/__init__.py": engine,
+        "v1/outputs.py": outputs,
+        "v1/serial_utils.py": _SERIAL_UTILS,
+    }
+
 
 RELEASES: tuple[Release, ...] = (
     Release(
@@ -94,6 +132,15 @@ RELEASES: tuple[Release, ...] = (
             ),
             "v1/request.py": "8f98093de8e61138a444ab3dfdb1a1cc77bced2d11363cf144a054fdae89c204",
         },
+        transport=_transport(
+            shm_broadcast="3e472784cd080689361170f364b6b7b00e80a225dffe0e08ff83e7c2733d99c8",
+            multiproc_executor="dda5920286f3ab242e0312479a47608d45f4eba1f5967f8fd051c1dbafb88c6c",
+            core="246bfaa944c6229aa5c75a66a0cfa94152014cfc1cb696a61e4bdbb1f5ac5bae",
+            core_client="b6307a6302935d9ccd72c0faa5ec1fa88ab2112a2166de8a97238a6661bf73e6",
+            output_processor="156b4a0c91a2f589c7d98b22e590f0795a481084fbfd8173375fa092304a6b89",
+            engine="958530bb501c9482d6bde820075e22d3ef59985abb307b13b946a05bce83cc71",
+            outputs="b5d9f3075ebbb76dce26c4405412a9479d0b8aa6365ab555cde954d7f94db7ce",
+        ),
     ),
     Release(
         name="vLLM 0.33.0",
@@ -118,6 +165,15 @@ RELEASES: tuple[Release, ...] = (
             ),
             "v1/request.py": _REQUEST_0_32,
         },
+        transport=_transport(
+            shm_broadcast="7f253343529f09de0a6b2365d7719ac03a532756fd2439cef7983fbb3e834563",
+            multiproc_executor="d1de4acfa99d63325c7449e61aef24dbe96c16291ef7347836695faee8faa3fc",
+            core="d02d32df5d15f0a8b8ffc731ed4bc6f7fcb68b8a9273ec5e4c5d1ab4bd7d7e01",
+            core_client="a94b13d205356e052d4447a1ba8dccd87f5925da0aad9d288c05ee4145eb418a",
+            output_processor="f855e23e61ad572dd463b2f97e0cb5c6786f7530b15eb05cdf5bf27c3b0c35a1",
+            engine="733a21948cc1b6ff4e00907120febd0e4eac993eab19474b3ac8a801497c4115",
+            outputs="58cd064fa44182f2d9543b0ea1eee05d59f304293dd40e423ea7286f4d265bf7",
+        ),
     ),
     Release(
         name="vLLM 0.32.0",
@@ -148,6 +204,16 @@ RELEASES: tuple[Release, ...] = (
             ),
             "v1/request.py": _REQUEST_0_32,
         },
+        # Read from both wheels: the same bytes.
+        transport=_transport(
+            shm_broadcast="8b122fa8a8ae05a489c2a15069e67d17b626da5d9939524f088cda2ef3c1d75b",
+            multiproc_executor="948c15e09617b02e2d0746d9ee20b43168b083da71313d05f06b29a753f8570b",
+            core="458fd729771681b124d3a4d5b1c575f689bf789a5e0c8cc9f5c524eb6ec84f87",
+            core_client="386b528a69029507f80a2df4d6df2a4fa6ba2ba811501dc3449ceea58b5cd90a",
+            output_processor="e78c5af6b0db10c93f19af359d4cb003a82f7ddfde1ae2c58084a53a56d0adb4",
+            engine="5a525d4fc6e9a802be0d211d98b42cd196ac3bfd91906eb98a9dd47a15ecac22",
+            outputs="40b3aec867bca3a419f7b5ed8a33bfebe431f1085a09ff9d45ca4c4640377b19",
+        ),
     ),
 )
 """Newest first."""
@@ -192,6 +258,8 @@ def package_files(root: Path) -> list[str]:
 def differences(release: Release, feature: str, root: Path) -> list[str]:
     """The files of ``feature`` under ``root`` that are not ``release``'s, each with why (empty:
     recognized). The package must hold exactly the record's files: an extra one differs too."""
+    if feature == TRANSPORT and release.transport is None:
+        return [f"{release.name}'s record has no transport files"]
     found: list[str] = []
     for relative, wanted in release.files(feature).items():
         got = digest(root / relative)
@@ -253,7 +321,9 @@ def describe(root: Path | None, records: tuple[Release, ...] = RELEASES) -> tupl
     for path in paths:
         cells = []
         for record in records:
-            wanted = {**record.files(WORKER), **record.files(SCHEDULER)}.get(path)
+            wanted = {f: d for feature in FEATURES for f, d in record.files(feature).items()}.get(
+                path
+            )
             same = wanted == installed[path]
             cells.append("-" if wanted is None else "same" if same else wanted[:12])
         lines.append(

@@ -70,6 +70,9 @@ class Installed:
     """The worker module's :data:`WORKER_OBJECTS` at install."""
     report: str | None
     """``AOSTORE_VLLM_DATA_PLANE_REPORT``'s file, from the plugin's settings."""
+    transport: bool = False
+    """Whether aostore's transport is on (``aostore.vllm.transport``): the plane then packs a
+    step's rows where both ends of the hop run this aostore."""
     said: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)
     """Set once the worker's log line has been written (one per process)."""
 
@@ -81,6 +84,8 @@ def install(
     swap: Callable[..., list[str]],
     undo: list[Any],
     report: str | None = None,
+    *,
+    transport: bool = False,
 ) -> list[str]:
     """Puts the subclasses of ``features`` (:data:`BY_FEATURE`) in vLLM's modules (``swap`` as
     the store's); ``store_classes``: aostore's store and writer classes, by vLLM's name;
@@ -105,6 +110,7 @@ def install(
             methods={name: inspect.getattr_static(connector, name) for name in CONNECTOR_METHODS},
             worker_objects={name: vars(worker).get(name) for name in WORKER_OBJECTS},
             report=report,
+            transport=transport,
         )
         originals |= {CONNECTOR: vllm_connector, BUFFER: vllm_buffer}
         replacements |= {CONNECTOR: connector, BUFFER: buffer}

@@ -9,6 +9,7 @@ from typing import Any
 from aostore import _native
 from aostore._native import Layout
 
+from ..transport import StepRows
 from .install import SCHEDULER
 from .report import report_scheduler
 
@@ -36,6 +37,7 @@ def scheduler_subclass(
             "_aostore_module": module,
             "_aostore_layout": layout,
             "_aostore_report": report,
+            "_aostore_vllm_take_output": (vllm_scheduler, vllm_scheduler.take_output),
             "_aostore_own": tuple(
                 (name, getattr(vllm_scheduler, name)) for name in OWN_HELPERS[kv_events]
             ),
@@ -49,14 +51,16 @@ class DataPlaneSchedulerConnector:
     ``build_connector_meta`` reads and updates the connector's own dicts and lists in vLLM's
     order (``aostore._native.build_connector_meta``), so vLLM's other methods
     (``take_output``, ``request_finished``, ``reset``, the KV-cache lookups) run unchanged on
-    the same state. (A native ``take_output`` gained nothing: vLLM's scheduler calls it once
-    per request, and that call is most of its cost.)
+    the same state. ``take_output`` is vLLM's for vLLM's dict; a step that aostore's worker
+    packed (``aostore.vllm.transport.StepRows``) is read by its own ``take``, with vLLM's
+    checks.
     """
 
     _aostore_module: Any
     _aostore_layout: str
     _aostore_report: str | None
     _aostore_own: tuple[tuple[str, Any], ...]
+    _aostore_vllm_take_output: tuple[type, Any]
     _aostore_steps = 0
     _aostore_fallbacks = 0
     _aostore_why_not: str | None = None
@@ -79,3 +83,11 @@ class DataPlaneSchedulerConnector:
         return _native.build_connector_meta(
             self, scheduler_output, requests, self._aostore_module, self._aostore_layout
         )
+
+    def take_output(self, request: Any, output: Any) -> Any:
+        # A step packed by aostore's worker (aostore.vllm.transport): vLLM's checks and rows
+        # without an AuxRequestOutput per request; vLLM's dict goes to vLLM's method.
+        vllm_class, vllm_take_output = self._aostore_vllm_take_output
+        if type(output) is StepRows and vllm_class.take_output is vllm_take_output:
+            return output.take(request)
+        return super().take_output(request, output)  # type: ignore[misc]

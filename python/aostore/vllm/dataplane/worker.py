@@ -15,6 +15,7 @@ from typing import Any
 
 from aostore._native import NativeDataPlane
 
+from ..transport import StepRows, why_not_packed
 from .install import BUFFER, CONNECTOR, NO_STORE, Installed, why_not
 from .report import report_once
 
@@ -75,8 +76,10 @@ class DataPlaneConnector:
         installed = self._aostore_installed
         why = why_not(self)
         plane = None
+        packed = None
         if why is None:
             buffer = self._buffer
+            packed = why_not_packed(config) if installed.transport else "transport off"
             plane = NativeDataPlane(
                 self._store._writer,
                 layout=installed.layout,
@@ -87,13 +90,15 @@ class DataPlaneConnector:
                 max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
                 max_concurrent_batches=config.max_concurrent_batches,
                 output_class=vars(installed.worker)["AuxRequestOutput"],
+                step_rows=StepRows.packed if packed is None else None,
             )
         self._aostore_plane = plane
         self._aostore_why_not = why
         if not installed.said.is_set() and why != NO_STORE:
             installed.said.set()
             if plane is not None:
-                logger.info("aostore data plane: on for vLLM's worker connector")
+                rows = "one buffer a step" if packed is None else f"vLLM's dict ({packed})"
+                logger.info("aostore data plane: on for vLLM's worker connector; rows as %s", rows)
             else:
                 logger.info("aostore data plane: off for this connector (%s)", why)
 

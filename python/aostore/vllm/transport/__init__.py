@@ -1,0 +1,25 @@
+"""aostore's transport of routed-experts rows across vLLM's processes (SPEC 16).
+
+After the worker connector, vLLM moves each step's rows as one Python object per request per
+step. Here: the worker hands the engine core one buffer a step (``rows``), the engine core's
+encoder sends routed-experts rows inline on vLLM's own wire (``wire``), and the frontend holds
+each request's rows in one buffer (``frontend``); ``install`` puts them in. What users see
+(every ``RequestOutput``, every HTTP body) stays vLLM's: docs/transport.md.
+"""
+
+from __future__ import annotations
+
+from .frontend import RowChunks, request_state_subclass
+from .install import install, why_not_packed
+from .rows import FORMAT, StepArray, StepRows, is_step_rows
+
+__all__ = [
+    "FORMAT",
+    "RowChunks",
+    "StepArray",
+    "StepRows",
+    "install",
+    "is_step_rows",
+    "request_state_subclass",
+    "why_not_packed",
+]

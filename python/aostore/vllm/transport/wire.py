@@ -1,0 +1,36 @@
+"""Engine core to frontend: vLLM's wire, with routed-experts rows inline.
+
+vLLM's ``MsgpackEncoder`` sends every array of at least ``VLLM_MSGPACK_ZERO_COPY_THRESHOLD``
+bytes (256 by default) as a ZMQ frame of its own, so each 368-byte decode row of a GLM-4.5-Air
+request is one frame: about 500 a step. Every vLLM decoder (the Python one and the Rust
+frontend) reads an array either way, as ``(dtype, shape, data)`` with ``data`` a frame index or
+msgpack's raw-view extension. aostore's ``_encode_ndarray`` sends the arrays that are rows of a
+step buffer (:func:`.rows.is_step_rows`: routed experts from aostore's worker, nothing else)
+inline, as vLLM does for small arrays; every other array goes vLLM's way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rows import is_step_rows
+
+METHOD = "_encode_ndarray"
+
+
+def encoder_method(vllm_method: Any, serial_utils: Any) -> Any:
+    """aostore's ``MsgpackEncoder._encode_ndarray`` over vLLM's (``serial_utils``: vLLM's
+    module, whose ``msgpack`` and ``CUSTOM_TYPE_RAW_VIEW`` it uses)."""
+    ext = serial_utils.msgpack.Ext
+    raw_view = serial_utils.CUSTOM_TYPE_RAW_VIEW
+
+    def _encode_ndarray(self: Any, obj: Any) -> Any:
+        if obj.shape and obj.flags.c_contiguous and is_step_rows(obj):
+            # vLLM's inline form, byte for byte (what it sends below the threshold).
+            return obj.dtype.str, obj.shape, ext(raw_view, obj.data)
+        return vllm_method(self, obj)
+
+    _encode_ndarray.__qualname__ = f"MsgpackEncoder.{METHOD}"
+    _encode_ndarray.__doc__ = "vLLM's, with routed-experts rows of a step buffer inline."
+    _encode_ndarray.__wrapped__ = vllm_method  # type: ignore[attr-defined]
+    return _encode_ndarray
