@@ -630,7 +630,9 @@ def frontend(
     if arm.r3 and verify:
         for rid, state in processor.request_states.items():
             r = by_id[rid]
-            got = np.concatenate(state.routed_experts_chunks)
+            chunks = state.routed_experts_chunks
+            # aostore's RowChunks joins its rows itself (np.concatenate would index each chunk).
+            got = np.concatenate(chunks.joined() if hasattr(chunks, "joined") else chunks)
             if not np.array_equal(got, expected_rows(pool, r, 0, len(got))):
                 raise AssertionError(f"{arm.name}: wrong routed experts for running {rid}")
             if len(got) != rows_held[rid]:

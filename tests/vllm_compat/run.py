@@ -73,6 +73,7 @@ TARGETS = {
 }
 TOOLS = (
     "pytest==9.1.0",  # vLLM 0.33.0's and 0.34.0's requirements/test pin
+    "hypothesis>=6.100",  # aostore's transport tests (tests/transport/)
     # What vLLM's setup.py imports to prepare the sdist's metadata (its build-system table).
     "setuptools>=77.0.3,<81",
     "setuptools-scm>=8",

@@ -63,7 +63,11 @@ class RowChunks:
     def __getitem__(self, position: Any) -> Any:
         if self._list is not None:
             return self._list[position]
-        return self._chunks()[position]
+        if isinstance(position, slice):
+            return self._chunks()[position]
+        ends = self._ends
+        index = range(len(ends))[position]  # the list's IndexError and TypeError
+        return self._view(ends[index - 1] if index else 0, ends[index]).copy()
 
     def __len__(self) -> int:
         return len(self._list) if self._list is not None else len(self._ends)
@@ -118,7 +122,7 @@ class RowChunks:
         return rows.reshape(-1, *self._shape)
 
     def _chunks(self) -> list[Any]:
-        starts = [0, *self._ends[:-1]]
+        starts = [0, *self._ends[:-1]][: len(self._ends)]
         return [self._view(a, b).copy() for a, b in zip(starts, self._ends, strict=True)]
 
     def _to_list(self) -> list[Any]:

@@ -1,0 +1,181 @@
+"""``RowChunks`` against the ``list[np.ndarray]`` it stands in for in vLLM's ``RequestState``.
+
+Every operation vLLM's ``OutputProcessor`` uses (``append``; ``chunks[-1] = rows``, which
+``_trim_surplus_tokens`` uses to cut the last chunk, possibly to nothing, even when more tokens
+are dropped than that output has rows; truth; the concatenation of a finished request) and the
+other list reads give what the list gives, for any sequence of them; chunks that do not fit one
+buffer (another dtype or shape) turn it into the list, chunk for chunk. And the rows are held at
+their size: the buffer, not a view per row.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aostore.vllm.transport import RowChunks
+
+SHAPE = (3, 2)  # a row: layers x top-k, small
+
+
+def rows(n: int, seed: int, dtype: str = "uint8", shape: tuple[int, ...] = SHAPE) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 100, (n, *shape)).astype(dtype)
+
+
+def same(a: object, b: object) -> None:
+    """The same array: type, dtype, shape and values."""
+    assert type(a) is type(b) is np.ndarray
+    assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(a, b)
+
+
+def concatenated(chunks: object) -> object:
+    """What vLLM's ``_new_completion_output`` makes, or the exception it raises."""
+    try:
+        return np.concatenate(chunks, axis=0)  # type: ignore[call-overload]
+    except Exception as error:  # noqa: BLE001 - compared, not hidden
+        return (type(error), str(error))
+
+
+def check(ours: RowChunks, theirs: list[np.ndarray]) -> None:
+    assert len(ours) == len(theirs)
+    assert bool(ours) == bool(theirs)
+    for got, want in zip(ours, theirs, strict=True):
+        same(got, want)
+    if theirs:
+        same(ours[-1], theirs[-1])
+        same(ours[0], theirs[0])
+    joined, want = concatenated(ours.joined()), concatenated(theirs)
+    if isinstance(want, np.ndarray):
+        same(joined, want)
+    else:
+        assert joined == want
+
+
+# One step's operations on a request's chunks: an output with `n` rows arrives; or it arrives
+# and the frontend trims `dropped` surplus tokens (vLLM: chunks[-1] = rows[:-dropped]).
+operations = st.lists(
+    st.tuples(st.integers(0, 40), st.integers(0, 6), st.booleans()), min_size=0, max_size=30
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations, st.integers(0, 2**32 - 1))
+def test_the_outputs_vllm_sends_give_the_lists_results(
+    steps: list[tuple[int, int, bool]], seed: int
+) -> None:
+    ours, theirs = RowChunks(), []
+    for i, (n, dropped, trim) in enumerate(steps):
+        output = rows(n, seed + i)
+        ours.append(output)
+        theirs.append(output)
+        if trim and dropped:
+            cut = output[:-dropped]  # possibly empty, as vLLM's slice is
+            ours[-1] = cut
+            theirs[-1] = cut
+        check(ours, theirs)
+    assert ours.nbytes == sum(chunk.nbytes for chunk in theirs)
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        rows(2, 1, dtype="int32"),  # another dtype: np.concatenate promotes
+        rows(2, 2, shape=(3, 3)),  # another row shape: np.concatenate raises
+        np.uint8(7),  # no rows dimension
+        rows(2, 3).reshape(2, 6),  # another number of dimensions
+        [[[1, 2], [3, 4], [5, 6]]],  # not an array
+    ],
+    ids=["dtype", "shape", "scalar", "ndim", "list"],
+)
+@pytest.mark.parametrize("how", ["append", "set last"])
+def test_a_chunk_that_does_not_fit_turns_it_into_vllms_list(odd: object, how: str) -> None:
+    ours, theirs = RowChunks(), []
+    for i in range(3):
+        ours.append(rows(i + 1, i))
+        theirs.append(rows(i + 1, i))
+    if how == "append":
+        ours.append(odd)
+        theirs.append(odd)  # type: ignore[arg-type]
+    else:
+        ours[-1] = odd
+        theirs[-1] = odd  # type: ignore[call-overload]
+    assert len(ours) == len(theirs)
+    assert ours[-1] is odd
+    joined, want = concatenated(ours.joined()), concatenated(theirs)
+    if isinstance(want, np.ndarray):
+        same(joined, want)
+    else:
+        assert joined == want
+    ours.append(rows(1, 9))  # it stays the list from here
+    theirs.append(rows(1, 9))
+    assert len(ours) == len(theirs)
+
+
+def test_writes_other_than_to_the_last_chunk_keep_the_lists_meaning() -> None:
+    ours, theirs = RowChunks(), []
+    for i in range(4):
+        ours.append(rows(2, i))
+        theirs.append(rows(2, i))
+    ours[1] = rows(5, 10)
+    theirs[1] = rows(5, 10)
+    check(ours, theirs)
+    ours[3] = rows(1, 11)  # the last chunk by its index: a list too
+    theirs[3] = rows(1, 11)
+    check(ours, theirs)
+    with pytest.raises(IndexError):
+        ours[7] = rows(1, 12)
+
+
+def test_an_empty_one_is_false_and_joins_nothing() -> None:
+    ours = RowChunks()
+    assert not ours and len(ours) == 0 and list(ours) == [] and ours.joined() == []
+    with pytest.raises(IndexError):
+        ours[-1] = rows(1, 0)  # as on an empty list
+    ours.append(rows(0, 0))  # an empty chunk still makes it true (vLLM's list would be)
+    assert ours and len(ours) == 1
+    same(np.concatenate(ours.joined()), np.concatenate([rows(0, 0)]))
+
+
+def test_a_strided_chunk_is_held_by_value() -> None:
+    base = rows(10, 5)
+    strided = base[::2]  # not contiguous
+    ours = RowChunks()
+    ours.append(strided)
+    base[:] = 0  # the caller's memory changes: the rows held do not
+    same(ours[0], np.ascontiguousarray(rows(10, 5)[::2]))
+
+
+def test_a_join_that_is_still_alive_does_not_stop_the_next_write() -> None:
+    ours = RowChunks()
+    ours.append(rows(3, 1))
+    (view,) = ours.joined()
+    ours.append(rows(2, 2))  # the buffer moves rather than raise BufferError
+    ours[-1] = rows(1, 3)
+    same(view, rows(3, 1))
+    same(np.concatenate(ours.joined()), np.concatenate([rows(3, 1), rows(1, 3)]))
+
+
+def test_rows_are_held_at_their_size() -> None:
+    """A 16k-token request's rows as they arrive (the prompt, then one row a step): the buffer
+    is at most 1.25x the rows' bytes (CPython grows it by an eighth), where vLLM's list holds a
+    view per row (an ndarray header, its shape and strides, the list slot)."""
+    shape = (46, 8)
+    ours, theirs = RowChunks(), []
+    prompt = rows(700, 0, shape=shape)
+    ours.append(prompt)
+    theirs.append(prompt)
+    decode = rows(16_384, 1, shape=shape)
+    for i in range(len(decode)):
+        ours.append(decode[i : i + 1])
+        theirs.append(decode[i : i + 1])
+    held = sys.getsizeof(ours._data) + sys.getsizeof(ours._ends)
+    assert held <= 1.25 * ours.nbytes, (held, ours.nbytes)
+    per_row_view = sys.getsizeof(theirs) / len(theirs) + sys.getsizeof(decode[:1])
+    assert per_row_view > 100  # what the list costs beyond the rows: the point of the buffer
+    same(np.concatenate(ours.joined()), np.concatenate(theirs))
