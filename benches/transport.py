@@ -466,16 +466,98 @@ def table(summary: dict[str, Any], arm_names: list[str]) -> str:
         )
         caused = ", ".join(f"{p} {n:+.1f}" for p, n in gcs_caused.items())
         verdict = (
-            f"T13 baseline, {a} ({hops.ARMS[a].label}): R3 costs {s['all']['p50_us'] / 1e3:.2f}"
+            f"R3's share, {a} ({hops.ARMS[a].label}): R3 costs {s['all']['p50_us'] / 1e3:.2f}"
             f" ms of CPU a step outside the worker connector (p50 of the three processes' sum, "
             f"R3 on minus off; p99 {s['all']['p99_us'] / 1e3:.2f} ms), {s['all']['total_s']:.2f}"
             f" s over the window; full GCs caused by R3 (per run): {caused}; rows held at "
             f"{m['ratio']:.2f}x their bytes."
         )
-        if a == "vllm":
-            verdict += " T13's ratio needs aostore's arm: not built yet."
         lines.append(verdict)
     return "\n".join(lines)
+
+
+PICKLING = ("worker.enqueue", "engine_core.dequeue")
+
+
+def t13(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """T13's figures, aostore's transport against vLLM's in the same run (None without both):
+    the R3 share summed over the three processes (total over the window, and p50 a step),
+    pickling plus unpickling, full GCs caused by R3, rows held by the frontend over their bytes,
+    and a 16k sample's finish plus answer (R3 on minus off)."""
+    shares = summary["r3_share"]
+    if "vllm" not in shares or "aostore" not in shares:
+        return None
+    theirs, ours = shares["vllm"], shares["aostore"]
+    arms = summary["arms"]
+
+    def pickling(share: dict[str, Any]) -> float:
+        return float(sum(share["hops"][hop]["total_s"] for hop in PICKLING))
+
+    figures: dict[str, Any] = {
+        "ratio_total": ours["all"]["total_s"] / theirs["all"]["total_s"],
+        "ratio_p50": ours["all"]["p50_us"] / theirs["all"]["p50_us"],
+        "pickling_s": {"vllm": pickling(theirs), "aostore": pickling(ours)},
+        "pickling_ratio": pickling(ours) / pickling(theirs),
+        "full_gcs_caused": {
+            arm: {
+                p: arms[arm]["processes"][p]["full_gcs"] - arms["off"]["processes"][p]["full_gcs"]
+                for p in PROCESSES
+            }
+            for arm in ("vllm", "aostore")
+        },
+        "rows_held_ratio": {
+            arm: shares[arm]["frontend_memory"]["ratio"] for arm in ("vllm", "aostore")
+        },
+        "hops_total_s": {
+            hop: {arm: shares[arm]["hops"][hop]["total_s"] for arm in ("vllm", "aostore")}
+            for hop in theirs["hops"]
+        },
+    }
+    sample = summary.get("sample")
+    if sample and {"off", "vllm", "aostore"} <= set(sample):
+
+        def finish(arm: str) -> float:
+            f = sample[arm]
+            return float(f["finish_ms"] + f["base64_ms"] + f["render_ms"])
+
+        figures["sample_ms"] = {arm: finish(arm) for arm in ("off", "vllm", "aostore")}
+        figures["sample_ratio"] = (finish("aostore") - finish("off")) / (
+            finish("vllm") - finish("off")
+        )
+    return figures
+
+
+def t13_lines(figures: dict[str, Any]) -> list[str]:
+    caused = figures["full_gcs_caused"]["aostore"]
+    held = figures["rows_held_ratio"]
+    lines = [
+        f"T13: aostore / vLLM, R3's CPU outside the worker connector over the three processes: "
+        f"{figures['ratio_total']:.3f} over the window ({figures['ratio_p50']:.3f} of the p50 a "
+        "step; target <= 1/5)",
+        f"  pickling + unpickling (worker enqueue + engine-core dequeue): "
+        f"{figures['pickling_s']['aostore']:.2f} s against {figures['pickling_s']['vllm']:.2f} s"
+        f" = {figures['pickling_ratio']:.3f} (target <= 1/10)",
+        "  full GCs caused by R3 per run, aostore: "
+        + ", ".join(f"{p} {n:+.1f}" for p, n in caused.items())
+        + " (target: none)",
+        f"  rows held by the frontend: {held['aostore']:.2f}x their bytes (vLLM "
+        f"{held['vllm']:.2f}x; target <= 1.25x)",
+    ]
+    if "sample_ratio" in figures:
+        ms = figures["sample_ms"]
+        lines.append(
+            f"  a 16k sample's finish + answer: {ms['aostore']:.1f} ms against {ms['vllm']:.1f} "
+            f"ms (R3 off {ms['off']:.1f} ms): {figures['sample_ratio']:.3f} of vLLM's R3 share "
+            "(target <= 1/3)"
+        )
+    lines.append(
+        "  what is left, per hop (R3 share over the window, s: vLLM -> aostore): "
+        + "; ".join(
+            f"{hop} {v['vllm']:.2f} -> {v['aostore']:.2f}"
+            for hop, v in figures["hops_total_s"].items()
+        )
+    )
+    return lines
 
 
 # -- Main ---------------------------------------------------------------------------------------
@@ -599,6 +681,11 @@ def main(argv: list[str] | None = None) -> int:
             "run's first):"
         )
         print(sample_table(summary["sample"]))
+    figures = t13(summary)
+    if figures is not None:
+        summary["t13"] = figures
+        print()
+        print("\n".join(t13_lines(figures)))
     if args.quick:
         print("(--quick: tiny sizes, a smoke run; its figures are noise, not T13)")
     if args.out is not None:

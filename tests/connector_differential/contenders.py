@@ -220,7 +220,7 @@ def _configs(params: Params) -> tuple[Any, Any]:
 
 
 def build_connector(
-    params: Params, connector_class: type | None = None
+    params: Params, connector_class: type | None = None, executor: str | None = None
 ) -> tuple[Any, standins.StandInCapturer]:
     """vLLM's connector built as vLLM's model runner builds it, with the classes vLLM's modules
     name now (``connector_class``: a class derived from the worker module's connector instead):
@@ -232,13 +232,20 @@ def build_connector(
     config, kv_cache_config = _configs(params)
     standins.set_next_profile(params.shape_per_token, params.dtype_name)
     cls = connector_class or worker_module().AuxOutputWorkerConnector
-    if two_phase():
-        connector = cls(vllm_config=config, model=torch.nn.Module())
-        connector.initialize_output_storage(kv_cache_config)
-    else:
-        connector = cls(
-            vllm_config=config, model=torch.nn.Module(), kv_cache_config=kv_cache_config
-        )
+    parallel = config.parallel_config
+    backend = parallel.distributed_executor_backend
+    if executor is not None:  # what the connector reads of it, for this build only
+        parallel.distributed_executor_backend = executor
+    try:
+        if two_phase():
+            connector = cls(vllm_config=config, model=torch.nn.Module())
+            connector.initialize_output_storage(kv_cache_config)
+        else:
+            connector = cls(
+                vllm_config=config, model=torch.nn.Module(), kv_cache_config=kv_cache_config
+            )
+    finally:
+        parallel.distributed_executor_backend = backend
     capturer = standins.built.pop()
     standins.built.clear()
     return connector, capturer
@@ -401,8 +408,31 @@ def dataplane_contender(params: Params) -> Built:
     )
 
 
+def packed_contender(params: Params) -> Built:
+    """aostore's data plane with its transport, as under the multiprocess executor: a step's
+    outputs are one ``StepRows`` (the harness compares them after the shared-memory queue's
+    pickling, as the engine core reads them)."""
+    setup = installation()
+    setup.use("dataplane")
+    connector, capturer = build_connector(params, executor="mp")
+    background = connector._store
+    plane = connector.__dict__.get("_aostore_plane")
+    assert plane is not None, connector.__dict__.get("_aostore_why_not")
+    background._writer._synchronous(True)
+    return Built(
+        "packed",
+        connector,
+        capturer,
+        lambda: aostore_store_view(background),
+        lambda: setup.use("dataplane"),
+        _close(connector),
+        setup.error_classes(),
+    )
+
+
 CONTENDERS: dict[str, Factory] = {
     "vllm": vllm_contender,
     "aostore": aostore_contender,
     "dataplane": dataplane_contender,
+    "packed": packed_contender,
 }

@@ -19,6 +19,7 @@ A schedule stops at the first exception (vLLM leaves its state half-updated then
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,8 @@ def _same_error(reference: BaseException, other: BaseException, built: Built) ->
 
 
 def _output_diff(reference: Any, other: Any) -> str:
+    if type(other).__name__ == "StepRows":
+        return _packed_diff(reference, other)
     if not isinstance(other, dict) or not isinstance(reference, dict):
         return f"outputs are {type(other).__name__}, not {type(reference).__name__}"
     if list(reference) != list(other):
@@ -155,6 +158,30 @@ def _output_diff(reference: Any, other: Any) -> str:
             theirs_flag, mine_flag = getattr(b.flags, flag), getattr(a.flags, flag)
             if theirs_flag != mine_flag:
                 return f"{rid}: rows.flags.{flag} is {theirs_flag}, not {mine_flag}"
+        if a.tobytes() != b.tobytes():
+            return f"{rid}: rows differ"
+    return ""
+
+
+def _packed_diff(reference: Any, packed: Any) -> str:
+    """A step packed for the engine core (``aostore.vllm.transport.StepRows``), read as the
+    engine core reads it: after the shared-memory queue's pickling, each request's
+    ``token_start`` and rows by value (the token start is an ``int``, the rows writable views
+    of one fresh buffer: what ``take_output`` reads of them is the same)."""
+    if not isinstance(reference, dict):
+        return f"outputs are a StepRows, not {type(reference).__name__}"
+    crossed = pickle.loads(pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL))
+    if list(crossed) != list(reference):
+        return f"request ids {list(crossed)} instead of {list(reference)}"
+    for rid, mine in reference.items():
+        theirs = crossed[rid]
+        if int(theirs.token_start) != int(mine.token_start):
+            return f"{rid}: token_start {theirs.token_start} instead of {mine.token_start}"
+        a, b = np.asarray(mine.rows), theirs.rows
+        if type(b) is not np.ndarray or a.dtype != b.dtype or a.shape != b.shape:
+            return (
+                f"{rid}: rows {type(b).__name__} {b.dtype}{b.shape} instead of {a.dtype}{a.shape}"
+            )
         if a.tobytes() != b.tobytes():
             return f"{rid}: rows differ"
     return ""

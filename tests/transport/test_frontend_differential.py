@@ -27,7 +27,7 @@ import copy
 import importlib.util
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,9 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
+from aostore.vllm.install import swap, undo_swap
+from aostore.vllm.transport import StepRows, install
+from aostore.vllm.transport.frontend import RowChunks
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -43,10 +46,6 @@ from vllm.v1 import engine as v1_engine
 from vllm.v1 import serial_utils
 from vllm.v1.engine import output_processor as op_module
 from vllm.v1.engine.parallel_sampling import ParentRequest
-
-from aostore.vllm.install import swap, undo_swap
-from aostore.vllm.transport import StepRows, install
-from aostore.vllm.transport.frontend import RowChunks
 
 SHAPE = (4, 2)  # a row: layers x top-k, small (the wire's size rule is exercised by rows of
 WIDE = (46, 8)  # GLM-4.5-Air's 368 B, used by some requests' rows: a frame each in vLLM's arm)
@@ -91,28 +90,35 @@ class Live:
 
 @dataclass
 class Arm:
+    """One side: its output processor, the ``RequestState`` class its requests get, and the
+    engine core's encoder."""
+
     name: str
     processor: Any
     state_class: type
     encoder: Any
-    seen: list[Any] = field(default_factory=list)
 
     def add(self, request: Any, prompt: str, parent: Any, index: int) -> None:
-        op_module.RequestState = self.state_class
+        vllm_state = op_module.RequestState
+        op_module.RequestState = self.state_class  # what add_request looks up
         try:
             self.processor.add_request(request, prompt, parent, index, None)
         finally:
-            op_module.RequestState = self.seen_class
-
-    seen_class: type = object
+            op_module.RequestState = vllm_state
 
 
 def normalized(value: Any) -> Any:
     """A value as compared: arrays by type, dtype, shape, bytes and writability; objects by
     their fields."""
     if isinstance(value, np.ndarray):
-        return ("ndarray", type(value), value.dtype.str, value.shape, value.tobytes(),
-                value.flags.writeable)  # fmt: skip
+        return (
+            "ndarray",
+            type(value),
+            value.dtype.str,
+            value.shape,
+            value.tobytes(),
+            value.flags.writeable,
+        )
     if isinstance(value, (list, tuple)):
         return (type(value), [normalized(v) for v in value])
     if isinstance(value, dict):
@@ -178,13 +184,19 @@ def run(seed: int, ours_state: type) -> int:
     rows_rng = np.random.default_rng(seed)
     vllm_state = op_module.RequestState
     arms = [
-        Arm("vllm", op_module.OutputProcessor(tokenizer(), log_stats=False), vllm_state,
-            serial_utils.MsgpackEncoder()),  # fmt: skip
-        Arm("aostore", op_module.OutputProcessor(tokenizer(), log_stats=False), ours_state,
-            serial_utils.MsgpackEncoder()),  # fmt: skip
+        Arm(
+            "vllm",
+            op_module.OutputProcessor(tokenizer(), log_stats=False),
+            vllm_state,
+            serial_utils.MsgpackEncoder(),
+        ),
+        Arm(
+            "aostore",
+            op_module.OutputProcessor(tokenizer(), log_stats=False),
+            ours_state,
+            serial_utils.MsgpackEncoder(),
+        ),
     ]
-    for arm in arms:
-        arm.seen_class = vllm_state
     decoder = serial_utils.MsgpackDecoder(v1_engine.EngineCoreOutputs)
     live: dict[str, Live] = {}
     compared = 0
@@ -208,8 +220,9 @@ def run(seed: int, ours_state: type) -> int:
         if live and rng.random() < 0.1:
             victim = rng.choice(sorted(live))
             external = f"ext-{victim.split('_', 1)[-1]}"
-            results = [sorted(arm.processor.abort_requests([external], internal=False))
-                       for arm in arms]  # fmt: skip
+            results = [
+                sorted(arm.processor.abort_requests([external], internal=False)) for arm in arms
+            ]
             assert results[0] == results[1], (seed, step, results)
             for rid in [r for r in live if r.split("_", 1)[-1] == victim.split("_", 1)[-1]]:
                 del live[rid]

@@ -23,10 +23,9 @@ from hypothesis import strategies as st
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
-from vllm.distributed.aux_output_connector import connector as aux
-
 from aostore.vllm.transport import StepArray, StepRows, is_step_rows
 from aostore.vllm.transport import rows as rows_module
+from vllm.distributed.aux_output_connector import connector as aux
 
 SHAPE = (46, 8)
 

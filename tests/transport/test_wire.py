@@ -20,11 +20,10 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
-from vllm.v1 import engine as v1_engine
-from vllm.v1 import serial_utils
-
 from aostore.vllm.install import swap, undo_swap
 from aostore.vllm.transport import StepRows, install
+from vllm.v1 import engine as v1_engine
+from vllm.v1 import serial_utils
 
 SHAPE = (46, 8)
 
@@ -67,9 +66,19 @@ def frames(encoder: Any, message: Any) -> list[bytes]:
 COUNTS = [700, 1, 1, 0, 3]  # a prefill, decodes, an output with no rows
 
 
-def test_step_rows_go_inline_as_vllm_inlines_them(installed: None) -> None:
+@pytest.mark.parametrize("built", ["after", "before"])
+def test_step_rows_go_inline_as_vllm_inlines_them(built: str) -> None:
+    """An encoder built after the plugin loaded (its hook is aostore's) or before (vLLM's hook
+    calls aostore's ``_encode_ndarray``)."""
     message = outputs(True, COUNTS)
-    ours = frames(serial_utils.MsgpackEncoder(), message)
+    early = serial_utils.MsgpackEncoder()
+    undo: list[Any] = []
+    install(swap, undo)
+    try:
+        encoder = early if built == "before" else serial_utils.MsgpackEncoder()
+        ours = frames(encoder, message)
+    finally:
+        undo_swap(undo)
     inline = frames(serial_utils.MsgpackEncoder(size_threshold=1 << 30), message)
     assert ours == inline and len(ours) == 1
     decoded = serial_utils.MsgpackDecoder(v1_engine.EngineCoreOutputs).decode(ours)
@@ -93,11 +102,14 @@ def test_other_arrays_go_vllms_way() -> None:
 
 
 def test_without_the_transport_vllms_encoder_is_back() -> None:
-    method = vars(serial_utils.MsgpackEncoder)["_encode_ndarray"]
+    names = ("_encode_ndarray", "enc_hook")
+    vllm_functions = [vars(serial_utils.MsgpackEncoder)[name] for name in names]
     undo: list[Any] = []
     install(swap, undo)
-    assert vars(serial_utils.MsgpackEncoder)["_encode_ndarray"] is not method
+    for name, function in zip(names, vllm_functions, strict=True):
+        assert vars(serial_utils.MsgpackEncoder)[name] is not function
     undo_swap(undo)
-    assert vars(serial_utils.MsgpackEncoder)["_encode_ndarray"] is method
+    for name, function in zip(names, vllm_functions, strict=True):
+        assert vars(serial_utils.MsgpackEncoder)[name] is function
     message = outputs(True, COUNTS)
     assert len(frames(serial_utils.MsgpackEncoder(), message)) == 1 + 4

@@ -77,7 +77,6 @@ _SERIAL_UTILS = "8a99e91c9ba9b34288b03e19f7f2afc6f884b5864d432a7aaf6e2664d210592
 """``v1/serial_utils.py``: the same bytes in 0.32.0, 0.33.0 and 0.34.0."""
 
 
-
 def _transport(
     *,
     shm_broadcast: str,

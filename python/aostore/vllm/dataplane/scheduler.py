@@ -20,7 +20,7 @@ by whether the layout has KV-cache events (0.33.0 on; 0.32.0 not): while any is 
 
 
 def scheduler_subclass(
-    vllm_scheduler: type, module: Any, *, layout: str, report: str | None = None
+    vllm_scheduler: Any, module: Any, *, layout: str, report: str | None = None
 ) -> type:
     """aostore's scheduler-side connector over vLLM's ``AuxOutputSchedulerConnector``:
     ``build_connector_meta`` in Rust over vLLM's own state (its other methods are vLLM's);
@@ -60,7 +60,7 @@ class DataPlaneSchedulerConnector:
     _aostore_layout: str
     _aostore_report: str | None
     _aostore_own: tuple[tuple[str, Any], ...]
-    _aostore_vllm_take_output: tuple[type, Any]
+    _aostore_vllm_take_output: tuple[Any, Any]
     _aostore_steps = 0
     _aostore_fallbacks = 0
     _aostore_why_not: str | None = None

@@ -18,45 +18,83 @@ from typing import Any
 
 import numpy as np
 
+PAGE = 64 * 1024
+"""The largest page: a request's rows live in pages of at most this many bytes (whole rows),
+so a page is never moved or regrown, and at most one page per request is part full."""
+FIRST_PAGE = 4 * 1024
+
 
 class RowChunks:
-    """``list[np.ndarray]`` of one request's routed-experts chunks, stored as one buffer.
+    """``list[np.ndarray]`` of one request's routed-experts chunks, stored in pages.
 
-    Chunks of one dtype and row shape (what vLLM sends) are copied into a ``bytearray`` that
-    grows by at most an eighth (CPython's over-allocation for ``+=``), with each chunk's end
-    (8 bytes): the rows are held at about their size, not as views of the messages they came
-    in. Reads see vLLM's list, chunk for chunk (``len``, truth, indexing and iteration give
-    copies of the chunks); :meth:`joined` gives every row as one array. Anything the buffer
-    cannot hold (a chunk of another dtype or shape, a subclass, a write other than to the last
-    chunk) turns it into the plain list vLLM would have, so every operation stays the list's.
+    Chunks of one dtype and row shape (what vLLM sends) are copied into ``bytearray`` pages
+    (whole rows; the first 4 KiB, each next one as large as all before it up to 64 KiB, or as
+    large as the chunk that opens it), with each chunk's end (8 bytes): the rows are held at
+    about their size, not as views of the messages they came in, and a page never moves. Reads
+    see vLLM's list, chunk for chunk (``len``, truth, indexing and iteration give copies of the
+    chunks); :meth:`joined` gives every row as a few arrays, the pages. Anything the pages cannot
+    hold (a chunk of another dtype or shape, a subclass, a write other than to the last chunk)
+    turns it into the plain list vLLM would have, so every operation stays the list's.
     """
 
-    __slots__ = ("_data", "_ends", "_dtype", "_shape", "_list")
+    __slots__ = (
+        "_dtype",
+        "_ends",
+        "_last",
+        "_list",
+        "_pages",
+        "_room_end",
+        "_row",
+        "_shape",
+        "_size",
+        "_starts",
+    )
 
     def __init__(self) -> None:
-        self._data = bytearray()
-        self._ends = array.array("q")  # byte offset of each chunk's end
+        self._pages: list[bytearray] = []
+        self._last = memoryview(b"")  # the last page, writable; its first byte is _starts[-1]
+        self._room_end = 0  # the last page's end, over all pages
+        self._starts = array.array("q")  # each page's first byte, over all pages
+        self._size = 0  # bytes held
+        self._ends = array.array("q")  # each chunk's end, in bytes
         self._dtype: Any = None
         self._shape: tuple[int, ...] = ()
+        self._row = 0
         self._list: list[Any] | None = None
 
     def append(self, chunk: Any) -> None:
+        # The common case first, cheaply: a contiguous chunk like the last that fits the page.
+        if (
+            type(chunk) is np.ndarray
+            and chunk.dtype is self._dtype
+            and chunk.shape[1:] == self._shape
+            and chunk.flags.c_contiguous
+            and self._list is None
+        ):
+            size = self._size
+            end = size + chunk.nbytes
+            if end <= self._room_end and self._pages and chunk.ndim == len(self._shape) + 1:
+                at = size - self._starts[-1]
+                try:
+                    self._last[at : at + end - size] = chunk.data.cast("B")
+                except (TypeError, ValueError):  # a format memoryview cannot cast
+                    pass
+                else:
+                    self._size = end
+                    self._ends.append(end)
+                    return
         if self._list is None and self._fits(chunk):
-            self._extend(chunk)
-            self._ends.append(len(self._data))
+            self._write(chunk)
+            self._ends.append(self._size)
         else:
             self._to_list().append(chunk)
 
     def __setitem__(self, position: Any, chunk: Any) -> None:
         last = len(self._ends) - 1
         if self._list is None and last >= 0 and position in (-1, last) and self._fits(chunk):
-            start = self._ends[-2] if last else 0
-            try:
-                del self._data[start:]
-            except BufferError:  # a view from joined() still pins the buffer: it moves
-                self._data = self._data[:start]
-            self._extend(chunk)
-            self._ends[-1] = len(self._data)
+            self._truncate(self._ends[-2] if last else 0)
+            self._write(chunk)
+            self._ends[-1] = self._size
         else:
             self._to_list()[position] = chunk
 
@@ -67,7 +105,7 @@ class RowChunks:
             return self._chunks()[position]
         ends = self._ends
         index = range(len(ends))[position]  # the list's IndexError and TypeError
-        return self._view(ends[index - 1] if index else 0, ends[index]).copy()
+        return self._rows(ends[index - 1] if index else 0, ends[index])
 
     def __len__(self) -> int:
         return len(self._list) if self._list is not None else len(self._ends)
@@ -79,22 +117,30 @@ class RowChunks:
         return iter(self._list if self._list is not None else self._chunks())
 
     def joined(self) -> list[Any]:
-        """What ``np.concatenate`` joins: every row as one array, or nothing when no chunk
-        came; once a plain list, the list itself. The array is a view of the buffer (the
-        concatenation copies it): let it go before the next write, or that write moves the
-        buffer."""
+        """What ``np.concatenate`` joins to give every row: the pages' rows (views: the
+        concatenation copies them), or nothing when no chunk came; once a plain list, the list
+        itself."""
         if self._list is not None:
             return self._list
         if not self._ends:
             return []
-        return [self._view(0, len(self._data))]
+        views = [self._view(bytearray(), 0)]  # the dtype and shape, when every chunk is empty
+        for page, start in zip(self._pages, self._starts, strict=True):
+            used = min(len(page), self._size - start)
+            views.append(self._view(page, used))
+        return views
 
     @property
     def nbytes(self) -> int:
         """The bytes of rows held."""
         if self._list is not None:
             return sum(int(getattr(chunk, "nbytes", 0)) for chunk in self._list)
-        return len(self._data)
+        return self._size
+
+    @property
+    def allocated(self) -> int:
+        """The bytes of the pages that hold them."""
+        return sum(len(page) for page in self._pages)
 
     def _fits(self, chunk: Any) -> bool:
         if type(chunk) is not np.ndarray:
@@ -105,40 +151,80 @@ class RowChunks:
         if self._dtype is not None or chunk.ndim < 1 or dtype.hasobject:
             return False
         self._dtype, self._shape = dtype, chunk.shape[1:]
+        self._row = max(1, chunk.itemsize * int(np.prod(self._shape, dtype=np.int64)))
         return True
 
-    def _extend(self, chunk: np.ndarray) -> None:
+    def _write(self, chunk: np.ndarray) -> None:
         if not chunk.flags.c_contiguous:
             chunk = np.ascontiguousarray(chunk)
-        # extend() takes the array's bytes (the buffer protocol), as one memcpy.
-        try:
-            self._data.extend(chunk)
-        except BufferError:  # a view from joined() still pins the buffer: it moves
-            self._data = bytearray(self._data)
-            self._data.extend(chunk)
+        data = memoryview(chunk.reshape(-1).view(np.uint8))
+        n, done = len(data), 0
+        while done < n:
+            page = self._room(n - done)
+            at = self._size - self._starts[-1]
+            take = min(len(page) - at, n - done)
+            page[at : at + take] = data[done : done + take]
+            done += take
+            self._size += take
 
-    def _view(self, start: int, end: int) -> np.ndarray:
-        rows = np.frombuffer(self._data, np.uint8)[start:end].view(self._dtype)
+    def _room(self, wanted: int) -> bytearray:
+        """The last page if it has room, else a new one."""
+        if self._size < self._room_end:
+            return self._pages[-1]
+        row = self._row
+        size = min(PAGE, max(FIRST_PAGE, self._size))
+        size = max(size, wanted)  # a large chunk gets a page of its own size
+        page = bytearray(max(row, size // row * row))
+        self._pages.append(page)
+        self._starts.append(self._size)
+        self._last = memoryview(page)
+        self._room_end = self._size + len(page)
+        return page
+
+    def _truncate(self, size: int) -> None:
+        while self._pages and self._starts[-1] >= size and self._starts[-1] > 0:
+            self._pages.pop()
+            self._starts.pop()
+        if self._pages:
+            self._last = memoryview(self._pages[-1])
+            self._room_end = self._starts[-1] + len(self._pages[-1])
+        self._size = size
+
+    def _view(self, page: bytearray, used: int) -> np.ndarray:
+        rows: np.ndarray = np.frombuffer(page, np.uint8, used).view(self._dtype)
+        return rows.reshape(-1, *self._shape)
+
+    def _rows(self, start: int, end: int) -> np.ndarray:
+        """A copy of the bytes ``start:end`` as rows."""
+        parts = []
+        for page, first in zip(self._pages, self._starts, strict=True):
+            a, b = max(start, first), min(end, first + len(page))
+            if a < b:
+                parts.append(memoryview(page)[a - first : b - first])
+        data = bytearray(b"".join(parts))
+        rows: np.ndarray = np.frombuffer(data, np.uint8).view(self._dtype)
         return rows.reshape(-1, *self._shape)
 
     def _chunks(self) -> list[Any]:
         starts = [0, *self._ends[:-1]][: len(self._ends)]
-        return [self._view(a, b).copy() for a, b in zip(starts, self._ends, strict=True)]
+        return [self._rows(a, b) for a, b in zip(starts, self._ends, strict=True)]
 
     def _to_list(self) -> list[Any]:
         if self._list is None:
             self._list = self._chunks()
-            self._data, self._ends = bytearray(), array.array("q")
+            self._pages, self._starts, self._ends = [], array.array("q"), array.array("q")
+            self._size = self._room_end = 0
+            self._last = memoryview(b"")
         return self._list
 
 
-def request_state_subclass(vllm_request_state: type) -> type:
+def request_state_subclass(vllm_request_state: Any) -> type:
     """aostore's ``RequestState``: vLLM's, with :class:`RowChunks` for the routed experts; its
     ``_new_completion_output`` (where vLLM concatenates the chunks of a finished request)
     sees them as one array."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        vllm_request_state.__init__(self, *args, **kwargs)
+        vllm_init(self, *args, **kwargs)
         self.routed_experts_chunks = RowChunks()
 
     def _new_completion_output(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -154,6 +240,7 @@ def request_state_subclass(vllm_request_state: type) -> type:
         finally:
             self.routed_experts_chunks = chunks
 
+    vllm_init = vllm_request_state.__init__
     vllm_new_completion_output = vllm_request_state._new_completion_output
     return type(
         vllm_request_state.__name__,

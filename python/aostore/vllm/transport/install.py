@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .frontend import request_state_subclass
-from .wire import METHOD, encoder_method
+from .wire import HOOK, METHOD, encoder_hook, encoder_method
 
 SERIAL_MODULE = "vllm.v1.serial_utils"
 OUTPUT_PROCESSOR_MODULE = "vllm.v1.engine.output_processor"
@@ -41,9 +41,10 @@ def install(swap: Callable[..., list[str]], undo: list[Any]) -> list[str]:
     swap of module globals; ``undo`` takes what puts each back). Returns the patched modules."""
     serial_utils = importlib.import_module(SERIAL_MODULE)
     encoder = serial_utils.MsgpackEncoder
-    vllm_method = vars(encoder)[METHOD]
-    undo.append((ClassAttributes(encoder), METHOD, vllm_method))
-    setattr(encoder, METHOD, encoder_method(vllm_method, serial_utils))
+    for name, make in ((METHOD, encoder_method), (HOOK, encoder_hook)):
+        vllm_function = vars(encoder)[name]
+        undo.append((ClassAttributes(encoder), name, vllm_function))
+        setattr(encoder, name, make(vllm_function, serial_utils))
     processor = importlib.import_module(OUTPUT_PROCESSOR_MODULE)
     vllm_state = getattr(processor, REQUEST_STATE)
     patched = swap(

@@ -18,10 +18,11 @@ encoder meets one.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import pickle
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class StepRows(Mapping[str, Any]):
     ``output_class``: vLLM's ``AuxRequestOutput`` (looked up in vLLM's module when rebuilt).
     """
 
-    __slots__ = ("_ids", "_index", "_rows", "_positions", "_output_class")
+    __slots__ = ("_ids", "_index", "_lookup", "_output_class", "_rows")
 
     def __init__(self, ids: tuple[str, ...], index: np.ndarray, rows: np.ndarray) -> None:
         if index.shape != (len(ids), 2):
@@ -63,7 +64,7 @@ class StepRows(Mapping[str, Any]):
         self._ids = ids
         self._index = index
         self._rows = rows
-        self._positions: dict[str, int] | None = None
+        self._lookup: dict[str, tuple[int, int, int]] | None = None
         self._output_class: Any = None
 
     @classmethod
@@ -93,26 +94,18 @@ class StepRows(Mapping[str, Any]):
 
     # -- the mapping vLLM's code reads --------------------------------------------------------
 
-    def _position(self, request_id: str) -> int | None:
-        positions = self._positions
-        if positions is None:
-            positions = self._positions = {rid: i for i, rid in enumerate(self._ids)}
-        return positions.get(request_id)
-
-    def _span(self, position: int) -> tuple[int, int, int]:
-        token_start, end = self._index[position].tolist()
-        begin = int(self._index[position - 1, 1]) if position else 0
-        return token_start, begin, end
-
     def __getitem__(self, request_id: str) -> Any:
-        position = self._position(request_id)
-        if position is None:
-            raise KeyError(request_id)
-        token_start, begin, end = self._span(position)
+        lookup = self._lookup
+        if lookup is None:
+            lookup = self._lookup = self._spans()
+        token_start, begin, end = lookup[request_id]
         return self._output()(token_start, self._rows[begin:end])
 
     def __contains__(self, request_id: object) -> bool:
-        return isinstance(request_id, str) and self._position(request_id) is not None
+        lookup = self._lookup
+        if lookup is None:
+            lookup = self._lookup = self._spans()
+        return request_id in lookup
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._ids)
@@ -126,9 +119,8 @@ class StepRows(Mapping[str, Any]):
     def _output(self) -> Any:
         output = self._output_class
         if output is None:
-            from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
-
-            output = self._output_class = AuxRequestOutput
+            module = importlib.import_module("vllm.distributed.aux_output_connector.connector")
+            output = self._output_class = module.AuxRequestOutput
         return output
 
     # -- aostore's scheduler side -------------------------------------------------------------
@@ -136,10 +128,13 @@ class StepRows(Mapping[str, Any]):
     def take(self, request: Any) -> np.ndarray | None:
         """vLLM's ``AuxOutputSchedulerConnector.take_output(request, self)``: the same checks,
         messages and result, without the per-request ``AuxRequestOutput``."""
+        lookup = self._lookup
+        if lookup is None:
+            lookup = self._lookup = self._spans()
         request_id = request.request_id
-        position = self._position(request_id)
-        assert position is not None, f"auxiliary output worker output is missing {request_id}"
-        token_start, begin, end = self._span(position)
+        span = lookup.get(request_id)
+        assert span is not None, f"auxiliary output worker output is missing {request_id}"
+        token_start, begin, end = span
         token_end = request.num_tokens - 1
         local_end = token_end - token_start
         if local_end < 0:
@@ -160,6 +155,12 @@ class StepRows(Mapping[str, Any]):
         rows: np.ndarray = self._rows[begin : begin + local_end]
         return rows
 
+    def _spans(self) -> dict[str, tuple[int, int, int]]:
+        """Request id -> (token start, first row, row end), read once a step."""
+        starts, ends = self._index[:, 0].tolist(), self._index[:, 1].tolist()
+        begins = [0, *ends[:-1]]
+        return dict(zip(self._ids, zip(starts, begins, ends, strict=True), strict=True))
+
     # -- pickling -----------------------------------------------------------------------------
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -172,7 +173,9 @@ class StepRows(Mapping[str, Any]):
             _version(),
             self._ids,
             self._index.tobytes(),
-            pickle.PickleBuffer(flat),
+            # The array itself, not a memoryview of it: a PickleBuffer over a memoryview that
+            # the collector clears in a cycle crashes CPython 3.11 (picklebuf_clear).
+            pickle.PickleBuffer(cast(Any, flat)),
             rows.dtype.str,
             rows.shape[1:],
         )
@@ -214,4 +217,3 @@ def _rebuild(
             "use vLLM's own transport)"
         )
     return StepRows(ids, np.frombuffer(index, _INDEX).reshape(-1, 2), _rows(data, dtype, shape))
-

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .rows import is_step_rows
+import numpy as np
+
+from .rows import StepArray, is_step_rows
 
 METHOD = "_encode_ndarray"
+HOOK = "enc_hook"
 
 
 def encoder_method(vllm_method: Any, serial_utils: Any) -> Any:
@@ -34,3 +37,24 @@ def encoder_method(vllm_method: Any, serial_utils: Any) -> Any:
     _encode_ndarray.__doc__ = "vLLM's, with routed-experts rows of a step buffer inline."
     _encode_ndarray.__wrapped__ = vllm_method  # type: ignore[attr-defined]
     return _encode_ndarray
+
+
+def encoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
+    """aostore's ``MsgpackEncoder.enc_hook`` over vLLM's: the same inline form for step rows a
+    Python call sooner (an encoder binds its hook when built; :func:`encoder_method` covers one
+    built before the plugin loaded), everything else to vLLM's hook."""
+    ext = serial_utils.msgpack.Ext
+    raw_view = serial_utils.CUSTOM_TYPE_RAW_VIEW
+    ndarray = np.ndarray
+
+    def enc_hook(self: Any, obj: Any) -> Any:
+        if type(obj) is ndarray and obj.shape and obj.flags.c_contiguous:
+            base = obj.base
+            if type(base) is StepArray or (type(base) is ndarray and type(base.base) is StepArray):
+                return obj.dtype.str, obj.shape, ext(raw_view, obj.data)
+        return vllm_hook(self, obj)
+
+    enc_hook.__qualname__ = f"MsgpackEncoder.{HOOK}"
+    enc_hook.__doc__ = "vLLM's, with routed-experts rows of a step buffer inline."
+    enc_hook.__wrapped__ = vllm_hook  # type: ignore[attr-defined]
+    return enc_hook
