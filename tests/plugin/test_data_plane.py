@@ -197,6 +197,7 @@ def _record_of(root: Path, name: str = "vLLM 9.0.0", layout: str = "0.34") -> re
         package=hashed(base.package, package_dir),
         worker=hashed(base.worker, root),
         scheduler=hashed(base.scheduler, root),
+        transport=hashed(base.transport or {}, root),
     )
 
 
@@ -221,6 +222,45 @@ def test_a_release_is_recognized_per_feature(
     (tmp_path / "v1/request.py").unlink()
     scheduler = releases.recognized(record.name, releases.SCHEDULER, tmp_path)
     assert scheduler is not None and "vllm/v1/request.py is missing" in scheduler
+    # The transport: its own files (a patched output processor), and a record without them.
+    (tmp_path / releases.PACKAGE_DIR / "extra.py").unlink()
+    assert releases.recognized(record.name, releases.TRANSPORT, tmp_path) is None
+    (tmp_path / "v1/engine/output_processor.py").write_text("# patched\n")
+    transport = releases.recognized(record.name, releases.TRANSPORT, tmp_path)
+    assert transport == "vllm/v1/engine/output_processor.py differs from vLLM 9.0.0's record"
+    bare = dataclasses.replace(record, name="vLLM 9.0.1", transport=None)
+    monkeypatch.setitem(releases.BY_NAME, bare.name, bare)
+    assert releases.recognized(bare.name, releases.TRANSPORT, tmp_path) == (
+        "vLLM 9.0.1's record has no transport files"
+    )
+    assert releases.installed(releases.TRANSPORT, tmp_path) is None
+
+
+def test_the_transport_goes_in_where_recognized_and_switched_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for feature in releases.FEATURES:
+        _tree(tmp_path, releases.RELEASES[0], feature)
+    record = _record_of(tmp_path)
+    monkeypatch.setitem(releases.BY_NAME, record.name, record)
+    monkeypatch.setattr(releases, "vllm_root", lambda: tmp_path)
+    decision = _plan(release=record.name)
+    decision.data_plane = (releases.WORKER, releases.SCHEDULER)
+    assert plan._transport(decision, Settings()) == (
+        True,
+        "transport on (vLLM 9.0.0's transport files recognized)",
+    )
+    decision.data_plane = ()
+    on, said = plan._transport(decision, Settings())
+    assert on and said.endswith("rows unpacked: no data plane)")
+    off = Settings.from_env({"AOSTORE_VLLM_TRANSPORT": "off"})
+    assert not off.transport
+    assert plan._transport(decision, off) == (False, "transport off (AOSTORE_VLLM_TRANSPORT=off)")
+    (tmp_path / "v1/serial_utils.py").write_text("# patched\n")
+    assert plan._transport(decision, Settings()) == (
+        False,
+        "transport off (vllm/v1/serial_utils.py differs from vLLM 9.0.0's record)",
+    )
 
 
 def test_the_plugin_installs_the_features_a_release_is_recognized_for(

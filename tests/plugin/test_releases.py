@@ -80,16 +80,18 @@ def test_a_partial_match_names_each_feature(
         },
         worker=dict(NEWEST.worker),
         scheduler=dict(NEWEST.scheduler),
+        transport=dict(NEWEST.transport or {}),
     )
     lines, status = releases.describe(tmp_path, (record, *releases.RELEASES))
     assert status == 1
     assert "vLLM 9.0.0 (layout 0.34): store matches; worker plane differs (" in "\n".join(lines)
     assert lines[-1] == (
         "result: a partial match (store: vLLM 9.0.0's; worker plane: no record; "
-        "scheduler side: no record) (exit status 1)"
+        "scheduler side: no record; transport: no record) (exit status 1)"
     )
     # The whole tree one record's: exit status 0.
-    for relative in (*record.worker, *record.scheduler):
+    assert record.transport is not None
+    for relative in (*record.worker, *record.scheduler, *record.transport):
         _write_package(tmp_path, {relative: f"# {relative}\n"})
     whole = releases.Release(
         name=record.name,
@@ -98,6 +100,7 @@ def test_a_partial_match_names_each_feature(
         package=record.package,
         worker={path: releases.digest(tmp_path / path) or "" for path in record.worker},
         scheduler={path: releases.digest(tmp_path / path) or "" for path in record.scheduler},
+        transport={path: releases.digest(tmp_path / path) or "" for path in record.transport},
     )
     lines, status = releases.describe(tmp_path, (whole,))
     assert (status, lines[-1]) == (

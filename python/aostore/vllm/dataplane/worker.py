@@ -94,6 +94,8 @@ class DataPlaneConnector:
             )
         self._aostore_plane = plane
         self._aostore_why_not = why
+        # Why a step's rows go as vLLM's dict (None: packed, one StepRows a step).
+        self._aostore_why_unpacked = packed
         if not installed.said.is_set() and why != NO_STORE:
             installed.said.set()
             if plane is not None:
