@@ -667,7 +667,11 @@ def finish_sample(arm: Arm, prompt_len: int, out_len: int, reps: int, seed: int)
     ``JSONResponse(content=response.model_dump())``. CPU per part by thread time; the rows
     checked; the peak of traced allocations over the finish and the answer in one more,
     untimed, repetition. The outputs go through vLLM's encoder and decoder first (not through
-    ZMQ: a row is a view on a ``bytes`` frame rather than on a ``zmq.Frame``)."""
+    ZMQ: a row is a view on a ``bytes`` frame rather than on a ``zmq.Frame``). Starlette is
+    imported before the arm installs, as in vLLM's API server, which imports it before it
+    loads plugins."""
+    import starlette.responses  # noqa: F401
+
     arm.install("frontend")
     import tracemalloc
 

@@ -10,9 +10,10 @@ feature depends on, by sha256 of the file's bytes, paths relative to the ``vllm`
   the capturer (dtype, shape, what it writes) and the output type;
 - ``scheduler side``: the package, and the scheduler that calls the scheduler-side connector
   and the request it reads;
-- ``transport``: the package, and what moves a step's rows from the worker to the frontend
-  (the shared-memory queue, the multiprocess executor, the engine core and its client, the
-  output types, the msgpack encoder, the output processor): ``aostore.vllm.transport``.
+- ``transport``: the package, and what moves a step's rows from the worker to the client (the
+  shared-memory queue, the multiprocess executor, the engine core and its client, the output
+  types, the msgpack encoder, the output processor, ``numpy2base64`` and the three endpoints'
+  serving and router modules): ``aostore.vllm.transport``.
 
 A release is recognized per feature: a tree can be one release's for the store and none's for
 the worker plane (a patched model runner), and the start-up line says which.
@@ -75,6 +76,12 @@ _PACKAGE_0_33 = {
 _REQUEST_0_32 = "dd7c30bf8b0894dc123a739c299c0133566f8cc075b081e45905f1c29506e69d"
 _SERIAL_UTILS = "8a99e91c9ba9b34288b03e19f7f2afc6f884b5864d432a7aaf6e2664d2105927"
 """``v1/serial_utils.py``: the same bytes in 0.32.0, 0.33.0 and 0.34.0."""
+_COMPLETION_ROUTER_0_33 = "1a165944d49b0255bae3fff1da204b83afefe0bfd4063932a2fe0f0b11310605"
+_CHAT_ROUTER_0_33 = "dba087f61dd7accc90999bd303123a0c407e5c617cf5a3a7a7974c1314d2392a"
+_TITO_ROUTER_0_32 = "cae8048e7aa433af5dffe0ddee890be7325afeae8811da796d8f0aeb9f254de3"
+"""The API routers that 0.34.0 shares with 0.33.0, and 0.33.0 with 0.32.0."""
+_NUMPY2BASE64 = "f41af4faeb71229109a1909b9ef4f6f24e6e9d2f30e3e8cd83b741f60546043e"
+"""``utils/serial_utils.py`` (``numpy2base64``): the same bytes in 0.32.0, 0.33.0 and 0.34.0."""
 
 
 def _transport(
@@ -86,9 +93,20 @@ def _transport(
     output_processor: str,
     engine: str,
     outputs: str,
+    serving: tuple[str, str, str],
+    routers: tuple[str, str, str],
 ) -> dict[str, str]:
-    """A release's transport files, by the role each plays."""
+    """A release's transport files, by the role each plays (``serving``, ``routers``: the
+    completions, chat completions and token-in-token-out endpoints' modules)."""
+    endpoints = (
+        "entrypoints/openai/completion",
+        "entrypoints/openai/chat_completion",
+        "entrypoints/scale_out/token_in_token_out",
+    )
     return {
+        **{f"{e}/serving.py": digest for e, digest in zip(endpoints, serving, strict=True)},
+        **{f"{e}/api_router.py": digest for e, digest in zip(endpoints, routers, strict=True)},
+        "utils/serial_utils.py": _NUMPY2BASE64,
         "distributed/device_communicators/shm_broadcast.py": shm_broadcast,
         "v1/executor/multiproc_executor.py": multiproc_executor,
         "v1/engine/core.py": core,
@@ -139,6 +157,16 @@ RELEASES: tuple[Release, ...] = (
             output_processor="156b4a0c91a2f589c7d98b22e590f0795a481084fbfd8173375fa092304a6b89",
             engine="958530bb501c9482d6bde820075e22d3ef59985abb307b13b946a05bce83cc71",
             outputs="b5d9f3075ebbb76dce26c4405412a9479d0b8aa6365ab555cde954d7f94db7ce",
+            serving=(
+                "3463559f3c5ec227be1a006539782f916db45968fcb4e69b0394ce051014b9f3",
+                "e1963254a29c630dfc558a1b8e7d0e3f2e3c6843f34984f96207032102d166bf",
+                "bdf6e4cd7b6a228ccd3ee6c464f84d4b56354760581867eabb2a15e5b485ce43",
+            ),
+            routers=(
+                _COMPLETION_ROUTER_0_33,
+                _CHAT_ROUTER_0_33,
+                "0b1d0f2d6bc3c4701a4230a7c25b5b12060fd8b2162482f872eef47cd1e4a498",
+            ),
         ),
     ),
     Release(
@@ -172,6 +200,12 @@ RELEASES: tuple[Release, ...] = (
             output_processor="f855e23e61ad572dd463b2f97e0cb5c6786f7530b15eb05cdf5bf27c3b0c35a1",
             engine="733a21948cc1b6ff4e00907120febd0e4eac993eab19474b3ac8a801497c4115",
             outputs="58cd064fa44182f2d9543b0ea1eee05d59f304293dd40e423ea7286f4d265bf7",
+            serving=(
+                "b2556daa8eb0573bb9d05e8456da1dc7e30c76979705bb3f293230b09be41417",
+                "fbe6d3360b3a407ff4b3e3539e73d4565dc0370112a382689bc268520b86c245",
+                "25283bcfd8bd7f63cc54bdb56aefdab15b97b1eeaaed2ce5e421abfdb3e164ec",
+            ),
+            routers=(_COMPLETION_ROUTER_0_33, _CHAT_ROUTER_0_33, _TITO_ROUTER_0_32),
         ),
     ),
     Release(
@@ -212,6 +246,16 @@ RELEASES: tuple[Release, ...] = (
             output_processor="e78c5af6b0db10c93f19af359d4cb003a82f7ddfde1ae2c58084a53a56d0adb4",
             engine="5a525d4fc6e9a802be0d211d98b42cd196ac3bfd91906eb98a9dd47a15ecac22",
             outputs="40b3aec867bca3a419f7b5ed8a33bfebe431f1085a09ff9d45ca4c4640377b19",
+            serving=(
+                "bf3a2167da91e1e70d55b86345e9debdb5bd936837a583c318302457a27a9d88",
+                "5e619c0a6866758a247c76e7b8c472f6e008ddbc720f7efe47cc6776cb986d4f",
+                "2d00c971d92a7d6a1c3f71b2a49c898dcbabea7eb85e19b35c0ec7091db68242",
+            ),
+            routers=(
+                "b93b00298a74a62a3f2d8da1c0a9380a2be5823f5ab7ab99a2c911906280d769",
+                "77f858fe0079b9dd131c26d22641c79d4ac0f2b22688d033863954a8a669d7d3",
+                _TITO_ROUTER_0_32,
+            ),
         ),
     ),
 )

@@ -3,10 +3,14 @@
 What goes in wherever the plugin loads and the release record recognizes the transport's files
 (:data:`aostore.vllm.compat.releases.TRANSPORT`), unless ``AOSTORE_VLLM_TRANSPORT=0``:
 
-- the encoder (engine core): ``MsgpackEncoder._encode_ndarray`` sends routed-experts rows of a
-  step buffer inline (:mod:`.wire`); any other array goes vLLM's way;
-- the frontend: ``RequestState`` is aostore's subclass, whose rows are held in one buffer per
+- the encoder (engine core): ``MsgpackEncoder``'s ``enc_hook`` and ``_encode_ndarray`` send
+  routed-experts rows of a step buffer inline (:mod:`.wire`); any other array goes vLLM's way;
+  the decoder (frontend): ``MsgpackDecoder.dec_hook`` makes an inline array over a copy of its
+  bytes (no ``memoryview`` kept alive, no message pinned);
+- the frontend: ``RequestState`` is aostore's subclass, whose rows are held in pages per
   request (:mod:`.frontend`);
+- the API server: ``numpy2base64`` and Starlette's ``JSONResponse.render`` give vLLM's bytes,
+  cheaper (:mod:`.answer`);
 - the worker (through the data plane's connector): a step's rows are packed as one
   :class:`.rows.StepRows` where :func:`why_not_packed` says both ends run this aostore; the
   engine core reads them with vLLM's ``take_output`` or aostore's (:meth:`StepRows.take`).
@@ -15,13 +19,18 @@ What goes in wherever the plugin loads and the release record recognizes the tra
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
+from .answer import numpy2base64_over, render_over
 from .frontend import request_state_subclass
-from .wire import HOOK, METHOD, encoder_hook, encoder_method
+from .wire import DECODER_HOOK, HOOK, METHOD, decoder_hook, encoder_hook, encoder_method
 
 SERIAL_MODULE = "vllm.v1.serial_utils"
+UTILS_MODULE = "vllm.utils.serial_utils"
+NUMPY2BASE64 = "numpy2base64"
+STARLETTE_RESPONSES = "starlette.responses"
 OUTPUT_PROCESSOR_MODULE = "vllm.v1.engine.output_processor"
 REQUEST_STATE = "RequestState"
 
@@ -41,15 +50,38 @@ def install(swap: Callable[..., list[str]], undo: list[Any]) -> list[str]:
     swap of module globals; ``undo`` takes what puts each back). Returns the patched modules."""
     serial_utils = importlib.import_module(SERIAL_MODULE)
     encoder = serial_utils.MsgpackEncoder
-    for name, make in ((METHOD, encoder_method), (HOOK, encoder_hook)):
-        vllm_function = vars(encoder)[name]
-        undo.append((ClassAttributes(encoder), name, vllm_function))
-        setattr(encoder, name, make(vllm_function, serial_utils))
+    decoder = serial_utils.MsgpackDecoder
+    for cls, name, make in (
+        (encoder, METHOD, encoder_method),
+        (encoder, HOOK, encoder_hook),
+        (decoder, DECODER_HOOK, decoder_hook),
+    ):
+        vllm_function = vars(cls)[name]
+        undo.append((ClassAttributes(cls), name, vllm_function))
+        setattr(cls, name, make(vllm_function, serial_utils))
     processor = importlib.import_module(OUTPUT_PROCESSOR_MODULE)
     vllm_state = getattr(processor, REQUEST_STATE)
     patched = swap(
         {REQUEST_STATE: vllm_state}, {REQUEST_STATE: request_state_subclass(vllm_state)}, undo
     )
+    # The API server's answer: numpy2base64 where vLLM's serving modules will import it (and
+    # where they already did), and Starlette's JSON rendering in a process that serves HTTP
+    # (vLLM's API server imports Starlette before it loads plugins; other processes never
+    # render a body, so Starlette is not imported for them).
+    utils = importlib.import_module(UTILS_MODULE)
+    vllm_numpy2base64 = utils.numpy2base64
+    patched += swap(
+        {NUMPY2BASE64: vllm_numpy2base64},
+        {NUMPY2BASE64: numpy2base64_over(vllm_numpy2base64)},
+        undo,
+    )
+    responses = sys.modules.get(STARLETTE_RESPONSES)
+    if responses is not None:
+        json_response = responses.JSONResponse
+        vllm_render = vars(json_response)["render"]
+        undo.append((ClassAttributes(json_response), "render", vllm_render))
+        json_response.render = render_over(vllm_render)
+        patched.append(STARLETTE_RESPONSES)
     return sorted({*patched, SERIAL_MODULE})
 
 

@@ -7,6 +7,14 @@ frontend) reads an array either way, as ``(dtype, shape, data)`` with ``data`` a
 msgpack's raw-view extension. aostore's ``_encode_ndarray`` sends the arrays that are rows of a
 step buffer (:func:`.rows.is_step_rows`: routed experts from aostore's worker, nothing else)
 inline, as vLLM does for small arrays; every other array goes vLLM's way.
+
+On the frontend, vLLM's decoder makes an inline array a view of the message, through a
+``memoryview`` that the garbage collector tracks; ~500 of them alive through a step's
+``process_outputs`` promote garbage into the oldest generation and cause full collections.
+aostore's ``dec_hook`` makes such an array over a copy of its bytes (``bytes``, or
+``bytearray`` where the message was writable: the same ``writeable`` flag), so the
+``memoryview`` dies at once and the array no longer pins the message; values, dtype, shape and
+flags are vLLM's.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from .rows import StepArray, is_step_rows
 
 METHOD = "_encode_ndarray"
 HOOK = "enc_hook"
+DECODER_HOOK = "dec_hook"
 
 
 def encoder_method(vllm_method: Any, serial_utils: Any) -> Any:
@@ -58,3 +67,23 @@ def encoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
     enc_hook.__doc__ = "vLLM's, with routed-experts rows of a step buffer inline."
     enc_hook.__wrapped__ = vllm_hook  # type: ignore[attr-defined]
     return enc_hook
+
+
+def decoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
+    """aostore's ``MsgpackDecoder.dec_hook`` over vLLM's: an inline array over a copy of its
+    bytes (vLLM's own steps otherwise: ``np.frombuffer``, then ``reshape``)."""
+    ndarray = np.ndarray
+    frombuffer = np.frombuffer
+
+    def dec_hook(self: Any, t: Any, obj: Any) -> Any:
+        if t is ndarray and self.share_mem:
+            dtype, shape, data = obj
+            if type(data) is memoryview:
+                copy = bytes(data) if data.readonly else bytearray(data)
+                return frombuffer(copy, dtype=dtype).reshape(shape)
+        return vllm_hook(self, t, obj)
+
+    dec_hook.__qualname__ = f"MsgpackDecoder.{DECODER_HOOK}"
+    dec_hook.__doc__ = "vLLM's, with an inline array over a copy of its bytes."
+    dec_hook.__wrapped__ = vllm_hook  # type: ignore[attr-defined]
+    return dec_hook

