@@ -25,11 +25,10 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
 import starlette.responses
-from vllm.utils import serial_utils as vllm_utils
-
 from aostore.vllm.install import swap, undo_swap
 from aostore.vllm.transport import install
 from aostore.vllm.transport.answer import LONG, numpy2base64_over, render_over
+from vllm.utils import serial_utils as vllm_utils
 
 VLLM_NUMPY2BASE64 = vllm_utils.numpy2base64
 VLLM_RENDER = vars(starlette.responses.JSONResponse)["render"]

@@ -30,7 +30,7 @@ _BASE64_EXTRA = b"+/="
 
 def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callable[..., str]:
     """aostore's ``numpy2base64`` over vLLM's (its fallback)."""
-    import pybase64
+    import pybase64  # type: ignore[import-not-found]  # vLLM's dependency
 
     encode = getattr(pybase64, "b64encode_as_string", None)
 

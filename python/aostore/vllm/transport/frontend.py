@@ -157,7 +157,7 @@ class RowChunks:
     def _write(self, chunk: np.ndarray) -> None:
         if not chunk.flags.c_contiguous:
             chunk = np.ascontiguousarray(chunk)
-        data = memoryview(chunk.reshape(-1).view(np.uint8))
+        data = chunk.reshape(-1).view(np.uint8).data
         n, done = len(data), 0
         while done < n:
             page = self._room(n - done)
