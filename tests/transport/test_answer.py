@@ -100,7 +100,11 @@ def test_the_body_is_starlettes_for_several_long_strings_and_odd_content() -> No
     cases = [
         body(*(choice(i, r) for i, r in enumerate(rows))),  # n > 1
         body(choice(0, rows[0], text="é" * 10 + '"quoted"\n')),  # escapes around it
-        body(choice(0, rows[0], text="x" * (LONG + 5))),  # long, but not base64: vLLM's
+        body(choice(0, rows[0], text="x" * (LONG + 5))),  # long plain text: spliced too
+        body(choice(0, rows[0], text="x" * LONG + '"')),  # a quote to escape: vLLM's
+        body(choice(0, rows[0], text="x" * LONG + "\\")),  # a backslash: vLLM's
+        body(choice(0, rows[0], text="x" * LONG + "\n\x01")),  # controls: vLLM's
+        body(choice(0, rows[0], text="x" * LONG + "\x7f ~")),  # DEL is not escaped
         body(choice(0, rows[0], text="€" * LONG)),  # long and not ASCII: vLLM's
         body(choice(0, rows[0], text=marker)),  # aostore's marker in the content: vLLM's
         body(choice(0, rows[0]), extra={"nested": [[rows[1]], {"k": rows[2]}], "n": 1.5}),

@@ -275,13 +275,15 @@ def plane_report(path: Path) -> str:
 
 
 def run_plugin_tests() -> str:
-    """aostore's own plugin tests and the dry run's (``aostore vllm-check``), whose real-vLLM
-    cases skip unless vLLM is installed."""
+    """aostore's own plugin tests, the dry run's (``aostore vllm-check``) and the transport's,
+    whose real-vLLM cases skip unless vLLM is installed."""
     files = [
         "plugin/test_plugin.py",
         "plugin/test_vllm_check.py",
         "plugin/test_data_plane.py",
         "plugin/test_data_plane_life.py",
+        # The transport (SPEC 16) against this release's own classes.
+        "transport",
         # The benches that need vLLM, at tiny sizes, so they cannot rot: T10/T12 (both
         # schedules), the scheduler side, T13's transport baseline.
         "benchmarks/test_worker_bench.py",

