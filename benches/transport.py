@@ -1,5 +1,6 @@
-"""T13's baseline: what vLLM spends moving routed-experts rows (R3) after the worker
-connector, across its processes, with vLLM's own classes for every hop; R3 on minus R3 off.
+"""T13: what moving routed-experts rows (R3) after the worker connector costs across vLLM's
+processes, with vLLM's own classes for every hop, with vLLM's transport and with aostore's;
+R3 on minus R3 off.
 
 The multiprocess executor's layout on one node, three processes forked per run, in lockstep (one
 step at a time; loopback and IPC only; a process that waits blocks, it never spins):
@@ -50,11 +51,15 @@ concatenation, and the API server's answer to a non-streaming ``/v1/completions`
 CPU per part, the body's bytes, the peak of traced allocations. On its own small heap; the
 window's finishes above are the same work inside a frontend that holds ~500 requests' rows.
 
-Arms, each run in its own three processes, ABBA order per ``--reps`` (``off vllm vllm off``):
-``off``: R3 off (no rows, no ``take_output``, ``routed_experts`` None); ``vllm``: R3 on with
-vLLM's transport. The R3 share of a figure is ``vllm`` minus ``off``. An arm is a
-``transport_hops.Arm``: aostore's transport, once built, is a third arm whose ``install`` puts
-its classes into vLLM's modules in each process before the hops look them up.
+Arms, each run in its own three processes, ABBA order per ``--reps`` (``off vllm aostore
+aostore vllm off``): ``off``: R3 off (no rows, no ``take_output``, ``routed_experts`` None);
+``vllm``: R3 on with vLLM's transport; ``aostore``: R3 on with aostore's transport
+(``aostore.vllm.transport``: its ``install`` puts the encoder's and decoder's hooks, the
+frontend's ``RequestState``, ``numpy2base64`` and the JSON render into vLLM's modules in each
+process, and aostore's scheduler connector in the engine core, before the hops look them up;
+the worker hands over one ``StepRows`` a step, as aostore's data plane does under the
+multiprocess executor). The R3 share of a figure is an arm minus ``off``; T13 is ``aostore``'s
+share over ``vllm``'s, printed last.
 
 Not modelled: the GPU and the worker connector (T12: ``benches/worker.py``); the scheduler's own
 work (scheduling, KV blocks, ``build_connector_meta``: ``benches/scheduler.py``) and the

@@ -15,7 +15,7 @@ from typing import Any
 
 from aostore._native import NativeDataPlane
 
-from ..transport import StepRows, why_not_packed
+from ..transport import StepRows, crosses_unpacked, why_not_packed
 from .install import BUFFER, CONNECTOR, NO_STORE, Installed, why_not
 from .report import report_once
 
@@ -100,7 +100,12 @@ class DataPlaneConnector:
             installed.said.set()
             if plane is not None:
                 rows = "one buffer a step" if packed is None else f"vLLM's dict ({packed})"
-                logger.info("aostore data plane: on for vLLM's worker connector; rows as %s", rows)
+                # A hop that pickles but where the two ends may not run the same aostore (Ray,
+                # nodes) deserves a warning; one process (uni) has no hop to change.
+                level = logging.WARNING if crosses_unpacked(config, packed) else logging.INFO
+                logger.log(
+                    level, "aostore data plane: on for vLLM's worker connector; rows as %s", rows
+                )
             else:
                 logger.info("aostore data plane: off for this connector (%s)", why)
 

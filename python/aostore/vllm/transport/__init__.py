@@ -10,7 +10,7 @@ each request's rows in one buffer (``frontend``); ``install`` puts them in. What
 from __future__ import annotations
 
 from .frontend import RowChunks, request_state_subclass
-from .install import install, why_not_packed
+from .install import crosses_unpacked, install, why_not_packed
 from .rows import FORMAT, StepArray, StepRows, is_step_rows
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "RowChunks",
     "StepArray",
     "StepRows",
+    "crosses_unpacked",
     "install",
     "is_step_rows",
     "request_state_subclass",

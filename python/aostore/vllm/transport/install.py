@@ -99,3 +99,13 @@ def why_not_packed(config: Any) -> str | None:
     if int(getattr(parallel, "nnodes", 1) or 1) > 1:
         return "the mp executor spans nodes"
     return None
+
+
+def crosses_unpacked(config: Any, why_unpacked: str | None) -> bool:
+    """Whether rows go as vLLM's dict over a hop that pickles them (``ray``, or ``mp`` across
+    nodes): the transport is on but the two ends were not shown to agree."""
+    if why_unpacked is None or why_unpacked == "transport off":
+        return False
+    backend = config.parallel_config.distributed_executor_backend
+    name = backend if isinstance(backend, str) or backend is None else backend.__name__
+    return name not in ("uni", "external_launcher", None)
