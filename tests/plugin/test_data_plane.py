@@ -201,6 +201,17 @@ def _record_of(root: Path, name: str = "vLLM 9.0.0", layout: str = "0.34") -> re
     )
 
 
+def _installed_tree(root: Path, monkeypatch: pytest.MonkeyPatch) -> releases.Release:
+    """A vLLM tree under ``root`` whose files are a record's for every feature, that record
+    known, and the tree taken for the installed vLLM."""
+    for feature in releases.FEATURES:
+        _tree(root, releases.RELEASES[0], feature)
+    record = _record_of(root)
+    monkeypatch.setitem(releases.BY_NAME, record.name, record)
+    monkeypatch.setattr(releases, "vllm_root", lambda: root)
+    return record
+
+
 def test_a_release_is_recognized_per_feature(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -239,11 +250,7 @@ def test_a_release_is_recognized_per_feature(
 def test_the_transport_goes_in_where_recognized_and_switched_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for feature in releases.FEATURES:
-        _tree(tmp_path, releases.RELEASES[0], feature)
-    record = _record_of(tmp_path)
-    monkeypatch.setitem(releases.BY_NAME, record.name, record)
-    monkeypatch.setattr(releases, "vllm_root", lambda: tmp_path)
+    record = _installed_tree(tmp_path, monkeypatch)
     decision = _plan(release=record.name)
     decision.data_plane = (releases.WORKER, releases.SCHEDULER)
     assert plan._transport(decision, Settings()) == (
@@ -266,11 +273,7 @@ def test_the_transport_goes_in_where_recognized_and_switched_on(
 def test_the_plugin_installs_the_features_a_release_is_recognized_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for feature in releases.FEATURES:
-        _tree(tmp_path, releases.RELEASES[0], feature)
-    record = _record_of(tmp_path)
-    monkeypatch.setitem(releases.BY_NAME, record.name, record)
-    monkeypatch.setattr(releases, "vllm_root", lambda: tmp_path)
+    record = _installed_tree(tmp_path, monkeypatch)
     on = Settings()
     features, said = plan._data_plane(_plan(release=record.name), on)
     assert features == (releases.WORKER, releases.SCHEDULER)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from aostore.vllm.transport import crosses_unpacked, why_not_packed
 
 

@@ -30,6 +30,17 @@ HOOK = "enc_hook"
 DECODER_HOOK = "dec_hook"
 
 
+INLINE = "vLLM's, with routed-experts rows of a step buffer inline."
+
+
+def _over(function: Any, vllm_function: Any, qualname: str, doc: str) -> Any:
+    """``function``, named as vLLM's method it stands in for, and wrapping it."""
+    function.__qualname__ = qualname
+    function.__doc__ = doc
+    function.__wrapped__ = vllm_function
+    return function
+
+
 def encoder_method(vllm_method: Any, serial_utils: Any) -> Any:
     """aostore's ``MsgpackEncoder._encode_ndarray`` over vLLM's (``serial_utils``: vLLM's
     module, whose ``msgpack`` and ``CUSTOM_TYPE_RAW_VIEW`` it uses)."""
@@ -42,10 +53,7 @@ def encoder_method(vllm_method: Any, serial_utils: Any) -> Any:
             return obj.dtype.str, obj.shape, ext(raw_view, obj.data)
         return vllm_method(self, obj)
 
-    _encode_ndarray.__qualname__ = f"MsgpackEncoder.{METHOD}"
-    _encode_ndarray.__doc__ = "vLLM's, with routed-experts rows of a step buffer inline."
-    _encode_ndarray.__wrapped__ = vllm_method  # type: ignore[attr-defined]
-    return _encode_ndarray
+    return _over(_encode_ndarray, vllm_method, f"MsgpackEncoder.{METHOD}", INLINE)
 
 
 def encoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
@@ -63,10 +71,7 @@ def encoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
                 return obj.dtype.str, obj.shape, ext(raw_view, obj.data)
         return vllm_hook(self, obj)
 
-    enc_hook.__qualname__ = f"MsgpackEncoder.{HOOK}"
-    enc_hook.__doc__ = "vLLM's, with routed-experts rows of a step buffer inline."
-    enc_hook.__wrapped__ = vllm_hook  # type: ignore[attr-defined]
-    return enc_hook
+    return _over(enc_hook, vllm_hook, f"MsgpackEncoder.{HOOK}", INLINE)
 
 
 def decoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
@@ -83,7 +88,9 @@ def decoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
                 return frombuffer(copy, dtype=dtype).reshape(shape)
         return vllm_hook(self, t, obj)
 
-    dec_hook.__qualname__ = f"MsgpackDecoder.{DECODER_HOOK}"
-    dec_hook.__doc__ = "vLLM's, with an inline array over a copy of its bytes."
-    dec_hook.__wrapped__ = vllm_hook  # type: ignore[attr-defined]
-    return dec_hook
+    return _over(
+        dec_hook,
+        vllm_hook,
+        f"MsgpackDecoder.{DECODER_HOOK}",
+        "vLLM's, with an inline array over a copy of its bytes.",
+    )
