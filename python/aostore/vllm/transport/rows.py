@@ -17,7 +17,6 @@ encoder meets one.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.metadata
 import pickle
@@ -170,7 +169,7 @@ class StepRows(Mapping[str, Any]):
         flat = rows.base if type(rows.base) is StepArray else np.ascontiguousarray(rows)
         return _rebuild, (
             FORMAT,
-            _version(),
+            VERSION,
             self._ids,
             self._index.tobytes(),
             # The array itself, not a memoryview of it: a PickleBuffer over a memoryview that
@@ -190,13 +189,15 @@ def _rows(data: Any, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
     return flat.view(np.ndarray)
 
 
-@functools.cache
-def _version() -> str:
+def _installed_version() -> str:
     """The installed aostore's version: both ends of the hop must run the same one."""
     try:
         return importlib.metadata.version("aostore")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+VERSION = _installed_version()
 
 
 def _rebuild(
@@ -209,10 +210,10 @@ def _rebuild(
     shape: tuple[int, ...],
 ) -> StepRows:
     """Unpickles a :class:`StepRows`; a layout this aostore does not read raises at once."""
-    if format_ != FORMAT or version != _version():
+    if format_ != FORMAT or version != VERSION:
         raise RuntimeError(
             f"aostore transport: this process reads step rows of format {FORMAT} from aostore "
-            f"{_version()}, got format {format_} from aostore {version}: the worker and the "
+            f"{VERSION}, got format {format_} from aostore {version}: the worker and the "
             "engine core must run the same aostore (set AOSTORE_VLLM_TRANSPORT=0 on both to "
             "use vLLM's own transport)"
         )
