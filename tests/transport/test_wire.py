@@ -113,3 +113,44 @@ def test_without_the_transport_vllms_encoder_is_back() -> None:
         assert vars(serial_utils.MsgpackEncoder)[name] is function
     message = outputs(True, COUNTS)
     assert len(frames(serial_utils.MsgpackEncoder(), message)) == 1 + 4
+
+
+@pytest.mark.parametrize("message", ["bytes", "bytearray", "zmq.Frame"])
+def test_the_decoder_gives_vllms_arrays_without_a_tracked_base(message: str) -> None:
+    """Inline arrays decoded with aostore's hook equal vLLM's (values, dtype, shape, the
+    ``writeable`` flag of a view of a read-only or writable message), and none keeps a
+    ``memoryview`` (which the collector tracks) alive as its base."""
+    import gc
+
+    import zmq
+
+    frames = frames_of(outputs(True, COUNTS))
+    wrap = {"bytes": bytes, "bytearray": bytearray, "zmq.Frame": zmq.Frame}[message]
+    vllm_decoded = serial_utils.MsgpackDecoder(v1_engine.EngineCoreOutputs).decode(
+        [wrap(f) for f in frames]
+    )
+    undo: list[Any] = []
+    install(swap, undo)
+    try:
+        decoder = serial_utils.MsgpackDecoder(v1_engine.EngineCoreOutputs)
+    finally:
+        undo_swap(undo)
+    ours = decoder.decode([wrap(f) for f in frames])
+    for mine, theirs in zip(ours.outputs, vllm_decoded.outputs, strict=True):
+        a, b = mine.routed_experts, theirs.routed_experts
+        assert type(a) is type(b) is np.ndarray
+        assert (a.dtype, a.shape, a.flags.writeable) == (b.dtype, b.shape, b.flags.writeable)
+        assert np.array_equal(a, b)
+        base = a
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert not gc.is_tracked(base), type(base)
+
+
+def frames_of(message: Any) -> list[bytes]:
+    undo: list[Any] = []
+    install(swap, undo)
+    try:
+        return frames(serial_utils.MsgpackEncoder(), message)
+    finally:
+        undo_swap(undo)

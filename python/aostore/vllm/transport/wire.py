@@ -11,10 +11,10 @@ inline, as vLLM does for small arrays; every other array goes vLLM's way.
 On the frontend, vLLM's decoder makes an inline array a view of the message, through a
 ``memoryview`` that the garbage collector tracks; ~500 of them alive through a step's
 ``process_outputs`` promote garbage into the oldest generation and cause full collections.
-aostore's ``dec_hook`` makes such an array over a copy of its bytes (``bytes``, or
-``bytearray`` where the message was writable: the same ``writeable`` flag), so the
-``memoryview`` dies at once and the array no longer pins the message; values, dtype, shape and
-flags are vLLM's.
+aostore's ``dec_hook`` makes such an array over a copy of its bytes (over ``bytes`` where the
+message was read-only, an array owning its copy where it was writable: the same ``writeable``
+flag, and no tracked ``memoryview`` as a base), so the ``memoryview`` dies at once and the array
+no longer pins the message; values, dtype, shape and flags are vLLM's.
 """
 
 from __future__ import annotations
@@ -84,8 +84,11 @@ def decoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
         if t is ndarray and self.share_mem:
             dtype, shape, data = obj
             if type(data) is memoryview:
-                copy = bytes(data) if data.readonly else bytearray(data)
-                return frombuffer(copy, dtype=dtype).reshape(shape)
+                if data.readonly:  # over bytes: read-only, as the view of the message was
+                    return frombuffer(bytes(data), dtype=dtype).reshape(shape)
+                # A writable message: an array that owns a copy (np.frombuffer over a
+                # bytearray would keep a tracked memoryview as its base).
+                return frombuffer(data, dtype=dtype).reshape(shape).copy()
         return vllm_hook(self, t, obj)
 
     return _over(
