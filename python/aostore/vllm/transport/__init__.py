@@ -2,8 +2,9 @@
 
 After the worker connector, vLLM moves each step's rows as one Python object per request per
 step. Here: the worker hands the engine core one buffer a step (``rows``), the engine core's
-encoder sends routed-experts rows inline on vLLM's own wire (``wire``), and the frontend holds
-each request's rows in one buffer (``frontend``); ``install`` puts them in. What users see
+encoder sends routed-experts rows inline on vLLM's own wire and the frontend's decoder copies
+them out (``wire``), the frontend holds each request's rows in pages (``frontend``), and the
+API server answers with vLLM's bytes, cheaper (``answer``); ``install`` puts them in. What users see
 (every ``RequestOutput``, every HTTP body) stays vLLM's: docs/transport.md.
 """
 

@@ -3,11 +3,11 @@
 vLLM's ``RequestState`` keeps ``routed_experts_chunks: list[np.ndarray]``: every arriving row
 stays a view of the message it came in (a GC-tracked ZMQ frame, or in one process the step's
 buffer) until the request finishes, then ``np.concatenate`` joins thousands of them. aostore's
-``RequestState`` puts a :class:`RowChunks` there instead: each chunk is copied into one
-growing buffer as it arrives, and the list's operations that vLLM's ``OutputProcessor`` uses
-keep their meaning exactly (``append``; ``chunks[-1] = rows``, which
-``_trim_surplus_tokens`` uses to replace the last chunk, possibly with an empty one; truth;
-``np.concatenate(chunks, axis=0)``, which now joins one array).
+``RequestState`` puts a :class:`RowChunks` there instead: each chunk is copied into pages that
+never move as it arrives, and the list's operations that vLLM's ``OutputProcessor`` uses keep
+their meaning exactly (``append``; ``chunks[-1] = rows``, which ``_trim_surplus_tokens`` uses
+to replace the last chunk, possibly with an empty one; truth; the finish's
+``np.concatenate(chunks, axis=0)``, which ``_new_completion_output`` gets over the pages).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class RowChunks:
             return False
         dtype = chunk.dtype
         if dtype is self._dtype or (self._dtype is not None and dtype == self._dtype):
-            return chunk.shape[1:] == self._shape and chunk.ndim == len(self._shape) + 1
+            return chunk.shape[1:] == self._shape and chunk.ndim == self._ndim
         if self._dtype is not None or chunk.ndim < 1 or dtype.hasobject:
             return False
         self._dtype, self._shape, self._ndim = dtype, chunk.shape[1:], chunk.ndim
@@ -163,7 +163,7 @@ class RowChunks:
         n, done = len(data), 0
         while done < n:
             page = self._room(n - done)
-            at = self._size - self._starts[-1]
+            at = self._size - self._last_start
             take = min(len(page) - at, n - done)
             page[at : at + take] = data[done : done + take]
             done += take

@@ -92,8 +92,7 @@ def why_not_packed(config: Any) -> str | None:
     ``external_launcher`` hand it over in one process (no pickle: nothing to save); ``ray`` may
     place workers on other nodes, with other environments."""
     parallel = config.parallel_config
-    backend = parallel.distributed_executor_backend
-    name = backend if isinstance(backend, str) or backend is None else backend.__name__
+    name = _executor(config)
     if name != "mp":
         return f"the {name} executor hands vLLM's dict over"
     if int(getattr(parallel, "nnodes", 1) or 1) > 1:
@@ -106,6 +105,10 @@ def crosses_unpacked(config: Any, why_unpacked: str | None) -> bool:
     nodes): the transport is on but the two ends were not shown to agree."""
     if why_unpacked is None or why_unpacked == "transport off":
         return False
+    return _executor(config) not in ("uni", "external_launcher", None)
+
+
+def _executor(config: Any) -> str | None:
+    """The executor's name, given as a name or as a class (vLLM allows both)."""
     backend = config.parallel_config.distributed_executor_backend
-    name = backend if isinstance(backend, str) or backend is None else backend.__name__
-    return name not in ("uni", "external_launcher", None)
+    return backend if isinstance(backend, str) or backend is None else str(backend.__name__)

@@ -66,6 +66,7 @@ def encoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
 
     def enc_hook(self: Any, obj: Any) -> Any:
         if type(obj) is ndarray and obj.shape and obj.flags.c_contiguous:
+            # is_step_rows, inlined: msgspec calls this once per array.
             base = obj.base
             if type(base) is StepArray or (type(base) is ndarray and type(base.base) is StepArray):
                 return obj.dtype.str, obj.shape, ext(raw_view, obj.data)
