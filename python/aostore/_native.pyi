@@ -237,3 +237,7 @@ class NativeDataPlane:
     def steps(self) -> int: ...
     @property
     def outputs(self) -> int: ...
+
+def splice_json(parts: list[str]) -> bytes | None:
+    """``parts[0] + '"' + parts[1] + '"' + parts[2] + ...`` as UTF-8 in one allocation (odd
+    parts spliced in quotes); None when an odd part holds what JSON escapes."""

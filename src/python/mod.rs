@@ -1,5 +1,6 @@
 //! The PyO3 binding, one concern per file (docs/layout.md lists them); no store logic lives here.
 
+mod answer;
 mod args;
 mod dataplane;
 mod errors;
@@ -50,5 +51,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     dataplane::register(m)?;
     scheduler::register(m)?;
     layout::register(m)?;
+    answer::register(m)?;
     Ok(())
 }

@@ -65,6 +65,37 @@ def test_numpy2base64_of_routed_experts_and_odd_arrays() -> None:
         VLLM_NUMPY2BASE64(np.array([object()]))
 
 
+def test_numpy2base64_of_rows_laid_out_after_their_header_is_vllms() -> None:
+    """A finished request's rows sit after their ``.npy`` header in one buffer: encoded as it
+    is; any array whose memory is not exactly that (changed in place, a slice, another header,
+    a buffer without one) is still vLLM's string."""
+    from aostore.vllm.transport import RowChunks
+
+    want = np.random.default_rng(1).integers(0, 128, (3_000, 46, 8), np.uint8)
+    chunks = RowChunks()
+    chunks.append(want[:700])
+    for i in range(700, len(want)):
+        chunks.append(want[i : i + 1])
+    finished = chunks.finished()
+    assert finished is not None
+    assert ours(finished) == VLLM_NUMPY2BASE64(want)
+    finished[5, 5, 5] = 200  # the caller's writes are the rows encoded
+    assert ours(finished) == VLLM_NUMPY2BASE64(finished)
+    odd = [finished[1:], finished[:-1], finished[0], finished.reshape(-1), finished.view(np.int8)]
+    reshaped = finished.view()
+    reshaped.shape = (1_500, 92, 8)
+    odd.append(reshaped)
+    odd.append(np.frombuffer(bytearray(want.tobytes()), np.uint8).reshape(want.shape))
+    odd.append(np.concatenate([want]))  # no header before it
+    for array in odd:
+        assert ours(array) == VLLM_NUMPY2BASE64(array)
+    buffer = finished.base
+    while buffer.base is not None:  # type: ignore[union-attr]
+        buffer = buffer.base  # type: ignore[union-attr]
+    buffer[10] ^= 1  # type: ignore[index]  # its header no longer the array's: vLLM's string all the same
+    assert ours(finished) == VLLM_NUMPY2BASE64(finished)
+
+
 def body(*choices: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {
         "id": "cmpl-1",
@@ -105,6 +136,9 @@ def test_the_body_is_starlettes_for_several_long_strings_and_odd_content() -> No
         body(choice(0, rows[0], text="x" * LONG + "\\")),  # a backslash: vLLM's
         body(choice(0, rows[0], text="x" * LONG + "\n\x01")),  # controls: vLLM's
         body(choice(0, rows[0], text="x" * LONG + "\x7f ~")),  # DEL is not escaped
+        body(choice(0, rows[0], text='"' + "x" * LONG)),  # escapes in any 64 KiB block
+        body(choice(0, rows[0], text="x" * (LONG + 70_000) + "\t" + "x" * 100)),
+        body(choice(0, rows[0][:-9] + "\x1f" + rows[0][-8:])),
         body(choice(0, rows[0], text="€" * LONG)),  # long and not ASCII: vLLM's
         body(choice(0, rows[0], text=marker)),  # aostore's marker in the content: vLLM's
         body(choice(0, rows[0]), extra={"nested": [[rows[1]], {"k": rows[2]}], "n": 1.5}),

@@ -41,6 +41,14 @@ def concatenated(chunks: object) -> object:
         return (type(error), str(error))
 
 
+def finished(chunks: RowChunks) -> object:
+    """What the finish hands ``CompletionOutput``, or the exception it raises."""
+    try:
+        return chunks.finished()
+    except Exception as error:
+        return (type(error), str(error))
+
+
 def check(ours: RowChunks, theirs: list[np.ndarray]) -> None:
     assert len(ours) == len(theirs)
     assert bool(ours) == bool(theirs)
@@ -54,6 +62,13 @@ def check(ours: RowChunks, theirs: list[np.ndarray]) -> None:
         same(joined, want)
     else:
         assert joined == want
+    # vLLM's finish: `if finished and chunks: np.concatenate(chunks, axis=0)`, else None.
+    got, want = finished(ours), concatenated(theirs) if theirs else None
+    if isinstance(want, np.ndarray):
+        same(got, want)
+        assert isinstance(got, np.ndarray) and got.flags.c_contiguous and got.flags.writeable
+    else:
+        assert got == want
 
 
 # One step's operations on a request's chunks: an output with `n` rows arrives; or it arrives
@@ -139,6 +154,42 @@ def test_an_empty_one_is_false_and_joins_nothing() -> None:
     ours.append(rows(0, 0))  # an empty chunk still makes it true (vLLM's list would be)
     assert ours and len(ours) == 1
     same(np.concatenate(ours.joined()), np.concatenate([rows(0, 0)]))
+    same(ours.finished(), np.concatenate([rows(0, 0)]))
+
+
+def test_rows_of_no_bytes_are_the_lists() -> None:
+    """A row shape with a zero in it: the pages' size cannot count such rows, the list can."""
+    ours, theirs = RowChunks(), []
+    for n in (3, 0, 2):
+        chunk = np.zeros((n, 4, 0), np.uint8)
+        ours.append(chunk)
+        theirs.append(chunk)
+    check(ours, theirs)
+    assert ours.finished().shape == (5, 4, 0)  # type: ignore[union-attr]
+
+
+def test_the_finished_rows_follow_their_npy_header_and_are_the_callers() -> None:
+    """The finish's array sits right after its ``.npy`` header in one buffer (what the API
+    server's ``numpy2base64`` encodes as it is), and is the caller's, as vLLM's concatenation
+    is: writable, and no later write to the chunks reaches it."""
+    import io
+
+    ours, want = RowChunks(), rows(5000, 3, shape=(46, 8))
+    ours.append(want[:700])
+    for i in range(700, 5000):
+        ours.append(want[i : i + 1])
+    got = ours.finished()
+    assert got is not None
+    same(got, want)
+    buffer = got.base
+    while buffer.base is not None:  # type: ignore[union-attr]
+        buffer = buffer.base  # type: ignore[union-attr]
+    saved = io.BytesIO()
+    np.save(saved, want, allow_pickle=False)
+    assert type(buffer) is np.ndarray and buffer.tobytes() == saved.getvalue()
+    ours[-1] = rows(1, 99, shape=(46, 8))
+    got[0, 0, 0] = 255
+    same(got[1:], want[1:])
 
 
 def test_a_strided_chunk_is_held_by_value() -> None:

@@ -8,11 +8,14 @@ UTF-8). Here:
 
 - :func:`numpy2base64` writes the ``.npy`` header and the array's bytes once and encodes them
   straight to a ``str``: vLLM's string exactly, for every array (anything the fast path does not
-  cover goes to vLLM's function);
+  cover goes to vLLM's function). A finished request's rows already sit after their header in
+  one buffer (:meth:`~aostore.vllm.transport.frontend.RowChunks.finished`): that buffer is
+  encoded as it is;
 - :func:`render_over`'s ``render`` dumps the body with each long string set aside, then splices
-  the strings in: ``json.dumps(ensure_ascii=False)`` writes an ASCII string without ``"``,
-  ``\\`` or control characters as itself in quotes (base64 is such a string), so the bytes are
-  vLLM's; a body with any other long string is rendered by vLLM's code.
+  the strings in, in one allocation (``aostore._native.splice_json``):
+  ``json.dumps(ensure_ascii=False)`` writes an ASCII string without ``"``, ``\\`` or control
+  characters as itself in quotes (base64 is such a string), so the bytes are vLLM's; a body with
+  any other long string is rendered by vLLM's code.
 """
 
 from __future__ import annotations
@@ -24,8 +27,47 @@ from typing import Any
 
 import numpy as np
 
+from ..._native import splice_json
+
 LONG = 64 * 1024
 """Strings from this many characters are set aside (shorter ones cost ``json.dumps`` little)."""
+
+
+def npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+    """The header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape`` with
+    neither fields nor a subarray dtype: format 1.0, what it picks when the header fits."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header,
+        {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape},
+    )
+    return header.getvalue()
+
+
+def npy_ready(dtype: np.dtype[Any]) -> bool:
+    """Whether :func:`npy_header` covers ``dtype``."""
+    return not dtype.hasobject and dtype.names is None and dtype.subdtype is None
+
+
+def _laid_out(array: np.ndarray) -> np.ndarray | None:
+    """The buffer that holds exactly ``array``'s ``.npy`` form (its header, then its bytes,
+    which are the array's own memory: :meth:`RowChunks.finished`'s layout), or None."""
+    owner = array.base
+    if type(owner) is not np.ndarray:
+        return None
+    while type(owner.base) is np.ndarray:
+        owner = owner.base
+    if owner.base is not None or owner.dtype != np.uint8 or owner.ndim != 1:
+        return None
+    header = npy_header(array.dtype, array.shape)
+    if (
+        owner.nbytes != len(header) + array.nbytes
+        or array.__array_interface__["data"][0]
+        != owner.__array_interface__["data"][0] + len(header)
+        or owner[: len(header)].tobytes() != header
+    ):
+        return None
+    return owner
 
 
 def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callable[..., str]:
@@ -40,18 +82,16 @@ def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callabl
             encode is None
             or type(array) is not np.ndarray
             or not array.flags.c_contiguous
-            or array.dtype.hasobject
-            or array.dtype.names is not None
-            or array.dtype.subdtype is not None
+            or not npy_ready(array.dtype)
         ):
             return vllm_numpy2base64(array)
-        header = io.BytesIO()
-        # np.save's header for such an array: format 1.0 (what np.save picks when it fits).
-        np.lib.format.write_array_header_1_0(
-            header, np.lib.format.header_data_from_array_1_0(array)
-        )
-        data = b"".join((header.getbuffer(), array.reshape(-1).view(np.uint8).data))
-        text: str = encode(data)
+        laid_out = _laid_out(array)
+        if laid_out is not None:
+            text: str = encode(laid_out)
+            return text
+        header = npy_header(array.dtype, array.shape)
+        data = b"".join((header, array.reshape(-1).view(np.uint8).data))
+        text = encode(data)
         return text
 
     numpy2base64.__wrapped__ = vllm_numpy2base64  # type: ignore[attr-defined]
@@ -67,20 +107,16 @@ class _NotPlain(Exception):
     pass
 
 
-def _set_aside(value: Any, long: list[bytes]) -> Any:
-    """``value`` with every string of at least :data:`LONG` characters replaced by a marker and
-    kept in ``long``, encoded; raises :class:`_NotPlain` for one that ``json.dumps`` would not
-    write as itself in quotes."""
+def _set_aside(value: Any, long: list[str]) -> Any:
+    """``value`` with every ASCII string of at least :data:`LONG` characters replaced by a
+    marker and kept in ``long``; raises :class:`_NotPlain` for a long string that is not ASCII.
+    (Whether ``json.dumps`` writes each as itself in quotes is checked as it is spliced.)"""
     if type(value) is str:
         if len(value) < LONG:
             return value
         if not value.isascii():  # O(1): CPython records it
             raise _NotPlain
-        raw = value.encode("ascii")
-        # json.dumps(ensure_ascii=False) escapes '"', '\\' and the controls below 0x20 only.
-        if b'"' in raw or b"\\" in raw or int(np.frombuffer(raw, np.uint8).min()) < 0x20:
-            raise _NotPlain
-        long.append(raw)
+        long.append(value)
         return _MARKER.format(len(long) - 1)
     if type(value) is dict:
         return {key: _set_aside(item, long) for key, item in value.items()}
@@ -93,7 +129,7 @@ def render_over(vllm_render: Callable[[Any, Any], bytes]) -> Callable[[Any, Any]
     """aostore's ``JSONResponse.render`` over Starlette's (its fallback)."""
 
     def render(self: Any, content: Any) -> bytes:
-        long: list[bytes] = []
+        long: list[str] = []
         try:
             shallow = _set_aside(content, long)
         except _NotPlain:
@@ -103,7 +139,7 @@ def render_over(vllm_render: Callable[[Any, Any], bytes]) -> Callable[[Any, Any]
         text = json.dumps(
             shallow, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
         )
-        parts: list[bytes] = []
+        parts: list[str] = []
         rest = text
         for i, value in enumerate(long):
             dumped = json.dumps(_MARKER.format(i), ensure_ascii=False)
@@ -111,11 +147,12 @@ def render_over(vllm_render: Callable[[Any, Any], bytes]) -> Callable[[Any, Any]
             # The marker's text may also be the content's own: then vLLM's render decides.
             if not found or dumped in after:
                 return vllm_render(self, content)
-            # json.dumps of such a string is the string in quotes.
-            parts += [before.encode("utf-8"), b'"', value, b'"']
+            parts += [before, value]
             rest = after
-        parts.append(rest.encode("utf-8"))
-        return b"".join(parts)
+        parts.append(rest)
+        # json.dumps of a plain string is the string in quotes; any other: vLLM's render.
+        body = splice_json(parts)
+        return vllm_render(self, content) if body is None else body
 
     render.__wrapped__ = vllm_render  # type: ignore[attr-defined]
     render.__doc__ = "Starlette's JSON body, byte for byte; long base64 strings spliced in."

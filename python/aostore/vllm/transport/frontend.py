@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from .answer import npy_header, npy_ready
+
 PAGE = 64 * 1024
 """The largest page: a request's rows live in pages of at most this many bytes (whole rows),
 so a page is never moved or regrown, and at most one page per request is part full."""
@@ -132,6 +134,27 @@ class RowChunks:
             views.append(self._view(page, used))
         return views
 
+    def finished(self) -> np.ndarray | None:
+        """Every row as one array, what vLLM's ``np.concatenate(chunks, axis=0)`` gives on the
+        finish (None when no chunk came; once a plain list, that concatenation). The array's
+        bytes follow its ``.npy`` header in one buffer (an array of bytes), so that the API server's
+        ``numpy2base64`` encodes that buffer as it is instead of copying the rows again."""
+        if self._list is not None:
+            return np.concatenate(self._list, axis=0) if self._list else None
+        if not self._ends:
+            return None
+        shape = (self._size // self._row, *self._shape)
+        header = npy_header(self._dtype, shape) if npy_ready(self._dtype) else b""
+        # Not a bytearray: that would zero every byte before they are copied.
+        buffer = np.empty(len(header) + self._size, np.uint8)
+        buffer[: len(header)] = np.frombuffer(header, np.uint8)
+        for page, start in zip(self._pages, self._starts, strict=True):
+            used = min(len(page), self._size - start)
+            at = len(header) + start
+            buffer[at : at + used] = np.frombuffer(page, np.uint8, used)
+        rows: np.ndarray = buffer[len(header) :].view(self._dtype)
+        return rows.reshape(shape)
+
     @property
     def nbytes(self) -> int:
         """The bytes of rows held."""
@@ -152,8 +175,10 @@ class RowChunks:
             return chunk.shape[1:] == self._shape and chunk.ndim == self._ndim
         if self._dtype is not None or chunk.ndim < 1 or dtype.hasobject:
             return False
-        self._dtype, self._shape, self._ndim = dtype, chunk.shape[1:], chunk.ndim
-        self._row = max(1, chunk.itemsize * int(np.prod(self._shape, dtype=np.int64)))
+        row = chunk.itemsize * int(np.prod(chunk.shape[1:], dtype=np.int64))
+        if row == 0:  # rows of no bytes: their count is not in the pages' size
+            return False
+        self._dtype, self._shape, self._ndim, self._row = dtype, chunk.shape[1:], chunk.ndim, row
         return True
 
     def _write(self, chunk: np.ndarray) -> None:
@@ -237,12 +262,16 @@ def request_state_subclass(vllm_request_state: Any) -> type:
         finish_reason = args[1] if len(args) > 1 else kwargs.get("finish_reason")
         if type(chunks) is not RowChunks or finish_reason is None:
             return vllm_new_completion_output(self, *args, **kwargs)
-        # vLLM's code reads a list here: `if finished and chunks: np.concatenate(chunks)`.
-        self.routed_experts_chunks = chunks.joined()
+        # vLLM's code reads a list: `if finished and chunks: np.concatenate(chunks, axis=0)`.
+        # It gets none, and the output gets what that concatenation gives, copied once.
+        rows = chunks.finished()
+        self.routed_experts_chunks = []
         try:
-            return vllm_new_completion_output(self, *args, **kwargs)
+            output = vllm_new_completion_output(self, *args, **kwargs)
         finally:
             self.routed_experts_chunks = chunks
+        output.routed_experts = rows
+        return output
 
     vllm_init = vllm_request_state.__init__
     vllm_new_completion_output = vllm_request_state._new_completion_output
