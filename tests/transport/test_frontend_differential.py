@@ -36,8 +36,9 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
+from aostore import r3
 from aostore.vllm.install import swap, undo_swap
-from aostore.vllm.transport import StepRows, install
+from aostore.vllm.transport import StepRows, delivery, install
 from aostore.vllm.transport.frontend import RowChunks
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -99,6 +100,9 @@ class Arm:
     encoder: Any
 
     def add(self, request: Any, prompt: str, parent: Any, index: int) -> None:
+        if self.name == "reference":  # the client asks for its rows by reference
+            params = request.sampling_params
+            params.extra_args = {**(params.extra_args or {}), delivery.KEY: "reference"}
         vllm_state = op_module.RequestState
         op_module.RequestState = self.state_class  # what add_request looks up
         try:
@@ -178,8 +182,25 @@ def fan_out(request: Any, n: int) -> tuple[Any, list[Any]]:
     return parent, children
 
 
-def run(seed: int, ours_state: type) -> int:
-    """One schedule through both arms; returns the number of outputs compared."""
+def dereferenced(request_outputs: list[Any], reader: r3.Reader) -> list[Any]:
+    """The reference arm's outputs as its client sees them: each reference replaced by the
+    rows ``aostore.r3`` reads for it (into a buffer of the client's)."""
+    for request_output in request_outputs:
+        for completion in request_output.outputs:
+            routed = completion.routed_experts
+            if routed is None:
+                continue
+            assert routed.dtype.names is not None, "rows where a reference was asked for"
+            dtype, shape = r3._format.rows_of(r3._format.parse(routed))
+            out = np.empty(shape, dtype)
+            reader.fetch([routed], out=out)
+            completion.routed_experts = out
+    return request_outputs
+
+
+def run(seed: int, ours_state: type, reference: bool = False) -> int:
+    """One schedule through both arms (and, with ``reference``, a third whose requests ask for
+    their rows by reference); returns the number of outputs compared."""
     rng = random.Random(seed)
     rows_rng = np.random.default_rng(seed)
     vllm_state = op_module.RequestState
@@ -197,6 +218,16 @@ def run(seed: int, ours_state: type) -> int:
             serial_utils.MsgpackEncoder(),
         ),
     ]
+    if reference:
+        arms.append(
+            Arm(
+                "reference",
+                op_module.OutputProcessor(tokenizer(), log_stats=False),
+                ours_state,
+                serial_utils.MsgpackEncoder(),
+            )
+        )
+    reader = r3.Reader()
     decoder = serial_utils.MsgpackDecoder(v1_engine.EngineCoreOutputs)
     live: dict[str, Live] = {}
     compared = 0
@@ -223,7 +254,7 @@ def run(seed: int, ours_state: type) -> int:
             results = [
                 sorted(arm.processor.abort_requests([external], internal=False)) for arm in arms
             ]
-            assert results[0] == results[1], (seed, step, results)
+            assert all(r == results[0] for r in results), (seed, step, results)
             for rid in [r for r in live if r.split("_", 1)[-1] == victim.split("_", 1)[-1]]:
                 del live[rid]
         # The engine's outputs of this step.
@@ -252,7 +283,7 @@ def run(seed: int, ours_state: type) -> int:
         for arm in arms:
             made = []
             packed = None
-            if arm.name == "aostore":
+            if arm.name != "vllm":
                 packed = pack({rid: rows for rid, _, _, rows in specs})
             for rid, tokens, finish, rows in specs:
                 routed = packed[rid].rows if packed is not None else rows.copy()
@@ -267,17 +298,21 @@ def run(seed: int, ours_state: type) -> int:
                 )
             message = v1_engine.EngineCoreOutputs(outputs=made, engine_index=0)
             frames = arm.encoder.encode(message)
-            if arm.name == "aostore":
+            if arm.name != "vllm":
                 assert len(frames) == 1  # every row inline
             outputs_by_arm.append(decoder.decode([bytes(f) for f in frames]).outputs)
         results = []
         for arm, outputs in zip(arms, outputs_by_arm, strict=True):
             result = arm.processor.process_outputs(outputs, 2000.0 + step, None)
-            results.append((normalized(result.request_outputs), sorted(result.reqs_to_abort)))
+            request_outputs = result.request_outputs
+            if arm.name == "reference":
+                request_outputs = dereferenced(request_outputs, reader)
+            results.append((normalized(request_outputs), sorted(result.reqs_to_abort)))
             for rid in result.reqs_to_abort:
                 if rid in live:
                     live[rid].stopped_at = step
-        assert results[0] == results[1], (seed, step)
+        for other in results[1:]:
+            assert other == results[0], (seed, step)
         compared += len(results[0][0])
         for rid, _, finish, _ in specs:
             if finish is not None:
@@ -312,3 +347,17 @@ class _Output:
 @pytest.mark.parametrize("seed", range(60))
 def test_request_outputs_are_vllms(seed: int, transport: type) -> None:
     assert run(seed, transport) > 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rows_by_reference_read_back_as_vllms_rows(seed: int, transport: type) -> None:
+    """R3 by reference (SPEC 17): a third arm whose requests ask for references; what
+    ``aostore.r3`` reads for each is vLLM's finished rows exactly (after its stop trimming),
+    and every other field is vLLM's."""
+    delivery.configure(delivery.Delivery("rows", 64 << 20, 60.0))
+    try:
+        assert run(seed, transport, reference=True) > 0
+        stats = delivery.current().stats()  # type: ignore[union-attr]
+        assert stats is not None and stats.references > 0 and stats.fallbacks == 0
+    finally:
+        delivery.configure(None)

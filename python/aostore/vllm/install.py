@@ -20,6 +20,7 @@ from .compat.names import FIXED_STORE, PACKAGE, STORE_MODULE, WRAPPER
 from .compat.usage import vllm_modules
 from .plan import Plan, decide
 from .settings import ENV_DISABLE, Settings
+from .transport.delivery import Delivery
 
 LOGGER = "vllm.plugins.aostore"
 """The plugin's logger: under ``vllm``, so vLLM's default logging configuration shows it."""
@@ -132,7 +133,10 @@ def _register(settings: Settings) -> None:
             )
             patched = sorted({*patched, *planes})
         if decision.transport:
-            patched = sorted({*patched, *transport.install(swap, undo)})
+            delivery = None
+            if decision.r3_delivery is not None:
+                delivery = Delivery(decision.r3_delivery, settings.r3_budget, settings.r3_ttl)
+            patched = sorted({*patched, *transport.install(swap, undo, delivery)})
         if FIXED_STORE in decision.replace:
             targeted = _log.add_growth_target(store_module_logger)
     except BaseException:
@@ -169,6 +173,8 @@ def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bo
         parts.append(decision.data_plane_said)
     if decision.transport_said:
         parts.append(decision.transport_said)
+    if decision.r3_said:
+        parts.append(decision.r3_said)
     if decision.note:
         parts.append(decision.note)
     parts += [f"kept vLLM's {name}: {why}" for name, why in decision.keep.items()]

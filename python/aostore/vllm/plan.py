@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import os
 import sys
 import textwrap
 from collections.abc import Mapping
@@ -38,7 +39,14 @@ from .compat.names import (
 from .compat.references import hidden_references
 from .compat.surface import surface
 from .compat.usage import usage, vllm_sources
-from .settings import ENV_DATA_PLANE, ENV_MOONCAKE, ENV_TRANSPORT, MooncakeTier, Settings
+from .settings import (
+    ENV_DATA_PLANE,
+    ENV_MOONCAKE,
+    ENV_R3_DELIVERY,
+    ENV_TRANSPORT,
+    MooncakeTier,
+    Settings,
+)
 from .stores import (
     EngineBlockObjectStore,
     EngineShmBlockObjectStore,
@@ -106,6 +114,10 @@ class Plan:
     """Whether aostore's transport (``aostore.vllm.transport``) goes in; set by :func:`decide`."""
     transport_said: str = ""
     """Why the transport is on or off, for the start-up line."""
+    r3_delivery: str | None = None
+    """R3 delivery by reference's default mode where it goes in (``None``: off)."""
+    r3_said: str = ""
+    """Why it is on or off (``""``: not asked for)."""
 
 
 def _module_classes(module: Any) -> dict[str, type]:
@@ -377,7 +389,31 @@ def decide(store_module: Any, settings: Settings) -> tuple[Plan, str, str, bool]
     decision.mooncake, decision.mooncake_said = tier, said
     decision.data_plane, decision.data_plane_said = _data_plane(decision, settings)
     decision.transport, decision.transport_said = _transport(decision, settings)
+    decision.r3_delivery, decision.r3_said = _r3(decision, settings)
     return decision, profile, reason, warn
+
+
+RUST_FRONTEND = "VLLM_USE_RUST_FRONTEND"
+
+
+def _r3(decision: Plan, settings: Settings) -> tuple[str | None, str]:
+    """Whether R3 delivery by reference goes in (its default mode), and what to say."""
+    if settings.r3_said:
+        return None, settings.r3_said
+    if settings.r3_delivery is None:
+        return None, ""
+    asked = f"{ENV_R3_DELIVERY}={settings.r3_delivery}"
+    if not decision.transport:
+        return None, f"R3 by reference refused ({asked}): it needs the transport, which is off"
+    if os.environ.get(RUST_FRONTEND, "").strip().lower() in ("1", "true", "yes", "on"):
+        return None, (
+            f"R3 by reference refused ({asked}): {RUST_FRONTEND}=1, and vLLM's Rust frontend "
+            "finishes requests where aostore cannot keep their rows"
+        )
+    return settings.r3_delivery, (
+        f"R3 by reference on (default {settings.r3_delivery}; arena of "
+        f"{settings.r3_budget:,} bytes, unread references kept {settings.r3_ttl:g} s)"
+    )
 
 
 def _transport(decision: Plan, settings: Settings) -> tuple[bool, str]:

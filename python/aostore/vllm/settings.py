@@ -38,6 +38,18 @@ ENV_TRANSPORT = "AOSTORE_VLLM_TRANSPORT"
 """Set to ``0``/``false``/``no``/``off`` to keep vLLM's own transport of routed-experts rows
 across its processes (``aostore.vllm.transport``) while the store and data plane stay."""
 
+ENV_R3_DELIVERY = "AOSTORE_VLLM_R3_DELIVERY"
+"""``reference`` or ``rows``: R3 rows by reference (``aostore.r3``) on, with that default for
+requests (a request chooses with ``aostore_r3_delivery`` in its ``extra_args``). Unset: off."""
+ENV_R3_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
+"""The R3 arena's bytes, reserved in ``/dev/shm`` at start (a number, or with ``K``/``M``/``G``;
+default ``1G``)."""
+ENV_R3_TTL = "AOSTORE_VLLM_R3_TTL"
+"""Seconds an unread reference's rows are kept (default 600; a reader can renew)."""
+
+R3_BUDGET = 1 << 30
+R3_TTL = 600.0
+
 VARIABLES = (
     ENV_DISABLE,
     ENV_PROFILE,
@@ -46,6 +58,9 @@ VARIABLES = (
     ENV_DATA_PLANE,
     ENV_DATA_PLANE_REPORT,
     ENV_TRANSPORT,
+    ENV_R3_DELIVERY,
+    ENV_R3_BUDGET,
+    ENV_R3_TTL,
 )
 PROFILES = ("fail-closed", "grow")
 
@@ -91,6 +106,13 @@ class Settings:
     """``AOSTORE_VLLM_DATA_PLANE_REPORT``'s file; ``None``: unset or empty."""
     transport: bool = True
     """``AOSTORE_VLLM_TRANSPORT`` leaves aostore's transport on (where vLLM is recognized)."""
+    r3_delivery: str | None = None
+    """``AOSTORE_VLLM_R3_DELIVERY``: ``reference``/``rows`` (delivery by reference on, with that
+    default), or ``None`` (off: unset, or ignored and ``r3_said`` says why)."""
+    r3_budget: int = R3_BUDGET
+    r3_ttl: float = R3_TTL
+    r3_said: str = ""
+    """Why an R3 setting is ignored; ``""``: none is."""
     raw: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     """The variables that were set, as found (what ``aostore vllm-check`` quotes)."""
 
@@ -101,6 +123,7 @@ class Settings:
         env = os.environ if environ is None else environ
         profile, profile_said = _profile(env.get(ENV_PROFILE, ""))
         tier, tier_said = _mooncake(env.get(ENV_MOONCAKE, ""))
+        r3_delivery, r3_budget, r3_ttl, r3_said = _r3(env)
         return cls(
             enabled=not _off(env.get(ENV_DISABLE, "1")),
             profile=profile,
@@ -111,12 +134,48 @@ class Settings:
             data_plane=not _off(env.get(ENV_DATA_PLANE, "1")),
             data_plane_report=env.get(ENV_DATA_PLANE_REPORT) or None,
             transport=not _off(env.get(ENV_TRANSPORT, "1")),
+            r3_delivery=r3_delivery,
+            r3_budget=r3_budget,
+            r3_ttl=r3_ttl,
+            r3_said=r3_said,
             raw={name: env[name] for name in VARIABLES if name in env},
         )
 
 
 def _off(value: str) -> bool:
     return value.strip().lower() in ("0", "false", "no", "off")
+
+
+def _r3(env: Mapping[str, str]) -> tuple[str | None, int, float, str]:
+    """The R3 settings, validated: (delivery, budget, ttl, what to say about a bad one; a bad
+    one turns delivery by reference off rather than guess)."""
+    delivery = env.get(ENV_R3_DELIVERY, "").strip().lower() or None
+    budget_raw = env.get(ENV_R3_BUDGET, "").strip()
+    ttl_raw = env.get(ENV_R3_TTL, "").strip()
+    said: list[str] = []
+    if delivery is not None and delivery not in ("rows", "reference"):
+        said.append(f"{ENV_R3_DELIVERY}={env[ENV_R3_DELIVERY]!r} is not rows or reference")
+    budget = R3_BUDGET
+    if budget_raw:
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(budget_raw[-1:].upper(), 1)
+        number = budget_raw[:-1] if scale > 1 else budget_raw
+        try:
+            budget = int(float(number) * scale)
+        except ValueError:
+            budget = 0
+        if budget < 4096:
+            said.append(f"{ENV_R3_BUDGET}={budget_raw!r} is not a size of at least 4K")
+    ttl = R3_TTL
+    if ttl_raw:
+        try:
+            ttl = float(ttl_raw)
+        except ValueError:
+            ttl = 0.0
+        if not ttl > 0:
+            said.append(f"{ENV_R3_TTL}={ttl_raw!r} is not a positive number of seconds")
+    if said and delivery is not None:
+        return None, budget, ttl, "R3 by reference off: " + "; ".join(said)
+    return delivery, budget, ttl, ""
 
 
 def _prefault(raw: str) -> Prefault:

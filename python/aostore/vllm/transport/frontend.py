@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import delivery
 from .answer import npy_header, npy_ready
 
 PAGE = 64 * 1024
@@ -255,6 +256,15 @@ def request_state_subclass(vllm_request_state: Any) -> type:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         vllm_init(self, *args, **kwargs)
         self.routed_experts_chunks = RowChunks()
+        self.aostore_r3_delivery = "rows"
+
+    def from_new_request(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        request = kwargs["request"] if "request" in kwargs else args[1]
+        # Before the state exists: a bad choice refuses the request and changes nothing.
+        mode = delivery.choose(getattr(request, "sampling_params", None))
+        state = vllm_from_new_request(cls, *args, **kwargs)
+        state.aostore_r3_delivery = mode
+        return state
 
     def _new_completion_output(self: Any, *args: Any, **kwargs: Any) -> Any:
         chunks = self.routed_experts_chunks
@@ -270,17 +280,22 @@ def request_state_subclass(vllm_request_state: Any) -> type:
             output = vllm_new_completion_output(self, *args, **kwargs)
         finally:
             self.routed_experts_chunks = chunks
+        arena = delivery.current()
+        if rows is not None and arena is not None and self.aostore_r3_delivery == "reference":
+            rows = arena.deliver(rows)
         output.routed_experts = rows
         return output
 
     vllm_init = vllm_request_state.__init__
     vllm_new_completion_output = vllm_request_state._new_completion_output
+    vllm_from_new_request = vars(vllm_request_state)["from_new_request"].__func__
     return type(
         vllm_request_state.__name__,
         (vllm_request_state,),
         {
             "__init__": __init__,
             "_new_completion_output": _new_completion_output,
+            "from_new_request": classmethod(from_new_request),
             "__module__": __name__,
             "__qualname__": vllm_request_state.__qualname__,
             "__doc__": "vLLM's RequestState; routed-experts rows held in one buffer per request "

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from . import delivery as r3_delivery
 from .answer import numpy2base64_over, render_over
 from .frontend import request_state_subclass
 from .wire import DECODER_HOOK, HOOK, METHOD, decoder_hook, encoder_hook, encoder_method
@@ -45,9 +46,13 @@ class ClassAttributes:
         setattr(self.cls, name, value)
 
 
-def install(swap: Callable[..., list[str]], undo: list[Any]) -> list[str]:
+def install(
+    swap: Callable[..., list[str]], undo: list[Any], delivery: r3_delivery.Delivery | None = None
+) -> list[str]:
     """Puts the encoder's method and the frontend's ``RequestState`` in (``swap``: the plugin's
-    swap of module globals; ``undo`` takes what puts each back). Returns the patched modules."""
+    swap of module globals; ``undo`` takes what puts each back), and with ``delivery`` R3 rows
+    by reference (:mod:`.delivery`: the arena is made with vLLM's ``OutputProcessor``).
+    Returns the patched modules."""
     serial_utils = importlib.import_module(SERIAL_MODULE)
     encoder = serial_utils.MsgpackEncoder
     decoder = serial_utils.MsgpackDecoder
@@ -64,6 +69,13 @@ def install(swap: Callable[..., list[str]], undo: list[Any]) -> list[str]:
     patched = swap(
         {REQUEST_STATE: vllm_state}, {REQUEST_STATE: request_state_subclass(vllm_state)}, undo
     )
+    r3_delivery.configure(delivery)
+    undo.append((_Configured(), "delivery", None))
+    if delivery is not None:
+        output_processor = processor.OutputProcessor
+        vllm_init = vars(output_processor)["__init__"]
+        undo.append((ClassAttributes(output_processor), "__init__", vllm_init))
+        output_processor.__init__ = _starting_arena(vllm_init, delivery)
     # The API server's answer: numpy2base64 where vLLM's serving modules will import it (and
     # where they already did), and Starlette's JSON rendering in a process that serves HTTP
     # (vLLM's API server imports Starlette before it loads plugins; other processes never
@@ -83,6 +95,23 @@ def install(swap: Callable[..., list[str]], undo: list[Any]) -> list[str]:
         json_response.render = render_over(vllm_render)
         patched.append(STARLETTE_RESPONSES)
     return sorted({*patched, SERIAL_MODULE})
+
+
+class _Configured:
+    """What the undo list sets to put this process's delivery back to none."""
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        r3_delivery.configure(value)
+
+
+def _starting_arena(vllm_init: Callable[..., None], delivery: r3_delivery.Delivery) -> Any:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        vllm_init(self, *args, **kwargs)
+        # The frontend starts here: its arena's budget is reserved now, or start-up stops.
+        delivery.start()
+
+    __init__.__wrapped__ = vllm_init  # type: ignore[attr-defined]
+    return __init__
 
 
 def why_not_packed(config: Any) -> str | None:

@@ -1,0 +1,224 @@
+"""What the frontend that writes R3 rows and the trainer that reads them share: the arena's file
+layout, the reference, the node's identity and the per-slot locks.
+
+The arena is one file in ``/dev/shm`` per frontend process, readable by its user only:
+
+- a header page: magic, format version, arena id, boot id, the owner's pid and start time,
+  the slot table's and the data's offsets and sizes;
+- the slot table: one 64-byte record a slot (generation, data offset, bytes, the deadline of
+  an unread reference, whether it was read);
+- the data: the budget, reserved at start; each slot's rows start on a page.
+
+A slot is leased by an open-file-description read lock on one byte of its own, past the end of
+the file (``F_OFD_SETLK``): the kernel drops it when the reader's last descriptor for that open
+closes, so a killed reader releases at once. The frontend reuses a slot only under a write lock
+on that byte, which no lease lets it take.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import errno
+import fcntl
+import io
+import os
+import struct
+import uuid
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"AOSTR3\x00\x01"
+VERSION = 1
+PAGE = 4096
+DIRECTORY = "/dev/shm"
+PREFIX = "aostore-r3-"
+LOCKS = 1 << 40
+"""The lock bytes: slot ``i`` is leased by a lock on byte ``LOCKS + i`` (no data lives there)."""
+
+HEADER = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("slot_size", "<u4"),
+        ("arena", "u1", (16,)),
+        ("boot", "u1", (16,)),
+        ("owner_pid", "<i8"),
+        ("owner_start", "<u8"),
+        ("slots", "<u8"),
+        ("slots_offset", "<u8"),
+        ("data_offset", "<u8"),
+        ("data_size", "<u8"),
+    ]
+)
+SLOT = np.dtype(
+    [
+        ("generation", "<u8"),  # 0: never written; each write gets the arena's next
+        ("offset", "<u8"),  # from the data's start, a multiple of PAGE
+        ("nbytes", "<u8"),
+        ("deadline", "<f8"),  # CLOCK_REALTIME seconds: an unread reference's rows last till then
+        ("read", "<u8"),  # set by the first reader: from then on the rows may be evicted
+        ("spare", "<u8", (3,)),
+    ]
+)
+assert SLOT.itemsize == 64
+
+MAX_DIMS = 8
+REFERENCE = np.dtype(
+    [
+        ("aostore_r3", "S16"),  # what it is, for a client that prints it
+        ("version", "<u2"),
+        ("boot", "u1", (16,)),
+        ("arena", "u1", (16,)),
+        ("slot", "<u8"),
+        ("generation", "<u8"),
+        ("dtype", "S16"),
+        ("ndim", "<u1"),
+        ("shape", "<i8", (MAX_DIMS,)),
+        ("token_start", "<i8"),
+    ]
+)
+"""A reference: a 0-d array of this structured dtype (vLLM's recipe ``np.load`` decodes it, and
+no use as rows works: a structure of several fields casts to no number, and a 0-d array has no
+rows to index)."""
+KIND = b"reference"
+
+
+class R3Error(Exception):
+    """A reference that gives no rows: the base of ``aostore.r3``'s own errors."""
+
+
+class ForeignReference(R3Error, ValueError):
+    """Not a reference aostore wrote (or of a format version this reader does not read)."""
+
+
+class OtherNode(R3Error):
+    """A reference from another node: its rows are in that node's shared memory."""
+
+
+class MixedArenas(R3Error, ValueError):
+    """One batch with references of several arenas: fetch each arena's apart."""
+
+
+class ReferenceGone(R3Error):
+    """The reference's rows are gone: expired unread, evicted after a read, or the arena is no
+    longer there (its frontend exited or restarted, or this process does not share its
+    ``/dev/shm``). Never other rows."""
+
+
+def ident(field: Any) -> bytes:
+    """An id field's 16 bytes (kept as ``u1`` so no trailing zero byte is dropped)."""
+    return np.asarray(field, np.uint8).tobytes()
+
+
+def as_field(ident: bytes) -> np.ndarray:
+    return np.frombuffer(ident, np.uint8)
+
+
+def path(arena: bytes) -> str:
+    """The arena's file: by its id, so a reference names it."""
+    return os.path.join(DIRECTORY, f"{PREFIX}{arena.hex()}")
+
+
+@cache
+def boot_id() -> bytes:
+    """This node's boot id: a reference from another node (or boot) is refused."""
+    with open("/proc/sys/kernel/random/boot_id") as file:
+        return uuid.UUID(file.read().strip()).bytes
+
+
+def process_start(pid: int) -> int:
+    """A process's start time (clock ticks since boot), or 0 if it is gone: with the pid, it
+    names one process (a pid is reused; a pid and start time are not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+READ, WRITE, UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
+_FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64 and aarch64
+
+
+def lock(fd: int, slot: int, kind: int, *, wait: bool = False) -> bool:
+    """Take (``F_RDLCK``, ``F_WRLCK``) or drop (``F_UNLCK``) the lock on ``slot``'s byte for this
+    open file description; False when another's lock stands in the way (unless ``wait``)."""
+    request = _FLOCK.pack(kind, os.SEEK_SET, LOCKS + slot, 1, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, request)
+    except OSError as error:
+        if error.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def make_reference(
+    arena: bytes, slot: int, generation: int, rows: np.ndarray, token_start: int
+) -> np.ndarray:
+    """The reference to ``rows`` written to ``slot`` under ``generation``."""
+    if rows.ndim > MAX_DIMS:
+        raise ValueError(f"rows of {rows.ndim} dimensions: a reference holds at most {MAX_DIMS}")
+    reference = np.zeros((), REFERENCE)
+    reference["aostore_r3"] = KIND
+    reference["version"] = VERSION
+    reference["boot"] = as_field(boot_id())
+    reference["arena"] = as_field(arena)
+    reference["slot"] = slot
+    reference["generation"] = generation
+    reference["dtype"] = rows.dtype.str.encode()
+    reference["ndim"] = rows.ndim
+    reference["shape"][: rows.ndim] = rows.shape
+    reference["token_start"] = token_start
+    return reference
+
+
+def parse(value: Any) -> np.ndarray:
+    """A reference as its 0-d array of :data:`REFERENCE`, or rows as vLLM sends them (a numeric
+    array), from the array or vLLM's base64 ``.npy`` string. Raises :class:`ForeignReference`
+    or ``TypeError`` for anything else."""
+    if isinstance(value, str):
+        try:
+            raw = base64.b64decode(value, validate=True)
+            value = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (binascii.Error, ValueError, EOFError, OSError) as error:
+            raise ForeignReference(
+                f"not routed experts: neither rows nor an aostore reference ({error})"
+            ) from None
+    if not isinstance(value, np.ndarray):
+        raise TypeError(
+            f"a reference is a str (the HTTP field) or a numpy array, not {type(value).__name__}"
+        )
+    if value.dtype.names is None:
+        if value.dtype.kind not in "biuf" or value.ndim == 0:
+            raise ForeignReference(f"not routed experts: an array of {value.dtype} {value.shape}")
+        return value  # rows, as vLLM sends them
+    if value.dtype.names != REFERENCE.names or value.shape != ():
+        raise ForeignReference(f"not an aostore reference: a {value.dtype} array {value.shape}")
+    reference = value.astype(REFERENCE)  # a byte order of its own: ours
+    if reference["aostore_r3"].item() != KIND:
+        raise ForeignReference("not an aostore reference: its kind field is not 'reference'")
+    if int(reference["version"]) != VERSION:
+        raise ForeignReference(
+            f"an aostore reference of format {int(reference['version'])}; this aostore reads "
+            f"format {VERSION} (upgrade aostore on the reader's side)"
+        )
+    if not 0 < int(reference["ndim"]) <= MAX_DIMS:
+        raise ForeignReference(f"a malformed aostore reference: {int(reference['ndim'])} dims")
+    return reference
+
+
+def rows_of(reference: np.ndarray) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    """The dtype and shape of a reference's rows."""
+    try:
+        dtype = np.dtype(reference["dtype"].item().decode("ascii"))
+    except (TypeError, ValueError, UnicodeDecodeError):
+        raise ForeignReference("a malformed aostore reference: its dtype") from None
+    shape = tuple(int(n) for n in reference["shape"][: int(reference["ndim"])])
+    if dtype.hasobject or dtype.names is not None or any(n < 0 for n in shape):
+        raise ForeignReference("a malformed aostore reference: its dtype or shape")
+    return dtype, shape

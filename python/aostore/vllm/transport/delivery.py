@@ -1,0 +1,112 @@
+"""R3 rows by reference (SPEC 17): the frontend keeps a finished request's rows in its arena
+and the output carries a reference (:mod:`aostore.r3`) instead of them.
+
+Off unless ``AOSTORE_VLLM_R3_DELIVERY`` is set: ``reference`` makes references the default,
+``rows`` keeps vLLM's rows as the default and lets a request ask for a reference. A request
+chooses with ``"aostore_r3_delivery": "rows" | "reference"`` in ``SamplingParams.extra_args``
+(HTTP: ``vllm_xargs``). The arena (``AOSTORE_VLLM_R3_BUDGET`` bytes, reserved) is made when
+vLLM's ``OutputProcessor`` is, so a budget the node cannot hold stops start-up.
+
+The rows written are exactly those vLLM would have sent: what its finish makes, after its stop
+trimming (``RequestState._new_completion_output``); rows that do not fit go as rows (counted,
+one WARNING).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from aostore.r3.arena import Arena, ArenaStats
+
+KEY = "aostore_r3_delivery"
+MODES = ("rows", "reference")
+ENV_DELIVERY = "AOSTORE_VLLM_R3_DELIVERY"
+ENV_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
+ENV_TTL = "AOSTORE_VLLM_R3_TTL"
+
+log = logging.getLogger("aostore.vllm.r3")
+
+
+class Delivery:
+    """This process's delivery: the default mode, and the arena once a frontend starts."""
+
+    def __init__(self, default: str, budget: int, ttl: float) -> None:
+        if default not in MODES:
+            raise ValueError(f"{ENV_DELIVERY}={default!r}: one of {', '.join(MODES)}")
+        self.default = default
+        self.budget = budget
+        self.ttl = ttl
+        self.arena: Arena | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def start(self) -> Arena:
+        """The arena, made (and its budget reserved) on the first call."""
+        with self._lock:
+            if self.arena is None or self.arena.closed:
+                self.arena = Arena(self.budget, self.ttl, setting=ENV_BUDGET)
+            return self.arena
+
+    def choose(self, sampling_params: Any) -> str:
+        """The request's mode: its ``extra_args`` key, else the default; a bad value is a
+        ``ValueError`` naming the key (vLLM's API server answers it with a 400)."""
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        if KEY not in extra:
+            return self.default
+        mode = extra[KEY]
+        if mode not in MODES:
+            raise ValueError(f"{KEY} must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
+        return str(mode)
+
+    def deliver(self, rows: np.ndarray) -> np.ndarray:
+        """A reference to ``rows`` kept in the arena, or ``rows`` when they do not fit."""
+        reference = self.start().deliver(rows, token_start=0)
+        if reference is not None:
+            return reference
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "aostore: R3 rows of %d bytes did not fit the arena (%s=%d, unread references "
+                "are kept until read or expired): sent as rows; counted from here on in the "
+                "arena's fallbacks",
+                rows.nbytes,
+                ENV_BUDGET,
+                self.budget,
+            )
+        return rows
+
+    def stats(self) -> ArenaStats | None:
+        return None if self.arena is None else self.arena.stats
+
+
+_delivery: Delivery | None = None
+
+
+def configure(delivery: Delivery | None) -> None:
+    """Set (or, with None, clear) this process's delivery."""
+    global _delivery
+    if _delivery is not None and _delivery is not delivery and _delivery.arena is not None:
+        _delivery.arena.close()
+    _delivery = delivery
+
+
+def current() -> Delivery | None:
+    return _delivery
+
+
+def choose(sampling_params: Any) -> str:
+    """The request's mode (``rows`` when delivery by reference is off; asking for a reference
+    then is a ``ValueError`` saying how to turn it on)."""
+    if _delivery is None:
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        if extra.get(KEY, "rows") != "rows":
+            raise ValueError(
+                f"{KEY}={extra[KEY]!r}: delivery by reference is off in this vLLM (set "
+                f"{ENV_DELIVERY}=rows or =reference where it starts)"
+            )
+        return "rows"
+    return _delivery.choose(sampling_params)

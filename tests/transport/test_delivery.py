@@ -1,0 +1,161 @@
+"""R3 delivery by reference in vLLM's frontend (``aostore.vllm.transport.delivery``): how a
+request chooses, what a bad choice gets, and the arena's start with vLLM's ``OutputProcessor``.
+(The rows a reference reads are vLLM's: ``test_frontend_differential.py``.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not importable here", allow_module_level=True)
+
+from aostore import r3
+from aostore.vllm.install import swap, undo_swap
+from aostore.vllm.settings import Settings
+from aostore.vllm.transport import delivery, install
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1 import engine as v1_engine
+from vllm.v1.engine import output_processor as op_module
+
+
+def request(request_id: str, extra: dict[str, Any] | None = None) -> Any:
+    params = SamplingParams(
+        max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra, detokenize=False
+    )
+    return v1_engine.EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        external_req_id=f"ext-{request_id}",
+    )
+
+
+def finish(processor: Any, request_id: str, rows: np.ndarray) -> Any:
+    outputs = [
+        v1_engine.EngineCoreOutput(
+            request_id=request_id, new_token_ids=[5], routed_experts=rows[:3]
+        ),
+        v1_engine.EngineCoreOutput(
+            request_id=request_id,
+            new_token_ids=[6],
+            routed_experts=rows[3:],
+            finish_reason=v1_engine.FinishReason.LENGTH,
+        ),
+    ]
+    processor.process_outputs(outputs[:1], 0.0, None)
+    (done,) = processor.process_outputs(outputs[1:], 0.0, None).request_outputs
+    return done.outputs[0].routed_experts
+
+
+@pytest.fixture
+def installed(request: pytest.FixtureRequest) -> Any:
+    """The transport with delivery by reference (default: the test's parameter)."""
+    undo: list[Any] = []
+    made = delivery.Delivery(request.param, 8 << 20, 60.0) if request.param else None
+    install(swap, undo, made)
+    try:
+        yield made
+    finally:
+        undo_swap(undo)
+        assert delivery.current() is None
+        if made is not None and made.arena is not None:
+            made.arena.close()
+
+
+@pytest.mark.parametrize("installed", ["rows"], indirect=True)
+def test_a_request_chooses_and_the_default_is_vllms_rows(installed: Any) -> None:
+    processor = op_module.OutputProcessor(None, log_stats=False)
+    assert installed.arena is not None  # made with the OutputProcessor: reserved at start
+    rows = np.random.default_rng(0).integers(0, 128, (4, 46, 8), np.uint8)
+    processor.add_request(request("plain"), None)
+    processor.add_request(request("asked", {delivery.KEY: "reference"}), None)
+    processor.add_request(request("rows", {delivery.KEY: "rows"}), None)
+    plain, asked, chose_rows = (finish(processor, rid, rows) for rid in ("plain", "asked", "rows"))
+    assert plain.dtype == np.uint8 and np.array_equal(plain, rows)
+    assert np.array_equal(chose_rows, rows)
+    assert asked.dtype.names is not None and asked.shape == ()
+    assert np.array_equal(r3.Reader().fetch([asked])[0], rows)
+    assert installed.stats().references == 1
+
+
+@pytest.mark.parametrize("installed", ["reference"], indirect=True)
+def test_reference_as_the_default_and_a_bad_choice_changes_nothing(installed: Any) -> None:
+    processor = op_module.OutputProcessor(None, log_stats=False)
+    rows = np.random.default_rng(1).integers(0, 128, (4, 46, 8), np.uint8)
+    processor.add_request(request("default"), None)
+    assert finish(processor, "default", rows).dtype.names is not None
+    for bad in ("Reference", "", 1, None):
+        with pytest.raises(ValueError, match=delivery.KEY):
+            processor.add_request(request("bad", {delivery.KEY: bad}), None)
+        assert "bad" not in processor.request_states
+
+
+@pytest.mark.parametrize("installed", [None], indirect=True)
+def test_asking_for_a_reference_where_it_is_off_says_how_to_turn_it_on(installed: Any) -> None:
+    processor = op_module.OutputProcessor(None, log_stats=False)
+    with pytest.raises(ValueError, match="AOSTORE_VLLM_R3_DELIVERY"):
+        processor.add_request(request("asked", {delivery.KEY: "reference"}), None)
+    processor.add_request(request("rows", {delivery.KEY: "rows"}), None)  # vLLM's way: fine
+    rows = np.ones((4, 46, 8), np.uint8)
+    assert np.array_equal(finish(processor, "rows", rows), rows)
+
+
+def test_a_budget_the_node_cannot_hold_stops_the_frontends_start() -> None:
+    undo: list[Any] = []
+    install(swap, undo, delivery.Delivery("reference", 1 << 50, 60.0))
+    try:
+        with pytest.raises(OSError, match="AOSTORE_VLLM_R3_BUDGET"):
+            op_module.OutputProcessor(None, log_stats=False)
+    finally:
+        undo_swap(undo)
+
+
+def test_settings_read_and_refuse_bad_values() -> None:
+    good = Settings.from_env(
+        {
+            "AOSTORE_VLLM_R3_DELIVERY": "Reference",
+            "AOSTORE_VLLM_R3_BUDGET": "2G",
+            "AOSTORE_VLLM_R3_TTL": "90",
+        }
+    )
+    assert (good.r3_delivery, good.r3_budget, good.r3_ttl, good.r3_said) == (
+        "reference",
+        2 << 30,
+        90.0,
+        "",
+    )
+    assert Settings.from_env({}).r3_delivery is None
+    for env, said in [
+        ({"AOSTORE_VLLM_R3_DELIVERY": "refs"}, "not rows or reference"),
+        ({"AOSTORE_VLLM_R3_DELIVERY": "rows", "AOSTORE_VLLM_R3_BUDGET": "lots"}, "size"),
+        ({"AOSTORE_VLLM_R3_DELIVERY": "rows", "AOSTORE_VLLM_R3_TTL": "-1"}, "positive"),
+    ]:
+        settings = Settings.from_env(env)
+        assert settings.r3_delivery is None and said in settings.r3_said
+
+
+def test_the_rust_frontend_refuses_it_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aostore.vllm.plan import Plan, _r3
+
+    settings = Settings.from_env({"AOSTORE_VLLM_R3_DELIVERY": "reference"})
+    plan = Plan(vllm={})
+    plan.transport = True
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
+    mode, said = _r3(plan, settings)
+    assert mode is None and "refused" in said and "VLLM_USE_RUST_FRONTEND=1" in said
+    monkeypatch.delenv("VLLM_USE_RUST_FRONTEND")
+    assert _r3(plan, settings)[0] == "reference"
+    plan.transport = False
+    assert "needs the transport" in _r3(plan, settings)[1]
+    assert os.environ.get("VLLM_USE_RUST_FRONTEND") is None
