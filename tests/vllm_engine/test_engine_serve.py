@@ -95,11 +95,14 @@ def free_port() -> int:
 class Server:
     """One ``vllm serve`` on 127.0.0.1, its log in a file."""
 
-    def __init__(self, model: Path, log: Path, plugin: str) -> None:
+    def __init__(
+        self, model: Path, log: Path, plugin: str, settings: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.log = log
         env = {k: v for k, v in os.environ.items() if not k.startswith("AOSTORE_VLLM_")}
         env |= {
+            **(settings or {}),
             "AOSTORE_VLLM_PLUGIN": plugin,
             "VLLM_USE_V2_MODEL_RUNNER": "1",
             "PYTHONPATH": os.pathsep.join([str(HERE), *_cpu_shim()]),
@@ -340,15 +343,104 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = work / "model"
     build_model(model)
     results: dict[str, Any] = {}
-    for arm, plugin in (("vllm", "0"), ("aostore", "1")):
-        server = Server(model, work / f"{arm}.log", plugin)
+    by_reference = {"AOSTORE_VLLM_R3_DELIVERY": "reference", "AOSTORE_VLLM_R3_BUDGET": "64M"}
+    for arm, plugin, settings in (
+        ("vllm", "0", None),
+        ("aostore", "1", None),
+        ("reference", "1", by_reference),
+    ):
+        server = Server(model, work / f"{arm}.log", plugin, settings)
         try:
             results[arm] = exchange(server)
+            if arm == "reference":  # read by a client of its own while the server lives
+                results["fetched"] = fetch_elsewhere(references_in(results[arm]))
             # The log up to here: shutting down may log the engine core's end as an error.
             results[f"{arm}.log"] = (work / f"{arm}.log").read_text(errors="replace")
         finally:
             server.stop()
     yield results
+
+
+def references_in(value: Any) -> list[str]:
+    """Every ``routed_experts`` string in the answers, in order."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "routed_experts" and isinstance(item, str):
+                found.append(item)
+            else:
+                found += references_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found += references_in(item)
+    return found
+
+
+FETCH = """
+import base64, io, json, sys
+import numpy as np
+from aostore import r3
+
+references = json.load(sys.stdin)
+batch = r3.fetch(references)
+rows = []
+for array in batch:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    rows.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+json.dump(rows, sys.stdout)
+"""
+
+
+def fetch_elsewhere(references: list[str]) -> dict[str, str]:
+    """What a trainer's process reads for each reference with ``aostore.r3.fetch`` (in one
+    batch), as vLLM's field would carry those rows."""
+    done = subprocess.run(
+        [sys.executable, "-c", FETCH],
+        input=json.dumps(references),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(references, json.loads(done.stdout), strict=True))
+
+
+def dereferenced(value: Any, fetched: dict[str, str]) -> Any:
+    """The answers with each reference replaced by the rows the client read for it."""
+    if isinstance(value, dict):
+        return {
+            key: fetched[item]
+            if key == "routed_experts" and isinstance(item, str)
+            else dereferenced(item, fetched)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [dereferenced(item, fetched) for item in value]
+    if isinstance(value, tuple):
+        return tuple(dereferenced(item, fetched) for item in value)
+    return value
+
+
+def test_rows_by_reference_are_vllms_rows_read_by_another_process(
+    answers: dict[str, Any],
+) -> None:
+    """With ``AOSTORE_VLLM_R3_DELIVERY=reference`` each answer's ``routed_experts`` is a
+    reference of at most 1 KB that vLLM's recipe decodes to no rows; a client process reads the
+    rows with ``aostore.r3.fetch``, and with them in place every body is vLLM's."""
+    references = references_in(answers["reference"])
+    assert len(references) >= 10
+    for text in references:
+        assert len(text) <= 1024
+        assert decoded_rows(text).dtype.names is not None  # vLLM's recipe: no rows
+    ours = dereferenced(answers["reference"], answers["fetched"])
+    theirs = answers["vllm"]
+    assert [what for what, _ in ours] == [what for what, _ in theirs]
+    for (what, mine), (_, vllms) in zip(ours, theirs, strict=True):
+        assert mine == vllms, what
+    log = answers["reference.log"]
+    assert "R3 by reference on (default reference" in log
 
 
 def test_aostores_transport_ran_in_every_process(answers: dict[str, Any]) -> None:
@@ -358,7 +450,7 @@ def test_aostores_transport_ran_in_every_process(answers: dict[str, Any]) -> Non
     assert all(TRANSPORT_ON in line for line in processes), processes
     assert PACKED in log, "the worker did not pack its steps"
     assert "aostore vLLM plugin" not in answers["vllm.log"]
-    for arm in ("vllm", "aostore"):
+    for arm in ("vllm", "aostore", "reference"):
         assert "Traceback" not in answers[f"{arm}.log"], answers[f"{arm}.log"][-3000:]
 
 
