@@ -86,6 +86,9 @@ GAUGES: dict[str, str] = {
     "unpublished_objects": "Mooncake tier: keys Mooncake may lack or hold stale (keys).",
     "unpublished_recorded": "Mooncake tier: unpublished keys in the tier's record (keys).",
     "mooncake_down": "Mooncake tier: whether the publisher sees an outage (0 or 1).",
+    "bytes_held": "R3 arena: bytes of rows held, whole pages (bytes).",
+    "slots_held": "R3 arena: references whose rows are held (references).",
+    "leases": "R3 arena: held rows a reader leases now (references).",
 }
 """``stats()`` keys exported as gauges, with their help text (unit in parentheses)."""
 
@@ -109,6 +112,10 @@ COUNTERS: dict[str, str] = {
     "outages": "Mooncake tier: outages the publisher saw (events).",
     "master_restarts": "Mooncake tier: masters found to have lost the tier's data (events).",
     "remote_read_failures": "Mooncake tier: reads Mooncake failed or did not answer (calls).",
+    "references": "R3 arena: references made (references).",
+    "expiries": "R3 arena: unread rows given up past their deadline (references).",
+    "leased_when_wanted": "R3 arena: rows that could have gone but were leased (events).",
+    "fallbacks": "R3 arena: requests whose rows went as rows, not fitting (requests).",
 }
 """``stats()`` keys exported as counters, with their help text (unit in parentheses)."""
 

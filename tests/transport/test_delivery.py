@@ -86,7 +86,11 @@ def test_a_request_chooses_and_the_default_is_vllms_rows(installed: Any) -> None
     assert np.array_equal(chose_rows, rows)
     assert asked.dtype.names is not None and asked.shape == ()
     assert np.array_equal(r3.Reader().fetch([asked])[0], rows)
-    assert installed.stats().references == 1
+    assert installed.stats()["references"] == 1
+    # Exported where vLLM's /metrics reads (prometheus_client's default registry).
+    registry = pytest.importorskip("prometheus_client").REGISTRY
+    assert registry.get_sample_value("aostore_r3_references_total") == 1
+    assert registry.get_sample_value("aostore_r3_bytes_held") == 4096
 
 
 @pytest.mark.parametrize("installed", ["reference"], indirect=True)

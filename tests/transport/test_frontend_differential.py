@@ -358,6 +358,6 @@ def test_rows_by_reference_read_back_as_vllms_rows(seed: int, transport: type) -
     try:
         assert run(seed, transport, reference=True) > 0
         stats = delivery.current().stats()  # type: ignore[union-attr]
-        assert stats is not None and stats.references > 0 and stats.fallbacks == 0
+        assert stats is not None and stats["references"] > 0 and stats["fallbacks"] == 0
     finally:
         delivery.configure(None)

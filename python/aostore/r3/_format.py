@@ -157,6 +157,13 @@ def lock(fd: int, slot: int, kind: int, *, wait: bool = False) -> bool:
     return True
 
 
+def leased(fd: int, slot: int) -> bool:
+    """Whether another open file description (a reader) holds a lock on ``slot``'s byte."""
+    request = _FLOCK.pack(WRITE, os.SEEK_SET, LOCKS + slot, 1, 0)
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, request)
+    return bool(_FLOCK.unpack(answer)[0] != UNLOCK)
+
+
 def make_reference(
     arena: bytes, slot: int, generation: int, rows: np.ndarray, token_start: int
 ) -> np.ndarray:

@@ -18,6 +18,7 @@ that do not fit go as rows (``fallbacks``).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import mmap
 import os
 import secrets
@@ -112,7 +113,7 @@ class Arena:
         self._free_slots = list(range(slots - 1, -1, -1))
         self._free: list[tuple[int, int]] = [(0, budget)]  # (offset, size), by offset
         self._held: OrderedDict[int, tuple[int, int]] = OrderedDict()  # slot: extent, oldest first
-        self.stats = ArenaStats()
+        self.counts = ArenaStats()
         self.closed = False
 
     def deliver(self, rows: np.ndarray, token_start: int = 0) -> np.ndarray | None:
@@ -126,7 +127,7 @@ class Arena:
                 raise fmt.R3Error("the R3 arena is closed")
             placed = self._place(_pages(nbytes))
             if placed is None:
-                self.stats.fallbacks += 1
+                self.counts.fallbacks += 1
                 return None
             slot, offset, size = placed
             # The slot's lock is ours while it changes: a reader with its old reference waits
@@ -147,10 +148,24 @@ class Arena:
             finally:
                 fmt.lock(self._fd, slot, fmt.UNLOCK)
             self._held[slot] = (offset, size)
-            self.stats.references += 1
-            self.stats.slots_held += 1
-            self.stats.bytes_held += size
+            self.counts.references += 1
+            self.counts.slots_held += 1
+            self.counts.bytes_held += size
             return fmt.make_reference(self.id, slot, self._generation, rows, token_start)
+
+    def stats(self) -> dict[str, int]:
+        """:class:`ArenaStats` as a mapping, with ``leases``: the slots held now that a reader
+        leases (each asked of the kernel: a scrape costs one ``fcntl`` per slot held). The
+        shape ``aostore.metrics.register_store`` exports."""
+        with self._lock:
+            figures = dataclasses.asdict(self.counts)
+            leases = 0
+            if not self.closed:
+                for slot in self._held:
+                    if fmt.leased(self._fd, slot):
+                        leases += 1
+            figures["leases"] = leases
+            return figures
 
     def close(self) -> None:
         """Remove the arena: every reference to it is gone from now on."""
@@ -207,7 +222,7 @@ class Arena:
                 if wanted == "expired" and (record["read"] or record["deadline"] > now):
                     continue
                 if not fmt.lock(self._fd, slot, fmt.WRITE):
-                    self.stats.leased_when_wanted += 1
+                    self.counts.leased_when_wanted += 1
                     continue
                 try:
                     # Under the lock: a renewal may have moved the deadline on.
@@ -217,17 +232,17 @@ class Arena:
                 finally:
                     fmt.lock(self._fd, slot, fmt.UNLOCK)
                 if wanted == "read":
-                    self.stats.evictions += 1
+                    self.counts.evictions += 1
                 else:
-                    self.stats.expiries += 1
+                    self.counts.expiries += 1
                 self._release(slot)
                 return True
         return False
 
     def _release(self, slot: int) -> None:
         offset, size = self._held.pop(slot)
-        self.stats.slots_held -= 1
-        self.stats.bytes_held -= size
+        self.counts.slots_held -= 1
+        self.counts.bytes_held -= size
         self._free_slots.append(slot)
         i = bisect.bisect(self._free, (offset, size))
         self._free.insert(i, (offset, size))

@@ -20,13 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from aostore.r3.arena import Arena, ArenaStats
+from aostore.r3.arena import Arena
 
 KEY = "aostore_r3_delivery"
 MODES = ("rows", "reference")
 ENV_DELIVERY = "AOSTORE_VLLM_R3_DELIVERY"
 ENV_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
 ENV_TTL = "AOSTORE_VLLM_R3_TTL"
+PREFIX = "aostore_r3_"
 
 log = logging.getLogger("aostore.vllm.r3")
 
@@ -45,10 +46,12 @@ class Delivery:
         self._warned = False
 
     def start(self) -> Arena:
-        """The arena, made (and its budget reserved) on the first call."""
+        """The arena, made (and its budget reserved) on the first call; its figures exported
+        as ``aostore_r3_*`` where ``prometheus_client`` is (vLLM's ``/metrics``)."""
         with self._lock:
             if self.arena is None or self.arena.closed:
                 self.arena = Arena(self.budget, self.ttl, setting=ENV_BUDGET)
+                _export()
             return self.arena
 
     def choose(self, sampling_params: Any) -> str:
@@ -79,11 +82,27 @@ class Delivery:
             )
         return rows
 
-    def stats(self) -> ArenaStats | None:
-        return None if self.arena is None else self.arena.stats
+    def stats(self) -> dict[str, int] | None:
+        """The arena's figures (``Arena.stats``), or None before it starts."""
+        return None if self.arena is None else self.arena.stats()
 
 
 _delivery: Delivery | None = None
+_exported = False
+
+
+def _export() -> None:
+    """Register, once per process, a collector of the current delivery's arena figures."""
+    global _exported
+    if _exported:
+        return
+    try:
+        from aostore.metrics import register_store
+
+        register_store(lambda: (_delivery.stats() if _delivery else None) or {}, prefix=PREFIX)
+    except ImportError:  # no prometheus_client: the figures stay in Arena.stats()
+        return
+    _exported = True
 
 
 def configure(delivery: Delivery | None) -> None:
