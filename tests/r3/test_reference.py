@@ -154,6 +154,31 @@ def test_bad_input_gets_a_clear_error_and_takes_no_lease(arena, reader) -> None:
         other.close()
 
 
+def test_rows_the_arena_cannot_take_or_write_change_nothing(arena, reader) -> None:
+    """Rows that are not numeric, of too many dimensions, or whose writer fails part way: an
+    error, no reference, nothing held; the space is there for the next rows."""
+    before = arena.stats()
+    for bad, error, message in [
+        (np.array([object()] * 4), TypeError, "numeric array"),
+        (np.zeros(3, [("a", "u1")]), TypeError, "numeric array"),
+        (np.uint8(3), TypeError, "numeric array"),
+        (np.zeros((1,) * 9, np.uint8), ValueError, "at most 8"),
+    ]:
+        with pytest.raises(error, match=message):
+            arena.deliver(np.asarray(bad))
+
+    def half_then_fail(target: np.ndarray) -> None:
+        target[: len(target) // 2] = 7
+        raise OSError("the pages went away")
+
+    for _ in range(3):  # a slot lost per failure would show in the stats
+        with pytest.raises(OSError, match="went away"):
+            arena.deliver_written(np.dtype(np.uint8), (4096, *ROW), half_then_fail)
+    assert arena.stats() == before
+    want = rows(4096, seed=9)
+    assert np.array_equal(reader.fetch([arena.deliver(want)])[0], want)
+
+
 def test_release_twice_and_a_closed_reader_or_arena_are_errors(arena, reader) -> None:
     reference = arena.deliver(rows(50))
     batch = reader.fetch([reference])

@@ -4,6 +4,7 @@ request chooses, what a bad choice gets, and the arena's start with vLLM's ``Out
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from typing import Any
@@ -100,9 +101,57 @@ def test_reference_as_the_default_and_a_bad_choice_changes_nothing(installed: An
     processor.add_request(request("default"), None)
     assert finish(processor, "default", rows).dtype.names is not None
     for bad in ("Reference", "", 1, None):
-        with pytest.raises(ValueError, match=delivery.KEY):
+        with pytest.raises(ValueError, match=delivery.KEY) as refused:
             processor.add_request(request("bad", {delivery.KEY: bad}), None)
         assert "bad" not in processor.request_states
+        # What vLLM's API server answers with a 400 (any other error there is a 500 that stops
+        # the server): tests/vllm_engine/test_engine_serve.py posts one.
+        client_error = importlib.import_module("vllm.exceptions").VLLMValidationError
+        assert isinstance(refused.value, client_error)
+
+
+@pytest.mark.parametrize("installed", ["reference"], indirect=True)
+def test_rows_that_do_not_fit_go_as_rows_with_one_warning(
+    installed: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A budget of two pages: rows of three go as vLLM's rows (counted, one WARNING); so do
+    chunks the pages cannot hold (a dtype that changes: vLLM's concatenation), when they do not
+    fit; small ones still go by reference."""
+    installed.budget = 2 * 4096
+    processor = op_module.OutputProcessor(None, log_stats=False)
+    rng = np.random.default_rng(2)
+    big = rng.integers(0, 128, (30, 46, 8), np.uint8)  # 11,040 bytes: three pages
+    mixed = np.concatenate([big[:3].astype(np.int16), big[3:].astype(np.int16)])
+    small = big[:4]
+    for rid in ("big", "big again", "small"):
+        processor.add_request(request(rid), None)
+    with caplog.at_level("WARNING", logger="aostore.vllm.r3"):
+        got = [
+            finish(processor, rid, want)
+            for rid, want in (("big", big), ("big again", big), ("small", small))
+        ]
+    assert np.array_equal(got[0], big) and np.array_equal(got[1], big)
+    assert got[2].dtype.names is not None
+    assert np.array_equal(r3.Reader().fetch([got[2]])[0], small)
+    warnings = [r for r in caplog.records if "did not fit the arena" in r.getMessage()]
+    assert len(warnings) == 1 and "AOSTORE_VLLM_R3_BUDGET" in warnings[0].getMessage()
+    assert installed.stats()["fallbacks"] == 2 and installed.stats()["references"] == 1
+
+    processor.add_request(request("mixed"), None)
+    outputs = [
+        v1_engine.EngineCoreOutput(request_id="mixed", new_token_ids=[5], routed_experts=big[:3]),
+        v1_engine.EngineCoreOutput(
+            request_id="mixed",
+            new_token_ids=[6],
+            routed_experts=mixed[3:],
+            finish_reason=v1_engine.FinishReason.LENGTH,
+        ),
+    ]
+    processor.process_outputs(outputs[:1], 0.0, None)
+    (done,) = processor.process_outputs(outputs[1:], 0.0, None).request_outputs
+    got_mixed = done.outputs[0].routed_experts
+    assert got_mixed.dtype == np.int16 and np.array_equal(got_mixed, mixed)  # too big: rows
+    assert installed.stats()["fallbacks"] == 3
 
 
 @pytest.mark.parametrize("installed", [None], indirect=True)

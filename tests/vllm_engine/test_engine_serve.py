@@ -59,6 +59,8 @@ sys.path.insert(0, str(HERE))
 import tiny_moe  # noqa: E402
 
 START_TIMEOUT_S = 600
+ARENA_PAGES = 48  # the reference arm's arena: its budget in 4 KiB pages
+UNREAD_TTL_S = 3
 REQUEST_TIMEOUT_S = 300
 MASKED = ("id", "created", "request_id")
 PACKED = "aostore data plane: on for vLLM's worker connector; rows as one buffer a step"
@@ -343,7 +345,13 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = work / "model"
     build_model(model)
     results: dict[str, Any] = {}
-    by_reference = {"AOSTORE_VLLM_R3_DELIVERY": "reference", "AOSTORE_VLLM_R3_BUDGET": "64M"}
+    # Room for the exchange's references and not many more (each takes a page), and unread
+    # rows kept only briefly: the lifecycle's requests then give rows up.
+    by_reference = {
+        "AOSTORE_VLLM_R3_DELIVERY": "reference",
+        "AOSTORE_VLLM_R3_BUDGET": str(ARENA_PAGES * 4096),
+        "AOSTORE_VLLM_R3_TTL": str(UNREAD_TTL_S),
+    }
     for arm, plugin, settings in (
         ("vllm", "0", None),
         ("aostore", "1", None),
@@ -354,11 +362,134 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             results[arm] = exchange(server)
             if arm == "reference":  # read by a client of its own while the server lives
                 results["fetched"] = fetch_elsewhere(references_in(results[arm]))
+                results["choices"] = choices(server)
+                results["lifecycle"] = lifecycle(server, results["fetched"])
             # The log up to here: shutting down may log the engine core's end as an error.
             results[f"{arm}.log"] = (work / f"{arm}.log").read_text(errors="replace")
         finally:
             server.stop()
     yield results
+
+
+def choices(server: Server) -> dict[str, tuple[int, Any]]:
+    """A request's own choice through ``vllm_xargs``: rows, and a bad value."""
+    body = {"model": "tiny", "prompt": "t3 t4 t5", "max_tokens": 4, "temperature": 0.0}
+    got = {}
+    for what, value in (("rows", "rows"), ("bad", "Reference")):
+        xargs = {"vllm_xargs": {"aostore_r3_delivery": value}}
+        status, raw = server.post("/v1/completions", {**body, **xargs})
+        got[what] = (status, json.loads(raw))
+    return got
+
+
+HOLD = """
+import json, sys
+from aostore import r3
+
+views = list(r3.fetch(json.load(sys.stdin)))  # leased while this process lives
+print(sum(int(v.sum()) for v in views), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+GONE = """
+import json, sys
+from aostore import r3
+
+outcomes = []
+for reference in json.load(sys.stdin):
+    try:
+        r3.fetch([reference]).release()
+        outcomes.append("read")
+    except r3.ReferenceGone as error:
+        outcomes.append(f"gone: {error}")
+json.dump(outcomes, sys.stdout)
+"""
+
+
+def lifecycle(server: Server, fetched: dict[str, str]) -> dict[str, Any]:
+    """What becomes of references as the arena fills: one left unread past its lifetime, one
+    read by a reader killed with SIGKILL while it held views on it, and those the exchange
+    read; then enough new requests to need every page."""
+    body = {"model": "tiny", "prompt": "t50 t51 t52", "max_tokens": 2, "temperature": 0.0}
+
+    def references(n: int) -> list[str]:
+        status, raw = server.post("/v1/completions", {**body, "n": n})
+        assert status == 200, raw[:500]
+        return [choice["routed_experts"] for choice in json.loads(raw)["choices"]]
+
+    got: dict[str, Any] = {"unread": references(1)[0], "killed": references(1)[0]}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    holder.stdin.write(json.dumps([got["killed"]]))
+    holder.stdin.flush()
+    got["holder read"] = holder.stdout.readline().strip()
+    got["metrics while held"] = r3_metrics(server)
+    holder.kill()  # SIGKILL, views and all
+    holder.wait(30)
+    time.sleep(UNREAD_TTL_S + 1)
+    # Twice the arena's pages in new references: every read row and the expired unread one
+    # make way, and what still does not fit goes as rows.
+    got["filled"] = [text for _ in range(2 * ARENA_PAGES // 8) for text in references(8)]
+    got["metrics after"] = r3_metrics(server)
+    checked = [got["unread"], got["killed"], *list(fetched)[:3]]
+    done = subprocess.run(
+        [sys.executable, "-c", GONE],
+        input=json.dumps(checked),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got["outcomes"] = json.loads(done.stdout)
+    return got
+
+
+def r3_metrics(server: Server) -> dict[str, float]:
+    """The ``aostore_r3_*`` samples of the API server's ``/metrics``."""
+    status, raw = server.get("/metrics")
+    assert status == 200
+    samples = {}
+    for line in raw.decode().splitlines():
+        if line.startswith("aostore_r3_"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_rows_gone_are_an_error_of_their_own_and_a_killed_reader_pins_nothing(
+    answers: dict[str, Any],
+) -> None:
+    """docs/r3-reference.md's keeping rules through ``vllm serve``: read rows make way for new
+    ones, unread rows past their lifetime too, a reader killed with SIGKILL leaves no lease, and
+    a reference whose rows went is ``ReferenceGone``, never other rows; rows that do not fit
+    go as rows, with one WARNING."""
+    got = answers["lifecycle"]
+    assert int(got["holder read"]) >= 0
+    assert got["metrics while held"]["aostore_r3_leases"] == 1
+    after = got["metrics after"]
+    assert after["aostore_r3_leases"] == 0
+    assert after["aostore_r3_expiries_total"] >= 1
+    assert after["aostore_r3_evictions_total"] >= 4  # the killed reader's and the exchange's
+    assert after["aostore_r3_fallbacks_total"] >= 1
+    assert after["aostore_r3_slots_held"] <= ARENA_PAGES
+    assert all(o.startswith("gone: ") for o in got["outcomes"]), got["outcomes"]
+    references = [text for text in got["filled"] if decoded_rows(text).dtype.names]
+    rows = [text for text in got["filled"] if not decoded_rows(text).dtype.names]
+    assert references and rows, "the arena neither filled nor fell back"
+    fallbacks = [line for line in answers["reference.log"].splitlines() if "did not fit" in line]
+    assert len(fallbacks) == 1, fallbacks
+
+
+def test_a_request_chooses_rows_and_a_bad_choice_is_a_400(answers: dict[str, Any]) -> None:
+    status, body = answers["choices"]["rows"]
+    assert status == 200
+    rows = decoded_rows(body["choices"][0]["routed_experts"])
+    assert rows.dtype == np.uint8 and rows.shape[1:] == (tiny_moe.LAYERS, tiny_moe.TOP_K)
+    status, body = answers["choices"]["bad"]
+    assert status == 400 and "aostore_r3_delivery" in json.dumps(body), body
 
 
 def references_in(value: Any) -> list[str]:

@@ -165,11 +165,17 @@ def leased(fd: int, slot: int) -> bool:
 
 
 def make_reference(
-    arena: bytes, slot: int, generation: int, rows: np.ndarray, token_start: int
+    arena: bytes,
+    slot: int,
+    generation: int,
+    dtype: np.dtype[Any],
+    shape: tuple[int, ...],
+    token_start: int,
 ) -> np.ndarray:
-    """The reference to ``rows`` written to ``slot`` under ``generation``."""
-    if rows.ndim > MAX_DIMS:
-        raise ValueError(f"rows of {rows.ndim} dimensions: a reference holds at most {MAX_DIMS}")
+    """The reference to rows of ``dtype`` and ``shape`` written to ``slot`` under
+    ``generation``."""
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"rows of {len(shape)} dimensions: a reference holds at most {MAX_DIMS}")
     reference = np.zeros((), REFERENCE)
     reference["aostore_r3"] = KIND
     reference["version"] = VERSION
@@ -177,9 +183,9 @@ def make_reference(
     reference["arena"] = as_field(arena)
     reference["slot"] = slot
     reference["generation"] = generation
-    reference["dtype"] = rows.dtype.str.encode()
-    reference["ndim"] = rows.ndim
-    reference["shape"][: rows.ndim] = rows.shape
+    reference["dtype"] = dtype.str.encode()
+    reference["ndim"] = len(shape)
+    reference["shape"][: len(shape)] = shape
     reference["token_start"] = token_start
     return reference
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import mmap
 import os
 import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,9 +121,31 @@ class Arena:
     def deliver(self, rows: np.ndarray, token_start: int = 0) -> np.ndarray | None:
         """Copy ``rows`` into a slot and return their reference, or None when they do not fit
         (counted: the caller sends them as rows)."""
-        if rows.dtype.hasobject or rows.dtype.names is not None or rows.ndim == 0:
-            raise TypeError(f"rows are a numeric array, not {rows.dtype} {rows.shape}")
-        nbytes = rows.nbytes
+        rows = np.asarray(rows)
+
+        def write(target: np.ndarray) -> None:  # called once the dtype and shape are checked
+            target[...] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+
+        return self.deliver_written(rows.dtype, rows.shape, write, token_start)
+
+    def deliver_written(
+        self,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        write: Callable[[np.ndarray], None],
+        token_start: int = 0,
+    ) -> np.ndarray | None:
+        """:meth:`deliver` for rows that ``write`` puts straight into the slot: it is given
+        the slot's bytes (``uint8``, exactly as many as the rows have) and fills them, so rows
+        held in pieces (the frontend's pages) are copied once, not joined first."""
+        dtype = np.dtype(dtype)
+        if dtype.hasobject or dtype.names is not None or not shape:
+            raise TypeError(f"rows are a numeric array, not {dtype} {shape}")
+        if len(shape) > fmt.MAX_DIMS:
+            raise ValueError(
+                f"rows of {len(shape)} dimensions: a reference holds at most {fmt.MAX_DIMS}"
+            )
+        nbytes = dtype.itemsize * math.prod(shape)
         with self._lock:
             if self.closed:
                 raise fmt.R3Error("the R3 arena is closed")
@@ -136,9 +160,14 @@ class Arena:
             # the moment it takes to see that (so wait for it).
             fmt.lock(self._fd, slot, fmt.WRITE, wait=True)
             try:
-                target = self._data[offset : offset + nbytes]
-                target[...] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
                 record = self._slots[slot]
+                record["generation"] = 0  # no reference matches it while it is written
+                try:
+                    write(self._data[offset : offset + nbytes])
+                except BaseException:
+                    self._held[slot] = (offset, size)
+                    self._release(slot, counted=False)
+                    raise
                 self._generation += 1
                 record["offset"] = offset
                 record["nbytes"] = nbytes
@@ -151,7 +180,7 @@ class Arena:
             self.counts.references += 1
             self.counts.slots_held += 1
             self.counts.bytes_held += size
-            return fmt.make_reference(self.id, slot, self._generation, rows, token_start)
+            return fmt.make_reference(self.id, slot, self._generation, dtype, shape, token_start)
 
     def stats(self) -> dict[str, int]:
         """:class:`ArenaStats` as a mapping, with ``leases``: the slots held now that a reader
@@ -239,10 +268,11 @@ class Arena:
                 return True
         return False
 
-    def _release(self, slot: int) -> None:
+    def _release(self, slot: int, *, counted: bool = True) -> None:
         offset, size = self._held.pop(slot)
-        self.counts.slots_held -= 1
-        self.counts.bytes_held -= size
+        if counted:
+            self.counts.slots_held -= 1
+            self.counts.bytes_held -= size
         self._free_slots.append(slot)
         i = bisect.bisect(self._free, (offset, size))
         self._free.insert(i, (offset, size))

@@ -14,13 +14,17 @@ one WARNING).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from aostore.r3.arena import Arena
+
+if TYPE_CHECKING:
+    from .frontend import RowChunks
 
 KEY = "aostore_r3_delivery"
 MODES = ("rows", "reference")
@@ -56,13 +60,13 @@ class Delivery:
 
     def choose(self, sampling_params: Any) -> str:
         """The request's mode: its ``extra_args`` key, else the default; a bad value is a
-        ``ValueError`` naming the key (vLLM's API server answers it with a 400)."""
+        ``ValueError`` naming the key (:func:`refused`: vLLM's API server answers a 400)."""
         extra = getattr(sampling_params, "extra_args", None) or {}
         if KEY not in extra:
             return self.default
         mode = extra[KEY]
         if mode not in MODES:
-            raise ValueError(f"{KEY} must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
+            raise refused(f"{KEY} must be one of {', '.join(map(repr, MODES))}", mode)
         return str(mode)
 
     def deliver(self, rows: np.ndarray) -> np.ndarray:
@@ -70,17 +74,36 @@ class Delivery:
         reference = self.start().deliver(rows, token_start=0)
         if reference is not None:
             return reference
+        self._fell_back(rows.nbytes)
+        return rows
+
+    def deliver_chunks(self, chunks: RowChunks) -> np.ndarray | None:
+        """What a finishing output carries for the rows in ``chunks``: their reference, written
+        from the pages straight into the arena; the rows (:meth:`RowChunks.finished`) when they
+        do not fit; None when no rows came."""
+        if not chunks:
+            return chunks.finished()
+        dtype = chunks.dtype
+        if not chunks.paged or dtype.hasobject or dtype.names is not None:
+            rows = chunks.finished()  # vLLM's concatenation: any rows vLLM could send
+            return None if rows is None else self.deliver(rows)
+        reference = self.start().deliver_written(dtype, chunks.shape, chunks.copy_into)
+        if reference is not None:
+            return reference
+        self._fell_back(chunks.nbytes)
+        return chunks.finished()
+
+    def _fell_back(self, nbytes: int) -> None:
         if not self._warned:
             self._warned = True
             log.warning(
                 "aostore: R3 rows of %d bytes did not fit the arena (%s=%d, unread references "
                 "are kept until read or expired): sent as rows; counted from here on in the "
                 "arena's fallbacks",
-                rows.nbytes,
+                nbytes,
                 ENV_BUDGET,
                 self.budget,
             )
-        return rows
 
     def stats(self) -> dict[str, int] | None:
         """The arena's figures (``Arena.stats``), or None before it starts."""
@@ -89,6 +112,30 @@ class Delivery:
 
 _delivery: Delivery | None = None
 _exported = False
+
+
+@functools.cache
+def _refusal() -> type[ValueError]:
+    """A ``ValueError`` that is also vLLM's ``VLLMValidationError`` where vLLM has it: vLLM
+    answers a client error with a 400 and takes any other exception from ``add_request`` for
+    a fault of the engine (a 500, and the server shuts down)."""
+    try:
+        from vllm.exceptions import VLLMValidationError  # type: ignore[import-not-found]
+    except ImportError:
+        return ValueError
+
+    class DeliveryChoiceError(VLLMValidationError, ValueError):  # type: ignore[misc]
+        """A request's ``aostore_r3_delivery`` that cannot be served."""
+
+    return DeliveryChoiceError
+
+
+def refused(message: str, value: Any) -> ValueError:
+    """The error for a bad ``aostore_r3_delivery``, naming the key and the value."""
+    error = _refusal()
+    if error is ValueError:
+        return ValueError(f"{message} (parameter={KEY}, value={value!r})")
+    return error(message, parameter=KEY, value=repr(value))  # type: ignore[call-arg]
 
 
 def _export() -> None:
@@ -117,15 +164,23 @@ def current() -> Delivery | None:
     return _delivery
 
 
+def deliver_chunks(chunks: RowChunks) -> np.ndarray | None:
+    """:meth:`Delivery.deliver_chunks` with this process's delivery (the rows, without one)."""
+    if _delivery is None:
+        return chunks.finished()
+    return _delivery.deliver_chunks(chunks)
+
+
 def choose(sampling_params: Any) -> str:
     """The request's mode (``rows`` when delivery by reference is off; asking for a reference
     then is a ``ValueError`` saying how to turn it on)."""
     if _delivery is None:
         extra = getattr(sampling_params, "extra_args", None) or {}
         if extra.get(KEY, "rows") != "rows":
-            raise ValueError(
-                f"{KEY}={extra[KEY]!r}: delivery by reference is off in this vLLM (set "
-                f"{ENV_DELIVERY}=rows or =reference where it starts)"
+            raise refused(
+                f"{KEY}: delivery by reference is off in this vLLM (set {ENV_DELIVERY}=rows "
+                "or =reference where it starts)",
+                extra[KEY],
             )
         return "rows"
     return _delivery.choose(sampling_params)

@@ -144,17 +144,36 @@ class RowChunks:
             return np.concatenate(self._list, axis=0) if self._list else None
         if not self._ends:
             return None
-        shape = (self._size // self._row, *self._shape)
+        shape = self.shape
         header = npy_header(self._dtype, shape) if npy_ready(self._dtype) else b""
         # Not a bytearray: that would zero every byte before they are copied.
         buffer = np.empty(len(header) + self._size, np.uint8)
         buffer[: len(header)] = np.frombuffer(header, np.uint8)
-        for page, start in zip(self._pages, self._starts, strict=True):
-            used = min(len(page), self._size - start)
-            at = len(header) + start
-            buffer[at : at + used] = np.frombuffer(page, np.uint8, used)
+        self.copy_into(buffer[len(header) :])
         rows: np.ndarray = buffer[len(header) :].view(self._dtype)
         return rows.reshape(shape)
+
+    @property
+    def paged(self) -> bool:
+        """Whether the pages hold every row (else it has turned into a plain list)."""
+        return self._list is None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of every row together (pages only: not once a plain list)."""
+        return (self._size // self._row, *self._shape)
+
+    @property
+    def dtype(self) -> Any:
+        """The rows' dtype (pages only: not once a plain list; None before a chunk)."""
+        return self._dtype
+
+    def copy_into(self, target: np.ndarray) -> None:
+        """Copy every row's bytes, in order, into ``target`` (``uint8``, :attr:`nbytes` long):
+        the one copy a finish makes, into the answer's buffer or an R3 arena's slot."""
+        for page, start in zip(self._pages, self._starts, strict=True):
+            used = min(len(page), self._size - start)
+            target[start : start + used] = np.frombuffer(page, np.uint8, used)
 
     @property
     def nbytes(self) -> int:
@@ -274,15 +293,15 @@ def request_state_subclass(vllm_request_state: Any) -> type:
             return vllm_new_completion_output(self, *args, **kwargs)
         # vLLM's code reads a list: `if finished and chunks: np.concatenate(chunks, axis=0)`.
         # It gets none, and the output gets what that concatenation gives, copied once.
-        rows = chunks.finished()
+        if self.aostore_r3_delivery == "reference":
+            rows = delivery.deliver_chunks(chunks)  # straight from the pages into the arena
+        else:
+            rows = chunks.finished()
         self.routed_experts_chunks = []
         try:
             output = vllm_new_completion_output(self, *args, **kwargs)
         finally:
             self.routed_experts_chunks = chunks
-        arena = delivery.current()
-        if rows is not None and arena is not None and self.aostore_r3_delivery == "reference":
-            rows = arena.deliver(rows)
         output.routed_experts = rows
         return output
 
