@@ -100,7 +100,9 @@ def _reference(process: str) -> None:
 
 ARMS: dict[str, hops.Arm] = {
     "vllm": dataclasses.replace(hops.ARMS["vllm"], label="vLLM's rows"),
-    "rows": dataclasses.replace(hops.ARMS["aostore"], label="aostore's transport, rows"),
+    "rows": dataclasses.replace(
+        hops.ARMS["aostore"], name="rows", label="aostore's transport, rows"
+    ),
     "reference": hops.Arm(
         "reference", "aostore's transport, by reference", r3=True, install=_reference
     ),

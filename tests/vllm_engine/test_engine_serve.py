@@ -386,7 +386,7 @@ HOLD = """
 import json, sys
 from aostore import r3
 
-views = list(r3.fetch(json.load(sys.stdin)))  # leased while this process lives
+views = list(r3.fetch(json.loads(sys.stdin.readline())))  # leased while this process lives
 print(sum(int(v.sum()) for v in views), flush=True)
 sys.stdin.read()  # until killed
 """
@@ -410,7 +410,7 @@ def lifecycle(server: Server, fetched: dict[str, str]) -> dict[str, Any]:
     """What becomes of references as the arena fills: one left unread past its lifetime, one
     read by a reader killed with SIGKILL while it held views on it, and those the exchange
     read; then enough new requests to need every page."""
-    body = {"model": "tiny", "prompt": "t50 t51 t52", "max_tokens": 2, "temperature": 0.0}
+    body = {"model": "tiny", "prompt": "t50 t51 t52", "max_tokens": 2, "temperature": 1.0}
 
     def references(n: int) -> list[str]:
         status, raw = server.post("/v1/completions", {**body, "n": n})
@@ -418,16 +418,22 @@ def lifecycle(server: Server, fetched: dict[str, str]) -> dict[str, Any]:
         return [choice["routed_experts"] for choice in json.loads(raw)["choices"]]
 
     got: dict[str, Any] = {"unread": references(1)[0], "killed": references(1)[0]}
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert holder.stdin is not None and holder.stdout is not None
-    holder.stdin.write(json.dumps([got["killed"]]))
-    holder.stdin.flush()
-    got["holder read"] = holder.stdout.readline().strip()
-    got["metrics while held"] = r3_metrics(server)
-    holder.kill()  # SIGKILL, views and all
-    holder.wait(30)
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        assert holder.stdin and holder.stdout and holder.stderr
+        holder.stdin.write(json.dumps([got["killed"]]) + "\n")
+        holder.stdin.flush()
+        got["holder read"] = holder.stdout.readline().strip()
+        if not got["holder read"]:  # it died before it read
+            holder.kill()
+            raise AssertionError(holder.stderr.read()[-3000:])
+        got["metrics while held"] = r3_metrics(server)
+        holder.kill()  # SIGKILL, views and all
     time.sleep(UNREAD_TTL_S + 1)
     # Twice the arena's pages in new references: every read row and the expired unread one
     # make way, and what still does not fit goes as rows.

@@ -33,7 +33,8 @@ ENV_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
 ENV_TTL = "AOSTORE_VLLM_R3_TTL"
 PREFIX = "aostore_r3_"
 
-log = logging.getLogger("aostore.vllm.r3")
+# Under ``vllm``, as the plugin's own lines, so vLLM's logging configuration shows it.
+log = logging.getLogger("vllm.plugins.aostore")
 
 
 class Delivery:
