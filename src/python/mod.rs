@@ -12,6 +12,7 @@ mod layout;
 mod lock;
 mod object;
 mod policy;
+mod rows;
 mod scheduler;
 mod step_rows;
 mod variable;
@@ -52,5 +53,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     scheduler::register(m)?;
     layout::register(m)?;
     answer::register(m)?;
+    rows::register(m)?;
     Ok(())
 }

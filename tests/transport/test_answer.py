@@ -65,6 +65,23 @@ def test_numpy2base64_of_routed_experts_and_odd_arrays() -> None:
         VLLM_NUMPY2BASE64(np.array([object()]))
 
 
+def test_numpy2base64_of_an_r3_reference_is_vllms() -> None:
+    """A reference is encoded from its header as this numpy's ``np.save`` writes it: the same
+    string as vLLM's, for any slot, generation, dtype and shape it names."""
+    from aostore.r3 import _format as fmt
+
+    arena = bytes(range(16))
+    for slot, generation, dtype, shape, start in [
+        (0, 1, np.dtype(np.uint8), (17_083, 46, 8), 0),
+        (65_535, 2**63, np.dtype(">u2"), (3,), 12),
+        (7, 9, np.dtype("<i8"), (1, 2, 3, 4, 5, 6, 7, 8), 0),
+    ]:
+        reference = fmt.make_reference(arena, slot, generation, dtype, shape, start)
+        assert ours(reference) == VLLM_NUMPY2BASE64(reference)
+    swapped = reference.astype(reference.dtype.newbyteorder(">"))  # not ours: vLLM's path
+    assert ours(swapped) == VLLM_NUMPY2BASE64(swapped)
+
+
 def test_numpy2base64_of_rows_laid_out_after_their_header_is_vllms() -> None:
     """A finished request's rows sit after their ``.npy`` header in one buffer: encoded as it
     is; any array whose memory is not exactly that (changed in place, a slice, another header,

@@ -192,6 +192,40 @@ def test_the_finished_rows_follow_their_npy_header_and_are_the_callers() -> None
     same(got[1:], want[1:])
 
 
+@pytest.mark.parametrize("n", [0, 1, 11, 700, 5000])
+def test_streamed_into_a_slot_the_rows_are_the_finished_ones(n: int) -> None:
+    """What an R3 arena's slot gets (streaming stores, pages clipped at the rows' end, any
+    alignment) is byte for byte the finish's rows; a target of the wrong size or a read-only
+    one is refused before a byte is written."""
+    from aostore._native import copy_pages
+
+    ours, want = RowChunks(), rows(n + 3, 4, shape=(46, 8))
+    ours.append(want[:3])
+    for i in range(3, n + 3):
+        ours.append(want[i : i + 1])
+    ours[-1] = want[n + 2 : n + 2]  # a trim: the last page is part full
+    finished = ours.finished()
+    assert finished is not None
+    for offset in (0, 1, 17):
+        slab = np.zeros(ours.nbytes + offset + 1, np.uint8)
+        ours.stream_into(slab[offset : offset + ours.nbytes])
+        assert slab[offset : offset + ours.nbytes].tobytes() == finished.tobytes()
+        assert not slab[:offset].any() and slab[-1] == 0
+    target = np.zeros(ours.nbytes + 1, np.uint8)
+    with pytest.raises(ValueError, match="not the"):
+        ours.stream_into(target)
+    with pytest.raises(ValueError, match="the pages hold"):
+        copy_pages([bytearray(3)], 4, np.zeros(4, np.uint8))
+    readonly = np.zeros(4, np.uint8)
+    readonly.setflags(write=False)
+    with pytest.raises(TypeError, match="writable"):
+        copy_pages([bytearray(b"abcd")], 4, readonly)
+    assert not readonly.any()
+    with pytest.raises(TypeError, match="a page is a buffer"):
+        copy_pages([object()], 4, np.zeros(4, np.uint8))  # type: ignore[list-item]
+    assert not target.any()
+
+
 def test_a_strided_chunk_is_held_by_value() -> None:
     base = rows(10, 5)
     strided = base[::2]  # not contiguous

@@ -200,6 +200,17 @@ def _npy_header() -> bytes:
     return buffer.getvalue()[: -REFERENCE.itemsize]
 
 
+def is_reference(array: np.ndarray) -> bool:
+    """Whether ``array`` is a reference as :func:`make_reference` makes one."""
+    return array.shape == () and array.dtype == REFERENCE
+
+
+def npy_of(reference: np.ndarray) -> bytes:
+    """What ``np.save`` writes for a reference (a 0-d array of :data:`REFERENCE`), without its
+    header's formatting each time."""
+    return _npy_header() + reference.tobytes()
+
+
 def parse(value: Any) -> np.ndarray:
     """A reference as its 0-d array of :data:`REFERENCE`, or rows as vLLM sends them (a numeric
     array), from the array or vLLM's base64 ``.npy`` string. Raises :class:`ForeignReference`

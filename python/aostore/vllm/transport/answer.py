@@ -10,7 +10,8 @@ UTF-8). Here:
   straight to a ``str``: vLLM's string exactly, for every array (anything the fast path does not
   cover goes to vLLM's function). A finished request's rows already sit after their header in
   one buffer (:meth:`~aostore.vllm.transport.frontend.RowChunks.finished`): that buffer is
-  encoded as it is;
+  encoded as it is, and so is an R3 reference (its header as ``np.save`` writes it, then its
+  bytes);
 - :func:`render_over`'s ``render`` dumps the body with each long string set aside, then splices
   the strings in, in one allocation (``aostore._native.splice_json``):
   ``json.dumps(ensure_ascii=False)`` writes an ASCII string without ``"``, ``\\`` or control
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..._native import splice_json
+from ...r3 import _format as r3_format
 
 LONG = 64 * 1024
 """Strings from this many characters are set aside (shorter ones cost ``json.dumps`` little)."""
@@ -78,6 +80,9 @@ def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callabl
 
     def numpy2base64(array: np.ndarray) -> str:
         """Encode a NumPy array using its `.npy` representation."""
+        if encode is not None and type(array) is np.ndarray and r3_format.is_reference(array):
+            text: str = encode(r3_format.npy_of(array))
+            return text
         if (
             encode is None
             or type(array) is not np.ndarray
@@ -87,7 +92,7 @@ def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callabl
             return vllm_numpy2base64(array)
         laid_out = _laid_out(array)
         if laid_out is not None:
-            text: str = encode(laid_out)
+            text = encode(laid_out)
             return text
         header = npy_header(array.dtype, array.shape)
         data = b"".join((header, array.reshape(-1).view(np.uint8).data))

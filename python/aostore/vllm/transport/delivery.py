@@ -88,7 +88,7 @@ class Delivery:
         if not chunks.paged or dtype.hasobject or dtype.names is not None:
             rows = chunks.finished()  # vLLM's concatenation: any rows vLLM could send
             return None if rows is None else self.deliver(rows)
-        reference = self.start().deliver_written(dtype, chunks.shape, chunks.copy_into)
+        reference = self.start().deliver_written(dtype, chunks.shape, chunks.stream_into)
         if reference is not None:
             return reference
         self._fell_back(chunks.nbytes)
