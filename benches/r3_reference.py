@@ -59,6 +59,7 @@ import base64
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -337,36 +338,35 @@ def check(arm: hops.Arm, job: Job, got: list[np.ndarray]) -> None:
 
 
 def full_read(views: list[np.ndarray], fields: list[str], r3: Any) -> dict[str, float]:
-    """Every byte of the batch's rows read: the views copied into a warm buffer, and ``fetch``
-    with ``out=``, each against ``np.copyto`` of as many bytes between two warm buffers (best of
-    three of each)."""
+    """Every byte of the batch's rows read, best of three: ``fetch`` with ``out=``, and the
+    views copied into a warm buffer one by one; against two memcpy floors between warm
+    ordinary buffers: the batch's bytes in one ``np.copyto`` (glibc streams a copy that large
+    past the cache), and the same copies one sample at a time (which it does not)."""
     total = sum(v.shape[0] for v in views)
     out = np.empty((total, *views[0].shape[1:]), views[0].dtype)
     source = np.empty_like(out)
     source.fill(1)
     out.fill(0)
-    timings: dict[str, list[int]] = {"floor": [], "views": [], "out": []}
+    bounds = np.cumsum([0, *(len(v) for v in views)])
+    timings: dict[str, list[int]] = {"floor": [], "floor_pieces": [], "views": [], "out": []}
+
+    def pieces(parts: Any) -> None:
+        for (a, b), part in zip(itertools.pairwise(bounds), parts, strict=True):
+            np.copyto(out[a:b], part)
+
     for _ in range(3):
         t0 = time.perf_counter_ns()
         np.copyto(out, source)
         t1 = time.perf_counter_ns()
-        at = 0
-        for view in views:
-            np.copyto(out[at : at + len(view)], view)
-            at += len(view)
+        pieces(source[a:b] for a, b in itertools.pairwise(bounds))
         t2 = time.perf_counter_ns()
-        r3.fetch(fields, out=out)
+        pieces(views)
         t3 = time.perf_counter_ns()
-        timings["floor"].append(t1 - t0)
-        timings["views"].append(t2 - t1)
-        timings["out"].append(t3 - t2)
-    best = {name: min(values) for name, values in timings.items()}
-    return {
-        "bytes": int(out.nbytes),
-        "floor_ms": best["floor"] / 1e6,
-        "views_ms": best["views"] / 1e6,
-        "out_ms": best["out"] / 1e6,
-    }
+        r3.fetch(fields, out=out)
+        t4 = time.perf_counter_ns()
+        for name, ns in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            timings[name].append(ns)
+    return {"bytes": int(out.nbytes)} | {f"{k}_ms": min(v) / 1e6 for k, v in timings.items()}
 
 
 # -- One run ------------------------------------------------------------------------------------
@@ -487,10 +487,13 @@ def table(job: Job, arms: dict[str, Any]) -> str:
         )
     read = arms.get("reference", {}).get("read")
     if read:
+        floor, pieces = read["floor_ms"], read["floor_pieces_ms"]
         lines.append(
-            f"full read of {read['bytes'] / 1e6:,.1f} MB: memcpy floor {read['floor_ms']:.2f} ms;"
-            f" views touched {read['views_ms']:.2f} ms ({read['views_ms'] / read['floor_ms']:.2f}"
-            f"x); out= {read['out_ms']:.2f} ms ({read['out_ms'] / read['floor_ms']:.2f}x)"
+            f"full read of {read['bytes'] / 1e6:,.1f} MB: fetch(out=) {read['out_ms']:.2f} ms "
+            f"({read['out_ms'] / floor:.2f}x the memcpy floor of {floor:.2f} ms); the views "
+            f"copied one by one {read['views_ms']:.2f} ms ({read['views_ms'] / floor:.2f}x; "
+            f"{read['views_ms'] / pieces:.2f}x the same copies between ordinary buffers, "
+            f"{pieces:.2f} ms)"
         )
     return "\n".join(lines)
 
@@ -511,8 +514,9 @@ def t14(jobs: dict[str, Any]) -> dict[str, Any]:
         }
         read = ours.get("read")
         if read:
-            figures[name]["read_views"] = read["views_ms"] / read["floor_ms"]
             figures[name]["read_out"] = read["out_ms"] / read["floor_ms"]
+            figures[name]["read_views"] = read["views_ms"] / read["floor_ms"]
+            figures[name]["read_views_pieces"] = read["views_ms"] / read["floor_pieces_ms"]
     return figures
 
 
@@ -525,11 +529,11 @@ def t14_lines(figures: dict[str, Any]) -> list[str]:
             f"{f['server_ratio']:.3f} of vLLM's, client CPU {f['client_ratio']:.3f} (<= 1/20: "
             f"{'met' if max(f['server_ratio'], f['client_ratio']) <= 0.05 else 'NOT met'})"
         )
-        if "read_views" in f:
-            best = min(f["read_views"], f["read_out"])
+        if "read_out" in f:
             line += (
-                f"; read {f['read_views']:.2f}x (views) / {f['read_out']:.2f}x (out=) the memcpy"
-                f" floor (<= 1.5x: {'met' if best <= 1.5 else 'NOT met'})"
+                f"; a full read with out= {f['read_out']:.2f}x the memcpy floor (<= 1.5x: "
+                f"{'met' if f['read_out'] <= 1.5 else 'NOT met'}; views copied one by one "
+                f"{f['read_views']:.2f}x, {f['read_views_pieces']:.2f}x the same copies)"
             )
         lines.append(line)
     return lines

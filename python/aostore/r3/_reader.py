@@ -14,6 +14,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from .._native import copy_pages
 from . import _format as fmt
 
 DEFAULT_RENEWAL = 600.0
@@ -62,6 +63,8 @@ class _OpenArena:
             self.slots = int(header["slots"])
             self.data_offset = int(header["data_offset"])
             self.data_size = int(header["data_size"])
+            if os.fstat(fd).st_size < self.data_offset + self.data_size:
+                raise fmt.ReferenceGone("its R3 arena's file is cut short")
             table = mmap.mmap(
                 fd,
                 self.data_offset,
@@ -75,6 +78,22 @@ class _OpenArena:
         self.table = table
         self.records = np.frombuffer(table, fmt.SLOT, self.slots, int(header["slots_offset"]))
         self.leased: dict[int, int] = {}
+        self._rows: memoryview | None = None
+
+    def rows(self) -> memoryview:
+        """Every slot's bytes, mapped once for ``out=`` copies (read-only; pages are mapped as
+        they are first read and stay mapped for later batches)."""
+        if self._rows is None:
+            self._rows = memoryview(
+                mmap.mmap(
+                    self.fd,
+                    self.data_size,
+                    mmap.MAP_SHARED,
+                    mmap.PROT_READ,
+                    offset=self.data_offset,
+                )
+            )
+        return self._rows
 
     def take(self, slot: int, generation: int, nbytes: int) -> int:
         """Lease ``slot`` if it still holds that generation's rows; their offset."""
@@ -91,13 +110,17 @@ class _OpenArena:
                 )
             if int(record["nbytes"]) != nbytes:
                 raise fmt.ForeignReference("a malformed aostore reference: its rows' size")
+            offset = int(record["offset"])
+            if offset % fmt.PAGE or offset + nbytes > self.data_size:
+                # Mapped past the file's end, a read would be a SIGBUS, not an error.
+                raise fmt.ReferenceGone("its arena's slot table is not the frontend's")
             record["read"] = 1
         except BaseException:
             if slot not in self.leased:
                 fmt.lock(self.fd, slot, fmt.UNLOCK)
             raise
         self.leased[slot] = self.leased.get(slot, 0) + 1
-        return int(record["offset"])
+        return offset
 
     def give_back(self, slot: int) -> None:
         count = self.leased.pop(slot) - 1
@@ -111,6 +134,11 @@ class _OpenArena:
         if self.fd >= 0:
             del self.records
             self.table.close()
+            if self._rows is not None:
+                mapped = self._rows.obj
+                self._rows.release()
+                mapped.close()  # type: ignore[attr-defined]
+                self._rows = None
             os.close(self.fd)
             self.fd = -1
             self.leased.clear()
@@ -353,11 +381,11 @@ class Reader:
             if out is not None:
                 view = out[at : at + shape[0]]
                 try:
-                    # The kernel copies from the arena's pages: no mapping, no page faults.
-                    into = view.reshape(-1).view(np.uint8).data
-                    done = os.preadv(arena.fd, [into], begin + first * row)
-                    if done != length - first * row:
-                        raise fmt.ReferenceGone("its rows are cut short: the arena was resized")
+                    into = view.reshape(-1).view(np.uint8)
+                    start = offset + first * row
+                    # Through a mapping, with streaming stores: os.preadv copied a 512-sample
+                    # batch at 2.6x a memcpy of its bytes (a kernel copy a page at a time).
+                    copy_pages([arena.rows()[start : offset + length]], len(into), into)
                 finally:
                     with self._lock:
                         arena.give_back(slot)
