@@ -242,6 +242,7 @@ def splice_json(parts: list[str]) -> bytes | None:
     """``parts[0] + '"' + parts[1] + '"' + parts[2] + ...`` as UTF-8 in one allocation (odd
     parts spliced in quotes); None when an odd part holds what JSON escapes."""
 
-def copy_pages(pages: list[bytearray], nbytes: int, out: _Buffer) -> None:
+def copy_pages(pages: Sequence[_Buffer], nbytes: int, out: _Buffer, stream: bool = True) -> None:
     """The first ``nbytes`` of ``pages``' bytes, in order, into ``out`` (writable, C-contiguous,
-    exactly ``nbytes``), with streaming stores; ``TypeError``/``ValueError`` write nothing."""
+    exactly ``nbytes``), with streaming stores or plain ones; ``TypeError``/``ValueError``
+    write nothing."""

@@ -7,12 +7,18 @@ use pyo3::prelude::*;
 
 use super::{holds_objects, type_name};
 
-/// `copy_pages(pages, nbytes, out)`: the first `nbytes` of the pages' bytes, in order, into
-/// `out` (a writable C-contiguous buffer of exactly `nbytes`), with streaming stores. Raises
-/// `TypeError` for a page or `out` that is no such buffer, `ValueError` for sizes that do not
-/// match; nothing is written then.
+/// `copy_pages(pages, nbytes, out, stream=True)`: the first `nbytes` of the pages' bytes, in
+/// order, into `out` (a writable C-contiguous buffer of exactly `nbytes`), with streaming stores
+/// (`stream`) or plain ones. Raises `TypeError` for a page or `out` that is no such buffer,
+/// `ValueError` for sizes that do not match; nothing is written then.
 #[pyfunction]
-fn copy_pages(pages: Vec<Bound<'_, PyAny>>, nbytes: usize, out: Bound<'_, PyAny>) -> PyResult<()> {
+#[pyo3(signature = (pages, nbytes, out, stream = true))]
+fn copy_pages(
+    pages: Vec<Bound<'_, PyAny>>,
+    nbytes: usize,
+    out: Bound<'_, PyAny>,
+    stream: bool,
+) -> PyResult<()> {
     let target = PyUntypedBuffer::get(&out).map_err(|_| {
         PyTypeError::new_err(format!("out must be a writable buffer, not {}", type_name(&out)))
     })?;
@@ -58,7 +64,15 @@ fn copy_pages(pages: Vec<Bound<'_, PyAny>>, nbytes: usize, out: Bound<'_, PyAny>
     // SAFETY: writable, C-contiguous, `nbytes` long, exported until `target` drops; a page may
     // not overlap it (the caller's pages are its own bytearrays).
     let out = unsafe { std::slice::from_raw_parts_mut(target.buf_ptr() as *mut u8, nbytes) };
-    crate::copy_streaming(&parts, out);
+    if stream {
+        crate::copy_streaming(&parts, out);
+    } else {
+        let mut at = 0;
+        for part in parts {
+            out[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+    }
     Ok(())
 }
 

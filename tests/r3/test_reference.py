@@ -76,6 +76,21 @@ def test_a_reference_reads_back_its_rows_as_views_or_into_out(arena, reader, wan
     assert reader.stats.leases == 0
 
 
+def test_a_batch_larger_than_a_cache_is_read_into_out_the_same(reader) -> None:
+    """``out=`` streams a batch of at least ``STREAM_FROM`` bytes past the cache: the same
+    bytes, ranged reads included, at any position in ``out``."""
+    from aostore.r3._reader import STREAM_FROM
+
+    with Arena(STREAM_FROM + (8 << 20), ttl=60.0) as big:
+        want = [rows(17_083 + i, seed=i) for i in range(6)]
+        assert sum(w.nbytes for w in want) >= STREAM_FROM
+        references = [big.deliver(w) for w in want]
+        out = np.empty((sum(len(w) for w in want) - 5, *ROW), np.uint8)
+        reader.fetch(references, start=[0, 5, 0, 0, 0, 0], out=out)
+        assert np.array_equal(out, np.concatenate([want[0], want[1][5:], *want[2:]]))
+        assert reader.stats.leases == 0
+
+
 def test_vllms_recipe_decodes_a_reference_to_something_no_code_can_use_as_rows(arena) -> None:
     reference = arena.deliver(rows(10))
     decoded = vllm_recipe(wire(reference))

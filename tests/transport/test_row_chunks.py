@@ -211,6 +211,9 @@ def test_streamed_into_a_slot_the_rows_are_the_finished_ones(n: int) -> None:
         ours.stream_into(slab[offset : offset + ours.nbytes])
         assert slab[offset : offset + ours.nbytes].tobytes() == finished.tobytes()
         assert not slab[:offset].any() and slab[-1] == 0
+    plain = np.zeros(ours.nbytes, np.uint8)
+    copy_pages(ours._pages, ours.nbytes, plain, stream=False)  # out= of a small batch
+    assert plain.tobytes() == finished.tobytes()
     target = np.zeros(ours.nbytes + 1, np.uint8)
     with pytest.raises(ValueError, match="not the"):
         ours.stream_into(target)
