@@ -88,6 +88,8 @@ ROW_NBYTES = LAYERS * TOP_K
 POOL = 4096
 ROLLOUTS = 3_800  # the orchestrator's buffer (prime-rl#2796)
 WAIT_S = 900.0
+BUDGET = "AOSTORE_BENCH_R3_BUDGET"
+"""The reference arm's arena: set per job to hold every pass's rows (none falls back)."""
 
 
 def _reference(process: str) -> None:
@@ -95,7 +97,7 @@ def _reference(process: str) -> None:
     from aostore.vllm.install import swap
     from aostore.vllm.transport import delivery, install
 
-    budget = int(os.environ.get("AOSTORE_BENCH_R3_BUDGET", str(4 << 30)))
+    budget = int(os.environ[BUDGET])
     install(swap, [], delivery.Delivery("reference", budget, 3600.0))
 
 
@@ -387,6 +389,8 @@ def run_arm(arm: hops.Arm, job: Job, number: int) -> dict[str, Any]:
     scratch = Path(os.environ.get("TMPDIR", "/tmp"))
     paths = {side: scratch / f"aostore-t14-{os.getpid()}-{number}-{side}.json" for side in "sc"}
     port_in, port_out = context.Pipe(duplex=False)
+    pages = sum(-(-(p + o - 1) * ROW_NBYTES // 4096) for p, o in job.requests)
+    os.environ[BUDGET] = str(pages * 4096 * job.passes + (16 << 20))
     serving = context.Process(target=_child, args=(str(paths["s"]), server, arm, job, port_out))
     serving.start()
     if not port_in.poll(WAIT_S):

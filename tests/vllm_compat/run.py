@@ -26,7 +26,7 @@ on every release the project recognizes that runs on this CPU's index (:data:`TA
    by vLLM's own loader in a fresh process, vLLM's publish/materialize through the swapped
    classes, ``aostore vllm-check`` on vLLM 0.33.0, the data plane's modules) run instead of
    skipping; and the quick runs of the benches that need vLLM (``tests/benchmarks/``:
-   ``worker.py`` on both schedules, ``scheduler.py``, ``transport.py``).
+   ``worker.py`` on both schedules, ``scheduler.py``, ``transport.py``, ``r3_reference.py``).
 
 Fails (exit status 1) when pip cannot reach the index, when any item fails, errors or is
 skipped, when the counts differ from ``EXPECTED``, when the classes in use are not the expected
@@ -285,10 +285,11 @@ def run_plugin_tests() -> str:
         # The transport (SPEC 16) against this release's own classes.
         "transport",
         # The benches that need vLLM, at tiny sizes, so they cannot rot: T10/T12 (both
-        # schedules), the scheduler side, T13's transport baseline.
+        # schedules), the scheduler side, T13's transport baseline, T14's rows by reference.
         "benchmarks/test_worker_bench.py",
         "benchmarks/test_scheduler_bench.py",
         "benchmarks/test_transport_bench.py",
+        "benchmarks/test_r3_reference_bench.py",
     ]
     label = f"aostore's tests/{' and '.join(files)} with vLLM {VLLM_VERSION} installed"
     env = clean_env()
