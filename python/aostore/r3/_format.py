@@ -21,12 +21,10 @@ import base64
 import binascii
 import errno
 import fcntl
-import functools
 import io
 import os
 import struct
 import uuid
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -123,11 +121,16 @@ def path(arena: bytes) -> str:
     return os.path.join(DIRECTORY, f"{PREFIX}{arena.hex()}")
 
 
-@cache
+_known: dict[str, bytes] = {}
+"""What is read once a process (not ``functools.cache``: stubtest cannot see through it)."""
+
+
 def boot_id() -> bytes:
     """This node's boot id: a reference from another node (or boot) is refused."""
-    with open("/proc/sys/kernel/random/boot_id") as file:
-        return uuid.UUID(file.read().strip()).bytes
+    if "boot" not in _known:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            _known["boot"] = uuid.UUID(file.read().strip()).bytes
+    return _known["boot"]
 
 
 def process_start(pid: int) -> int:
@@ -191,13 +194,14 @@ def make_reference(
     return reference
 
 
-@functools.cache
 def _npy_header() -> bytes:
     """The ``.npy`` header of a reference as ``np.save`` (vLLM's ``numpy2base64``) writes it
     with this numpy."""
-    buffer = io.BytesIO()
-    np.save(buffer, np.zeros((), REFERENCE), allow_pickle=False)
-    return buffer.getvalue()[: -REFERENCE.itemsize]
+    if "npy" not in _known:
+        buffer = io.BytesIO()
+        np.save(buffer, np.zeros((), REFERENCE), allow_pickle=False)
+        _known["npy"] = buffer.getvalue()[: -REFERENCE.itemsize]
+    return _known["npy"]
 
 
 def is_reference(array: np.ndarray) -> bool:

@@ -392,8 +392,8 @@ class Reader:
                     # its bytes: a kernel copy a page at a time), streaming past the cache when
                     # the batch is larger than a cache holds (1.4x; a 6 MB sample streamed was
                     # 2.5x a memcpy into cache).
-                    rows = arena.rows()[start : offset + length]
-                    copy_pages([rows], len(into), into, stream=out.nbytes >= STREAM_FROM)
+                    source = arena.rows()[start : offset + length]
+                    copy_pages([source], len(into), into, stream=out.nbytes >= STREAM_FROM)
                 finally:
                     with self._lock:
                         arena.give_back(slot)

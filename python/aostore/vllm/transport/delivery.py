@@ -14,7 +14,6 @@ one WARNING).
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -115,20 +114,27 @@ _delivery: Delivery | None = None
 _exported = False
 
 
-@functools.cache
+_refusals: list[type[ValueError]] = []
+
+
 def _refusal() -> type[ValueError]:
     """A ``ValueError`` that is also vLLM's ``VLLMValidationError`` where vLLM has it: vLLM
     answers a client error with a 400 and takes any other exception from ``add_request`` for
-    a fault of the engine (a 500, and the server shuts down)."""
-    try:
-        from vllm.exceptions import VLLMValidationError  # type: ignore[import-not-found]
-    except ImportError:
-        return ValueError
-
-    class DeliveryChoiceError(VLLMValidationError, ValueError):  # type: ignore[misc]
-        """A request's ``aostore_r3_delivery`` that cannot be served."""
-
-    return DeliveryChoiceError
+    a fault of the engine (a 500, and the server shuts down). Made once a process."""
+    if not _refusals:
+        try:
+            from vllm.exceptions import VLLMValidationError  # type: ignore[import-not-found]
+        except ImportError:
+            _refusals.append(ValueError)
+        else:
+            _refusals.append(
+                type(
+                    "DeliveryChoiceError",
+                    (VLLMValidationError, ValueError),
+                    {"__doc__": "A request's ``aostore_r3_delivery`` that cannot be served."},
+                )
+            )
+    return _refusals[0]
 
 
 def refused(message: str, value: Any) -> ValueError:
