@@ -174,12 +174,7 @@ def server(arm: hops.Arm, job: Job, port_out: Connection) -> dict[str, Any]:
     import starlette.responses  # noqa: F401  (vLLM's API server imports it before plugins)
 
     arm.install("frontend")
-    from fastapi.responses import JSONResponse
-    from vllm.entrypoints.openai.completion.protocol import (
-        CompletionResponse,
-        CompletionResponseChoice,
-    )
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    hops.import_answer_classes()
     from vllm.utils.gc_utils import freeze_gc_heap
     from vllm.utils.serial_utils import numpy2base64
     from vllm.v1 import engine as v1_engine
@@ -209,23 +204,7 @@ def server(arm: hops.Arm, job: Job, port_out: Connection) -> dict[str, Any]:
             t1 = clock()
             completion = finished.outputs[0]
             field = numpy2base64(completion.routed_experts)
-            response = CompletionResponse(
-                model="glm-4.5-air",
-                choices=[
-                    CompletionResponseChoice(
-                        index=0,
-                        text="",
-                        finish_reason=completion.finish_reason,
-                        routed_experts=field,
-                    )
-                ],
-                usage=UsageInfo(
-                    prompt_tokens=prompt_len,
-                    completion_tokens=out_len,
-                    total_tokens=prompt_len + out_len,
-                ),
-            )
-            body = bytes(JSONResponse(content=response.model_dump()).body)
+            body = hops.completion_body(completion, field, prompt_len, out_len)
             t2 = clock()
             conn.sendall(struct.pack("<Q", len(body)) + body)
             t3, cpu1 = clock(), _cpu_ns()
@@ -240,7 +219,7 @@ def server(arm: hops.Arm, job: Job, port_out: Connection) -> dict[str, Any]:
                     "field_bytes": len(field),
                 }
             )
-            del finished, completion, field, response, body
+            del finished, completion, field, body
             if conn.recv(1) != b"k":
                 raise ConnectionError("the client did not ack")
     held = delivery.current()

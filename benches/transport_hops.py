@@ -658,6 +658,41 @@ def frontend(
 # -- One long sample's finish (the frontend and the API server) ---------------------------------
 
 
+def import_answer_classes() -> None:
+    """Import what :func:`completion_body` uses, before anything is timed."""
+    import fastapi.responses  # noqa: F401
+    import vllm.entrypoints.openai.completion.protocol
+    import vllm.entrypoints.serve.engine.protocol  # noqa: F401
+
+
+def completion_body(completion: Any, encoded: str | None, prompt_len: int, out_len: int) -> bytes:
+    """The API server's body for a non-streaming ``/v1/completions`` of one choice: vLLM's
+    ``CompletionResponse``, rendered as its router does (``JSONResponse(content=...
+    model_dump())``), with ``encoded`` as the routed experts."""
+    from fastapi.responses import JSONResponse
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionResponse,
+        CompletionResponseChoice,
+    )
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    response = CompletionResponse(
+        model="glm-4.5-air",
+        choices=[
+            CompletionResponseChoice(
+                index=0,
+                text="",
+                finish_reason=completion.finish_reason,
+                routed_experts=encoded,
+            )
+        ],
+        usage=UsageInfo(
+            prompt_tokens=prompt_len, completion_tokens=out_len, total_tokens=prompt_len + out_len
+        ),
+    )
+    return bytes(JSONResponse(content=response.model_dump()).body)
+
+
 def finish_sample(arm: Arm, prompt_len: int, out_len: int, reps: int, seed: int) -> dict[str, Any]:
     """One request of ``prompt_len`` prompt tokens and ``out_len`` output tokens through vLLM's
     ``OutputProcessor`` as the frontend gets it (the prefill's output with the prompt's rows,
@@ -675,16 +710,12 @@ def finish_sample(arm: Arm, prompt_len: int, out_len: int, reps: int, seed: int)
     arm.install("frontend")
     import tracemalloc
 
-    from fastapi.responses import JSONResponse
-    from vllm.entrypoints.openai.completion.protocol import (
-        CompletionResponse,
-        CompletionResponseChoice,
-    )
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
     from vllm.utils.serial_utils import numpy2base64
     from vllm.v1 import engine as v1_engine
     from vllm.v1.engine import output_processor as op_module
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    import_answer_classes()
 
     rows_total = prompt_len + out_len - 1  # the last sampled token is not forwarded
     rng = np.random.default_rng(seed)
@@ -737,23 +768,7 @@ def finish_sample(arm: Arm, prompt_len: int, out_len: int, reps: int, seed: int)
         if completion.routed_experts is not None:
             encoded = numpy2base64(completion.routed_experts)
         t3 = clock()
-        response = CompletionResponse(
-            model="glm-4.5-air",
-            choices=[
-                CompletionResponseChoice(
-                    index=0,
-                    text="",
-                    finish_reason=completion.finish_reason,
-                    routed_experts=encoded,
-                )
-            ],
-            usage=UsageInfo(
-                prompt_tokens=prompt_len,
-                completion_tokens=out_len,
-                total_tokens=prompt_len + out_len,
-            ),
-        )
-        body = JSONResponse(content=response.model_dump()).body
+        body = completion_body(completion, encoded, prompt_len, out_len)
         t4 = clock()
         peak = 0
         if not timed:

@@ -439,17 +439,7 @@ def lifecycle(server: Server, fetched: dict[str, str]) -> dict[str, Any]:
     # make way, and what still does not fit goes as rows.
     got["filled"] = [text for _ in range(2 * ARENA_PAGES // 8) for text in references(8)]
     got["metrics after"] = r3_metrics(server)
-    checked = [got["unread"], got["killed"], *list(fetched)[:3]]
-    done = subprocess.run(
-        [sys.executable, "-c", GONE],
-        input=json.dumps(checked),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got["outcomes"] = json.loads(done.stdout)
+    got["outcomes"] = client(GONE, [got["unread"], got["killed"], *list(fetched)[:3]])
     return got
 
 
@@ -532,8 +522,13 @@ json.dump(rows, sys.stdout)
 def fetch_elsewhere(references: list[str]) -> dict[str, str]:
     """What a trainer's process reads for each reference with ``aostore.r3.fetch`` (in one
     batch), as vLLM's field would carry those rows."""
+    return dict(zip(references, client(FETCH, references), strict=True))
+
+
+def client(script: str, references: list[str]) -> Any:
+    """What ``script``, run in a process of its own, prints as JSON for ``references``."""
     done = subprocess.run(
-        [sys.executable, "-c", FETCH],
+        [sys.executable, "-c", script],
         input=json.dumps(references),
         capture_output=True,
         text=True,
@@ -541,7 +536,7 @@ def fetch_elsewhere(references: list[str]) -> dict[str, str]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(references, json.loads(done.stdout), strict=True))
+    return json.loads(done.stdout)
 
 
 def dereferenced(value: Any, fetched: dict[str, str]) -> Any:
