@@ -225,6 +225,7 @@ def server(arm: hops.Arm, job: Job, port_out: Connection) -> dict[str, Any]:
     held = delivery.current()
     arena = held.stats() if held is not None else None
     conn.recv(1)  # the client is done reading: the arena may go
+    delivery.configure(None)  # closes it (this process ends with os._exit: no finalizers)
     conn.close()
     listener.close()
     return {"answers": figures, "arena": arena}

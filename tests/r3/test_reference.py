@@ -334,6 +334,32 @@ def _make_and_die(
     time.sleep(600)
 
 
+EXITS = """
+import os, sys
+from aostore.r3.arena import Arena
+
+arena = Arena(1 << 20, ttl=60.0)
+print(arena.path, flush=True)
+if os.fork() == 0:
+    sys.exit(0)  # a forked child that exits normally: the parent's arena stays
+os.wait()
+print(os.path.exists(arena.path), flush=True)
+sys.exit(0)  # no close(): the arena goes with the process
+"""
+
+
+def test_a_frontend_that_exits_without_closing_removes_its_arena() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS], capture_output=True, text=True, timeout=60, check=True
+    )
+    path, alive_after_child = done.stdout.split()
+    assert alive_after_child == "True"
+    assert not os.path.exists(path)
+
+
 def test_a_killed_frontends_arena_is_swept_by_the_next() -> None:
     context = multiprocessing.get_context("spawn")
     ready, where = context.Event(), context.Queue()

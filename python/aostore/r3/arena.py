@@ -25,6 +25,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +122,9 @@ class Arena:
         self._held: OrderedDict[int, tuple[int, int]] = OrderedDict()  # slot: extent, oldest first
         self.counts = ArenaStats()
         self.closed = False
+        # A frontend that exits without close() removes its arena too (its rows are gone
+        # either way); one killed leaves it to the next frontend's sweep.
+        self._removal = weakref.finalize(self, _remove, self.path, os.getpid())
 
     def deliver(self, rows: np.ndarray, token_start: int = 0) -> np.ndarray | None:
         """Copy ``rows`` into a slot and return their reference, or None when they do not fit
@@ -209,10 +213,7 @@ class Arena:
             del self._slots, self._data
             self._map.close()
             os.close(self._fd)
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self._removal()
 
     def __enter__(self) -> Arena:
         return self
@@ -287,6 +288,16 @@ class Arena:
         if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
             before = self._free.pop(i - 1)
             self._free[i - 1] = (before[0], before[1] + size)
+
+
+def _remove(path: str, owner: int) -> None:
+    """Unlink an arena's file, in the process that made it only (a forked child that exits
+    must not take its parent's arena)."""
+    if os.getpid() == owner:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def sweep_stale() -> int:
