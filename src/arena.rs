@@ -326,32 +326,31 @@ impl Drop for Arena {
     }
 }
 
-/// Copies `parts`, one after another, into `dst` (exactly as long as all of them), streaming
-/// each large part past the cache, then orders those stores before what follows. For bytes that
-/// another process reads later (an R3 arena's rows): loading the destination's old lines and
-/// evicting the caller's working set for them only costs.
+/// Copies `parts`, one after another, into `dst` (exactly as long as all of them). With
+/// `streaming`, each large part goes past the cache and the stores are ordered before what
+/// follows: for bytes that another process reads later (an R3 arena's rows), where loading the
+/// destination's old lines and evicting the caller's working set for them only costs.
 ///
 /// # Panics
 /// When `dst` is not as long as the parts together.
-pub fn copy_streaming(parts: &[&[u8]], dst: &mut [u8]) {
+pub fn copy_parts(parts: &[&[u8]], dst: &mut [u8], streaming: bool) {
     let total: usize = parts.iter().map(|part| part.len()).sum();
     assert_eq!(dst.len(), total, "the destination is not as long as the parts");
     let mut at = 0;
     for part in parts {
         let to = &mut dst[at..at + part.len()];
+        at += part.len();
         #[cfg(target_arch = "x86_64")]
-        if part.len() >= STREAMING_MIN_BYTES {
+        if streaming && part.len() >= STREAMING_MIN_BYTES {
             stream_copy(to, part);
-            at += part.len();
             continue;
         }
         to.copy_from_slice(part);
-        at += part.len();
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: sfence has no preconditions; SSE is part of the x86_64 baseline.
-    unsafe {
-        std::arch::x86_64::_mm_sfence();
+    if streaming {
+        // SAFETY: sfence has no preconditions; SSE is part of the x86_64 baseline.
+        unsafe { std::arch::x86_64::_mm_sfence() };
     }
 }
 
@@ -515,7 +514,7 @@ mod tests {
     }
 
     #[test]
-    fn copy_streaming_joins_parts_of_any_size_at_any_alignment() {
+    fn copy_parts_streaming_joins_parts_of_any_size_at_any_alignment() {
         let source: Vec<u8> = (0..70_000u32).map(|i| (i * 7 % 251) as u8).collect();
         for offset in [0, 1, 13, 64] {
             for cuts in [vec![], vec![5], vec![511, 512, 513], vec![4096, 65_536, 69_000]] {
@@ -527,7 +526,7 @@ mod tests {
                 }
                 parts.push(&source[from..]);
                 let mut buffer = vec![0u8; source.len() + offset];
-                copy_streaming(&parts, &mut buffer[offset..]);
+                copy_parts(&parts, &mut buffer[offset..], true);
                 assert_eq!(&buffer[offset..], &source[..], "offset {offset}, cuts {cuts:?}");
                 assert!(buffer[..offset].iter().all(|&b| b == 0));
             }
@@ -536,8 +535,8 @@ mod tests {
 
     #[test]
     #[should_panic(expected = "not as long as the parts")]
-    fn copy_streaming_refuses_a_destination_of_another_length() {
-        copy_streaming(&[b"abc"], &mut [0u8; 4]);
+    fn copy_parts_refuses_a_destination_of_another_length() {
+        copy_parts(&[b"abc"], &mut [0u8; 4], true);
     }
 
     #[test]

@@ -20,7 +20,7 @@ mod store;
 #[cfg(feature = "python")]
 mod python;
 
-pub use arena::{copy_streaming, Prefault};
+pub use arena::{copy_parts, Prefault};
 pub use error::StoreError;
 pub use layout::Layout;
 pub use store::{

@@ -64,15 +64,7 @@ fn copy_pages(
     // SAFETY: writable, C-contiguous, `nbytes` long, exported until `target` drops; a page may
     // not overlap it (the caller's pages are its own bytearrays).
     let out = unsafe { std::slice::from_raw_parts_mut(target.buf_ptr() as *mut u8, nbytes) };
-    if stream {
-        crate::copy_streaming(&parts, out);
-    } else {
-        let mut at = 0;
-        for part in parts {
-            out[at..at + part.len()].copy_from_slice(part);
-            at += part.len();
-        }
-    }
+    crate::copy_parts(&parts, out, stream);
     Ok(())
 }
 

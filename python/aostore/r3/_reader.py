@@ -381,7 +381,6 @@ class Reader:
                 continue
             assert arena is not None
             slot, offset = next(leases)
-            begin = arena.data_offset + offset
             length = (first + shape[0]) * row
             if out is not None:
                 view = out[at : at + shape[0]]
@@ -404,7 +403,7 @@ class Reader:
                     max(length, 1),
                     mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                     mmap.PROT_READ,
-                    offset=begin,
+                    offset=arena.data_offset + offset,
                 )
                 # The lease ends with the mapping: at release(), or when no view is left.
                 mappings.append((mapped, weakref.finalize(mapped, self._give_back, arena, slot)))

@@ -168,13 +168,13 @@ class Arena:
             # the moment it takes to see that (so wait for it).
             fmt.lock(self._fd, slot, fmt.WRITE, wait=True)
             try:
+                # A free slot's generation is 0, which no reference has: no reader takes these
+                # rows while they are written.
                 record = self._slots[slot]
-                record["generation"] = 0  # no reference matches it while it is written
                 try:
                     write(self._data[offset : offset + nbytes])
                 except BaseException:
-                    self._held[slot] = (offset, size)
-                    self._release(slot, counted=False)
+                    self._free_extent(slot, offset, size)
                     raise
                 self._generation += 1
                 record["offset"] = offset
@@ -273,11 +273,14 @@ class Arena:
                 return True
         return False
 
-    def _release(self, slot: int, *, counted: bool = True) -> None:
+    def _release(self, slot: int) -> None:
         offset, size = self._held.pop(slot)
-        if counted:
-            self.counts.slots_held -= 1
-            self.counts.bytes_held -= size
+        self.counts.slots_held -= 1
+        self.counts.bytes_held -= size
+        self._free_extent(slot, offset, size)
+
+    def _free_extent(self, slot: int, offset: int, size: int) -> None:
+        """Put ``slot`` and its extent back among the free ones (joined with its neighbours)."""
         self._free_slots.append(slot)
         i = bisect.bisect(self._free, (offset, size))
         self._free.insert(i, (offset, size))

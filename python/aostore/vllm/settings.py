@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from aostore.mooncake import MOONCAKE_PIP_PACKAGE, MooncakeConfig
+from aostore.mooncake.config import parse_size
 
 ENV_DISABLE = "AOSTORE_VLLM_PLUGIN"
 """Set to ``0``/``false``/``no``/``off`` to turn the plugin off."""
@@ -42,8 +43,8 @@ ENV_R3_DELIVERY = "AOSTORE_VLLM_R3_DELIVERY"
 """``reference`` or ``rows``: R3 rows by reference (``aostore.r3``) on, with that default for
 requests (a request chooses with ``aostore_r3_delivery`` in its ``extra_args``). Unset: off."""
 ENV_R3_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
-"""The R3 arena's bytes, reserved in ``/dev/shm`` at start (a number, or with ``K``/``M``/``G``;
-default ``1G``)."""
+"""The R3 arena's bytes, reserved in ``/dev/shm`` at start (a number, or with ``K``/``M``/``G``
+as the Mooncake tier's sizes: ``parse_size``; default ``1G``)."""
 ENV_R3_TTL = "AOSTORE_VLLM_R3_TTL"
 """Seconds an unread reference's rows are kept (default 600; a reader can renew)."""
 
@@ -157,10 +158,8 @@ def _r3(env: Mapping[str, str]) -> tuple[str | None, int, float, str]:
         said.append(f"{ENV_R3_DELIVERY}={env[ENV_R3_DELIVERY]!r} is not rows or reference")
     budget = R3_BUDGET
     if budget_raw:
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(budget_raw[-1:].upper(), 1)
-        number = budget_raw[:-1] if scale > 1 else budget_raw
         try:
-            budget = int(float(number) * scale)
+            budget = parse_size(ENV_R3_BUDGET, budget_raw)
         except ValueError:
             budget = 0
         if budget < 4096:
