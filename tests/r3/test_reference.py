@@ -146,8 +146,8 @@ def test_bad_input_gets_a_clear_error_and_takes_no_lease(arena, reader) -> None:
             ([reference, foreign], r3.MixedArenas, "2 arenas"),
         ]
         later = reference.copy()
-        later["version"] = fmt.VERSION + 1
-        cases.append(([later], r3.ForeignReference, "format 2"))
+        later["version"] = fmt.REFERENCE_VERSION + 1
+        cases.append(([later], r3.ForeignReference, f"format {fmt.REFERENCE_VERSION + 1}"))
         elsewhere = reference.copy()
         elsewhere["boot"] = np.arange(16, dtype=np.uint8)
         cases.append(([elsewhere], r3.OtherNode, "another node"))
@@ -182,8 +182,8 @@ def test_rows_the_arena_cannot_take_or_write_change_nothing(arena, reader) -> No
         with pytest.raises(error, match=message):
             arena.deliver(np.asarray(bad))
 
-    def half_then_fail(target: np.ndarray) -> None:
-        target[: len(target) // 2] = 7
+    def half_then_fail(targets: list[np.ndarray]) -> None:
+        targets[0][: len(targets[0]) // 2] = 7
         raise OSError("the pages went away")
 
     for _ in range(3):  # a slot lost per failure would show in the stats
@@ -231,11 +231,11 @@ def test_read_rows_are_evicted_for_new_ones_and_unread_rows_are_not(reader) -> N
         assert arena.deliver(rows(8, 9)) is None  # all unread: the new rows go as rows
         assert arena.stats()["fallbacks"] == 1
         batch = reader.fetch([a])
-        assert arena.stats()["leases"] == 1
+        assert arena.leases() == 1
         assert arena.deliver(rows(8, 9)) is None  # read, but leased
         assert arena.stats()["leased_when_wanted"] >= 1
         batch.release()
-        assert arena.stats()["leases"] == 0
+        assert arena.leases() == 0
         d = arena.deliver(rows(8, 5))
         assert d is not None and arena.stats()["evictions"] == 1
         with pytest.raises(r3.ReferenceGone, match="gone"):
@@ -279,10 +279,10 @@ def test_a_reader_killed_while_holding_views_pins_nothing() -> None:
         try:
             assert ready.wait(60)
             assert arena.deliver(rows(8, 1)) is None  # read, but leased by the child
-            assert arena.stats()["leases"] == 1
+            assert arena.leases() == 1
             os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
             child.join(30)
-            assert arena.stats()["leases"] == 0  # the kernel dropped the lease
+            assert arena.leases() == 0  # the kernel dropped the lease
             fresh = arena.deliver(rows(8, 1))
             assert fresh is not None and arena.stats()["evictions"] == 1
         finally:

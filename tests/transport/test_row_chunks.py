@@ -208,15 +208,23 @@ def test_streamed_into_a_slot_the_rows_are_the_finished_ones(n: int) -> None:
     assert finished is not None
     for offset in (0, 1, 17):
         slab = np.zeros(ours.nbytes + offset + 1, np.uint8)
-        ours.stream_into(slab[offset : offset + ours.nbytes])
+        ours.stream_into([slab[offset : offset + ours.nbytes]])
         assert slab[offset : offset + ours.nbytes].tobytes() == finished.tobytes()
         assert not slab[:offset].any() and slab[-1] == 0
+    # A slot whose pages are in runs apart: the same bytes, run by run.
+    runs = np.zeros(ours.nbytes + 4096, np.uint8)
+    cut = min(4096, ours.nbytes)
+    ours.stream_into([runs[4096 + cut :], runs[:cut]])
+    assert runs[4096 + cut :].tobytes() + runs[:cut].tobytes() == finished.tobytes()
     plain = np.zeros(ours.nbytes, np.uint8)
     copy_pages(ours._pages, ours.nbytes, plain, stream=False)  # out= of a small batch
     assert plain.tobytes() == finished.tobytes()
     target = np.zeros(ours.nbytes + 1, np.uint8)
     with pytest.raises(ValueError, match="not the"):
-        ours.stream_into(target)
+        ours.stream_into([target])
+    with pytest.raises(ValueError, match="not the"):
+        ours.stream_into([target[:1], target[1:]])
+    assert not target.any()
     with pytest.raises(ValueError, match="the pages hold"):
         copy_pages([bytearray(3)], 4, np.zeros(4, np.uint8))
     readonly = np.zeros(4, np.uint8)

@@ -18,7 +18,7 @@ frontend keeps the rows in shared memory on its node; :func:`fetch` reads them::
     r3.fetch(references, out=out)  # copied into your buffer, no lease: keep as long as you like
 
 vLLM's rows (either form) are accepted too, so one code path reads both. docs/r3-reference.md
-has the rules: how long rows are kept, leases, errors.
+has the rules: how long rows are kept, leases, forks, restarts, errors.
 """
 
 from collections.abc import Sequence
@@ -54,7 +54,8 @@ _reader: Reader | None = None
 
 
 def reader() -> Reader:
-    """This process's reader (what :func:`fetch` and :func:`renew` use)."""
+    """This process's reader (what :func:`fetch` and :func:`renew` use; a forked child keeps
+    using it, with leases of its own)."""
     global _reader
     if _reader is None or _reader.closed:
         _reader = Reader()
@@ -74,15 +75,3 @@ def fetch(
 def renew(references: Sequence[Any], seconds: float = DEFAULT_RENEWAL) -> None:
     """:meth:`Reader.renew` with this process's reader."""
     reader().renew(references, seconds)
-
-
-def _forget_after_fork() -> None:
-    # A child shares its parent's open files, and with them the parent's leases: it starts a
-    # reader of its own rather than end or extend the parent's.
-    global _reader
-    _reader = None
-
-
-import os as _os  # noqa: E402
-
-_os.register_at_fork(after_in_child=_forget_after_fork)

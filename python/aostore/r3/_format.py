@@ -1,41 +1,59 @@
 """What the frontend that writes R3 rows and the trainer that reads them share: the arena's file
-layout, the reference, the node's identity and the per-slot locks.
+layout, the reference, the node's identity and the locks.
 
-The arena is one file in ``/dev/shm`` per frontend process, readable by its user only:
+The arena is one file in ``/dev/shm`` per frontend process, readable by its user only, visible
+under its name only once complete (made unnamed with ``O_TMPFILE``, then linked):
 
-- a header page: magic, format version, arena id, boot id, the owner's pid and start time,
-  the slot table's and the data's offsets and sizes;
-- the slot table: one 64-byte record a slot (generation, data offset, bytes, the deadline of
-  an unread reference, whether it was read);
-- the data: the budget, reserved at start; each slot's rows start on a page.
+- a header page: magic, format version, arena id, boot id, the offsets and sizes of what
+  follows, and the read log's tail;
+- the slot table: one 64-byte record a slot (generation, first page, bytes, the deadline of an
+  unread reference, whether it was read, how many page runs);
+- the read log: the (slot, generation) of each slot a reader read first, for the frontend to
+  learn which rows may go without looking at every slot;
+- the run table: for each data page that starts a run of a slot's pages, the run's length and
+  the next run's first page (a slot's rows need not be contiguous: any free pages are room);
+- the data: the budget, reserved at start.
 
-A slot is leased by an open-file-description read lock on one byte of its own, past the end of
-the file (``F_OFD_SETLK``): the kernel drops it when the reader's last descriptor for that open
-closes, so a killed reader releases at once. The frontend reuses a slot only under a write lock
-on that byte, which no lease lets it take.
+Locks (open-file-description locks, ``F_OFD_SETLK``, on bytes past the file's end, where no
+data lives): the frontend holds a write lock on :data:`LIVE` for its life, on a descriptor of
+its own that nothing maps, so the kernel says whether it lives (whatever PID namespace asks); a
+reader leases slot ``i`` by a read lock on byte ``LOCKS + i``, which the frontend's write lock
+on that byte (taken to reuse a slot, never waited for) cannot pass; readers append to the read
+log under a write lock on :data:`LOG`.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import errno
 import fcntl
 import io
 import os
+import stat
 import struct
+import time
 import uuid
 from typing import Any
 
 import numpy as np
 
 MAGIC = b"AOSTR3\x00\x01"
-VERSION = 1
+ARENA_VERSION = 2
+"""The arena file's format (1: the pid-checked arena of aostore 0.1.0's first R3 release)."""
+REFERENCE_VERSION = 1
+"""The reference's format."""
 PAGE = 4096
 DIRECTORY = "/dev/shm"
 PREFIX = "aostore-r3-"
 LOCKS = 1 << 40
 """The lock bytes: slot ``i`` is leased by a lock on byte ``LOCKS + i`` (no data lives there)."""
+LIVE = LOCKS - 1
+"""The frontend's liveness lock: a write lock held while it lives."""
+LOG = LOCKS - 2
+"""Readers append to the read log under a write lock on this byte."""
+LOG_TAIL = 2048
+"""The read log's tail (entries ever appended), a ``<u8`` in the header page."""
+NO_RUN = 0xFFFFFFFF
 
 HEADER = np.dtype(
     [
@@ -44,25 +62,29 @@ HEADER = np.dtype(
         ("slot_size", "<u4"),
         ("arena", "u1", (16,)),
         ("boot", "u1", (16,)),
-        ("owner_pid", "<i8"),
-        ("owner_start", "<u8"),
         ("slots", "<u8"),
         ("slots_offset", "<u8"),
+        ("log_offset", "<u8"),
+        ("log_capacity", "<u8"),
+        ("runs_offset", "<u8"),
         ("data_offset", "<u8"),
         ("data_size", "<u8"),
     ]
 )
 SLOT = np.dtype(
     [
-        ("generation", "<u8"),  # 0: never written; each write gets the arena's next
-        ("offset", "<u8"),  # from the data's start, a multiple of PAGE
+        ("generation", "<u8"),  # 0: holds no rows; each write gets the arena's next
+        ("page", "<u8"),  # the first page of the rows' first run
         ("nbytes", "<u8"),
-        ("deadline", "<f8"),  # CLOCK_REALTIME seconds: an unread reference's rows last till then
+        ("deadline", "<f8"),  # CLOCK_BOOTTIME seconds: an unread reference's rows last till then
         ("read", "<u8"),  # set by the first reader: from then on the rows may be evicted
-        ("spare", "<u8", (3,)),
+        ("runs", "<u8"),  # how many page runs hold the rows
+        ("spare", "<u8", (2,)),
     ]
 )
 assert SLOT.itemsize == 64
+LOG_ENTRY = np.dtype([("slot", "<u8"), ("generation", "<u8")])
+RUN = np.dtype([("pages", "<u4"), ("next", "<u4")])
 
 MAX_DIMS = 8
 REFERENCE = np.dtype(
@@ -85,6 +107,12 @@ rows to index)."""
 KIND = b"reference"
 
 
+def now() -> float:
+    """The arena's clock: CLOCK_BOOTTIME, one for every process of the node and never stepped
+    (a wall-clock step would expire every unread reference at once)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 class R3Error(Exception):
     """A reference that gives no rows: the base of ``aostore.r3``'s own errors."""
 
@@ -104,7 +132,11 @@ class MixedArenas(R3Error, ValueError):
 class ReferenceGone(R3Error):
     """The reference's rows are gone: expired unread, evicted after a read, or the arena is no
     longer there (its frontend exited or restarted, or this process does not share its
-    ``/dev/shm``). Never other rows."""
+    ``/dev/shm``). Never other rows. :attr:`index` is the reference's place in its batch."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message if index is None else f"reference {index} of the batch: {message}")
+        self.index = index
 
 
 def ident(field: Any) -> bytes:
@@ -133,25 +165,14 @@ def boot_id() -> bytes:
     return _known["boot"]
 
 
-def process_start(pid: int) -> int:
-    """A process's start time (clock ticks since boot), or 0 if it is gone: with the pid, it
-    names one process (a pid is reused; a pid and start time are not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            stat = file.read()
-    except OSError:
-        return 0
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
-
-
 READ, WRITE, UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64 and aarch64
 
 
-def lock(fd: int, slot: int, kind: int, *, wait: bool = False) -> bool:
-    """Take (``F_RDLCK``, ``F_WRLCK``) or drop (``F_UNLCK``) the lock on ``slot``'s byte for this
-    open file description; False when another's lock stands in the way (unless ``wait``)."""
-    request = _FLOCK.pack(kind, os.SEEK_SET, LOCKS + slot, 1, 0)
+def lock_byte(fd: int, byte: int, kind: int, *, wait: bool = False) -> bool:
+    """Take (``F_RDLCK``, ``F_WRLCK``) or drop (``F_UNLCK``) the lock on ``byte`` for this open
+    file description; False when another's lock stands in the way (unless ``wait``)."""
+    request = _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, request)
     except OSError as error:
@@ -161,11 +182,71 @@ def lock(fd: int, slot: int, kind: int, *, wait: bool = False) -> bool:
     return True
 
 
-def leased(fd: int, slot: int) -> bool:
-    """Whether another open file description (a reader) holds a lock on ``slot``'s byte."""
-    request = _FLOCK.pack(WRITE, os.SEEK_SET, LOCKS + slot, 1, 0)
+def lock(fd: int, slot: int, kind: int) -> bool:
+    """:func:`lock_byte` on ``slot``'s byte, never waiting."""
+    return lock_byte(fd, LOCKS + slot, kind)
+
+
+def held_by_another(fd: int, byte: int) -> bool:
+    """Whether another open file description holds a lock on ``byte``."""
+    request = _FLOCK.pack(WRITE, os.SEEK_SET, byte, 1, 0)
     answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, request)
     return bool(_FLOCK.unpack(answer)[0] != UNLOCK)
+
+
+def leased(fd: int, slot: int) -> bool:
+    """Whether another open file description (a reader) holds a lock on ``slot``'s byte."""
+    return held_by_another(fd, LOCKS + slot)
+
+
+def reopen(fd: int) -> int:
+    """A new open file description of ``fd``'s file (through ``/proc/self/fd``: the file may be
+    unnamed or unlinked): locks on it are its own."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def open_arena_file(path: str, owner: int) -> int:
+    """``path`` opened for an arena's reader or sweep: no symlink followed, a regular file of
+    ``owner``'s, else ``ReferenceGone`` saying what is there instead (a stale reference's name
+    may be taken by anyone: ``/dev/shm`` is world-writable)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ReferenceGone(
+            "its R3 arena is not in this node's /dev/shm: its frontend exited or restarted, "
+            "or this process does not share the frontend's /dev/shm (same container, or "
+            "--ipc=host)"
+        ) from None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ReferenceGone(f"{path} is a symbolic link, not an R3 arena") from None
+        if error.errno in (errno.EACCES, errno.EPERM):
+            raise PermissionError(
+                f"the R3 arena {path} is readable by its user only (uid {_owner(path)}); this "
+                f"process runs as uid {os.getuid()}: read as the frontend's user"
+            ) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ReferenceGone(f"{path} is not a regular file: not an R3 arena")
+        if info.st_uid != owner:
+            raise ReferenceGone(
+                f"{path} belongs to uid {info.st_uid}, not to the frontend's user (uid {owner}):"
+                " its arena is gone and another user took its name (a reader of another user "
+                "than the frontend's names the frontend's uid: Reader(owner=...))"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _owner(path: str) -> int | str:
+    try:
+        return os.stat(path, follow_symlinks=False).st_uid
+    except OSError:
+        return "unknown"
 
 
 def make_reference(
@@ -182,7 +263,7 @@ def make_reference(
         raise ValueError(f"rows of {len(shape)} dimensions: a reference holds at most {MAX_DIMS}")
     reference = np.zeros((), REFERENCE)
     reference["aostore_r3"] = KIND
-    reference["version"] = VERSION
+    reference["version"] = REFERENCE_VERSION
     reference["boot"] = as_field(boot_id())
     reference["arena"] = as_field(arena)
     reference["slot"] = slot
@@ -229,7 +310,10 @@ def parse(value: Any) -> np.ndarray:
                 value = np.frombuffer(raw, REFERENCE, 1, len(header)).reshape(())
             else:
                 value = np.load(io.BytesIO(raw), allow_pickle=False)
-        except (binascii.Error, ValueError, EOFError, OSError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever a string that is no .npy raises
+            # binascii.Error, ValueError, EOFError from the bytes; np.load parses the header
+            # with ast.literal_eval, so a corrupted one raises SyntaxError or
+            # tokenize.TokenError (an Exception of its own).
             raise ForeignReference(
                 f"not routed experts: neither rows nor an aostore reference ({error})"
             ) from None
@@ -246,10 +330,10 @@ def parse(value: Any) -> np.ndarray:
     reference = value.astype(REFERENCE)  # a byte order of its own: ours
     if reference["aostore_r3"].item() != KIND:
         raise ForeignReference("not an aostore reference: its kind field is not 'reference'")
-    if int(reference["version"]) != VERSION:
+    if int(reference["version"]) != REFERENCE_VERSION:
         raise ForeignReference(
             f"an aostore reference of format {int(reference['version'])}; this aostore reads "
-            f"format {VERSION} (upgrade aostore on the reader's side)"
+            f"format {REFERENCE_VERSION} (upgrade aostore on the reader's side)"
         )
     if not 0 < int(reference["ndim"]) <= MAX_DIMS:
         raise ForeignReference(f"a malformed aostore reference: {int(reference['ndim'])} dims")

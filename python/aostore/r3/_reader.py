@@ -1,7 +1,18 @@
-"""The trainer's side: read R3 rows by reference (``aostore.r3.fetch``)."""
+"""The trainer's side: read R3 rows by reference (``aostore.r3.fetch``).
+
+Forks (docs/r3-reference.md, "Forks"): a reader's leases are its process's alone. They are
+locks on an open of the arena that only this process's descriptor table holds: views are mapped
+through another open, which holds no lock, so a forked child that inherits the mappings keeps
+no lease of the parent's alive, and the child closes its copy of the parent's descriptor. At a
+fork the child gets an open of its own, already holding a read lock on every slot the parent
+leased then: its inherited views keep their rows under its own leases, which its releases and
+its exit end, and the parent's leases end with the parent's alone. A reader's Python lock is
+made anew in the child.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -16,8 +27,14 @@ import numpy as np
 
 from .._native import copy_pages
 from . import _format as fmt
+from .arena import remove_if_dead
 
 DEFAULT_RENEWAL = 600.0
+OWNER_ENV = "AOSTORE_R3_OWNER"
+"""The uid of the frontend's user, for a reader of another user (default: the reader's)."""
+LIVENESS_POLL = 1.0
+"""Seconds between looks at whether the frontends of the arenas a reader holds open still
+live (the arenas of a batch are looked at on every fetch)."""
 
 
 @dataclass
@@ -33,57 +50,113 @@ class ReaderStats:
     """References whose rows were gone."""
     leases: int = 0
     """Slots leased now (views alive)."""
+    arenas_let_go: int = 0
+    """Arenas closed because their frontend was gone."""
 
 
 STREAM_FROM = 32 << 20
 """``out=`` batches of at least this many bytes are copied past the cache (more than a
 last-level cache holds: the caller's next read of them misses it either way)."""
 
+_MAP_FIXED = 0x10  # Linux, x86-64 and aarch64 (the mmap module does not export it)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+
+Run = tuple[int, int]
+
 
 class _OpenArena:
-    """One arena as a reader sees it: its file (whose open holds this process's leases), its
-    slot table (written for the read flag and renewals) and each leased slot's count."""
+    """One arena as a reader sees it: an open that maps (the slot table, written for the read
+    flag and renewals; views; ``out=`` copies) and an open that holds this process's leases,
+    which nothing maps."""
 
-    def __init__(self, arena: bytes) -> None:
-        path = fmt.path(arena)
+    def __init__(self, arena: bytes, owner: int) -> None:
+        self.path = fmt.path(arena)
+        fd = fmt.open_arena_file(self.path, owner)
+        lock_fd = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise fmt.ReferenceGone(
-                "its R3 arena is not in this node's /dev/shm: its frontend exited or restarted, "
-                "or this process does not share the frontend's /dev/shm (same container, or "
-                "--ipc=host)"
-            ) from None
-        except PermissionError:
-            owner = _owner(path)
-            raise PermissionError(
-                f"the R3 arena {path} is readable by its user only (uid {owner}); this process "
-                f"runs as uid {os.getuid()}: read as the frontend's user"
-            ) from None
-        try:
-            raw = os.pread(fd, fmt.HEADER.itemsize, 0)
-            header = np.frombuffer(raw, fmt.HEADER)[0]
-            if header["magic"] != fmt.MAGIC or fmt.ident(header["arena"]) != arena:
-                raise fmt.ReferenceGone("its R3 arena's file is not that arena's")
+            header = self._header(fd, arena)
             self.slots = int(header["slots"])
             self.data_offset = int(header["data_offset"])
             self.data_size = int(header["data_size"])
-            if os.fstat(fd).st_size < self.data_offset + self.data_size:
-                raise fmt.ReferenceGone("its R3 arena's file is cut short")
+            self.pages = self.data_size // fmt.PAGE
             table = mmap.mmap(
                 fd,
                 self.data_offset,
                 mmap.MAP_SHARED,
                 mmap.PROT_READ | mmap.PROT_WRITE,
             )
+            lock_fd = fmt.reopen(fd)
         except BaseException:
+            if lock_fd >= 0:
+                os.close(lock_fd)
             os.close(fd)
             raise
         self.fd = fd
+        self.lock_fd = lock_fd
+        self.child_fd = -1  # an open made at a fork, for the child's leases
         self.table = table
         self.records = np.frombuffer(table, fmt.SLOT, self.slots, int(header["slots_offset"]))
+        capacity = int(header["log_capacity"])
+        self.log = np.frombuffer(table, fmt.LOG_ENTRY, capacity, int(header["log_offset"]))
+        self.log_tail = np.frombuffer(table, "<u8", 1, fmt.LOG_TAIL)
+        self.runs = np.frombuffer(table, fmt.RUN, self.pages, int(header["runs_offset"]))
         self.leased: dict[int, int] = {}
+        self.closed = False
         self._rows: memoryview | None = None
+
+    def _header(self, fd: int, arena: bytes) -> np.ndarray:
+        """The header, checked against the reference and the file: nothing it names lies past
+        the file's end (a mapping there would be a SIGBUS, not an error)."""
+        raw = os.pread(fd, fmt.HEADER.itemsize, 0)
+        if len(raw) < fmt.HEADER.itemsize:
+            raise fmt.ReferenceGone(f"{self.path} is cut short: not an R3 arena")
+        header = np.frombuffer(raw, fmt.HEADER)[0]
+        if header["magic"] != fmt.MAGIC:
+            raise fmt.ReferenceGone(f"{self.path} is not an R3 arena")
+        version = int(header["version"])
+        if version != fmt.ARENA_VERSION:
+            raise fmt.ForeignReference(
+                f"its R3 arena is of format {version}; this aostore reads format "
+                f"{fmt.ARENA_VERSION} (the frontend and the reader run different aostore "
+                "releases)"
+            )
+        if fmt.ident(header["arena"]) != arena:
+            raise fmt.ReferenceGone(f"{self.path} is not that reference's arena")
+        slots, capacity = int(header["slots"]), int(header["log_capacity"])
+        offsets = [int(header[name]) for name in ("slots_offset", "log_offset", "runs_offset")]
+        data_offset, data_size = int(header["data_offset"]), int(header["data_size"])
+        ends = [
+            offsets[0] + slots * fmt.SLOT.itemsize,
+            offsets[1] + capacity * fmt.LOG_ENTRY.itemsize,
+            offsets[2] + data_size // fmt.PAGE * fmt.RUN.itemsize,
+        ]
+        well_formed = (
+            int(header["slot_size"]) == fmt.SLOT.itemsize
+            and 0 < slots <= 1 << 16
+            and 0 < capacity <= 1 << 16
+            and fmt.PAGE <= offsets[0]
+            and ends[0] <= offsets[1]
+            and ends[1] <= offsets[2]
+            and ends[2] <= data_offset
+            and all(o % fmt.PAGE == 0 for o in (*offsets, data_offset, data_size))
+            and data_offset + data_size <= os.fstat(fd).st_size
+        )
+        if not well_formed:
+            raise fmt.ReferenceGone(f"{self.path}'s header does not describe an R3 arena")
+        return header
+
+    def alive(self) -> bool:
+        """Whether the arena's frontend holds its liveness lock."""
+        return fmt.held_by_another(self.lock_fd, fmt.LIVE)
 
     def rows(self) -> memoryview:
         """Every slot's bytes, mapped once for ``out=`` copies (read-only; pages are mapped as
@@ -100,11 +173,11 @@ class _OpenArena:
             )
         return self._rows
 
-    def take(self, slot: int, generation: int, nbytes: int) -> int:
-        """Lease ``slot`` if it still holds that generation's rows; their offset."""
+    def take(self, slot: int, generation: int, nbytes: int) -> tuple[Run, ...]:
+        """Lease ``slot`` if it still holds that generation's rows; their page runs."""
         if slot >= self.slots:
             raise fmt.ForeignReference(f"a malformed aostore reference: slot {slot}")
-        if not fmt.lock(self.fd, slot, fmt.READ):
+        if not fmt.lock(self.lock_fd, slot, fmt.READ):
             # The frontend holds it: it is giving these rows up, or writing others there.
             raise fmt.ReferenceGone("its rows are gone: the frontend gave the slot up")
         record = self.records[slot]
@@ -115,45 +188,177 @@ class _OpenArena:
                 )
             if int(record["nbytes"]) != nbytes:
                 raise fmt.ForeignReference("a malformed aostore reference: its rows' size")
-            offset = int(record["offset"])
-            if offset % fmt.PAGE or offset + nbytes > self.data_size:
-                # Mapped past the file's end, a read would be a SIGBUS, not an error.
-                raise fmt.ReferenceGone("its arena's slot table is not the frontend's")
-            record["read"] = 1
+            runs = self._runs_of(record, nbytes)
         except BaseException:
             if slot not in self.leased:
-                fmt.lock(self.fd, slot, fmt.UNLOCK)
+                fmt.lock(self.lock_fd, slot, fmt.UNLOCK)
             raise
         self.leased[slot] = self.leased.get(slot, 0) + 1
-        return offset
+        return runs
+
+    def _runs_of(self, record: np.ndarray, nbytes: int) -> tuple[Run, ...]:
+        """A slot's page runs from the run table, each checked to lie in the data."""
+        want = max(1, -(-nbytes // fmt.PAGE))
+        count, page = int(record["runs"]), int(record["page"])
+        runs: list[Run] = []
+        total = 0
+        for _ in range(min(count, want)):
+            if page >= self.pages:
+                break
+            entry = self.runs[page]
+            pages = int(entry["pages"])
+            if pages == 0 or page + pages > self.pages:
+                break
+            runs.append((page, pages))
+            total += pages
+            page = int(entry["next"])
+        if total != want or len(runs) != count or page != fmt.NO_RUN:
+            raise fmt.ReferenceGone("its arena's slot table is not the frontend's")
+        return tuple(runs)
+
+    def mark_read(self, taken: list[tuple[int, int]]) -> None:
+        """Set the read flag of the ``(slot, generation)`` pairs first read now, and tell the
+        frontend through the read log (so read rows can make room without it looking at every
+        slot). The log's lock is only tried: a reader never waits long on another; an entry
+        left out only delays when those rows may go (their deadline)."""
+        first = []
+        for slot, generation in taken:
+            record = self.records[slot]
+            if not record["read"]:
+                record["read"] = 1
+                first.append((slot, generation))
+        if not first:
+            return
+        for _ in range(100):
+            if fmt.lock_byte(self.lock_fd, fmt.LOG, fmt.WRITE):
+                break
+            time.sleep(0.0001)
+        else:
+            return
+        try:
+            tail = int(self.log_tail[0])
+            capacity = len(self.log)
+            for slot, generation in first:
+                entry = self.log[tail % capacity]
+                entry["slot"] = slot
+                entry["generation"] = generation
+                tail += 1
+            self.log_tail[0] = tail
+        finally:
+            fmt.lock_byte(self.lock_fd, fmt.LOG, fmt.UNLOCK)
 
     def give_back(self, slot: int) -> None:
         count = self.leased.pop(slot) - 1
         if count:
             self.leased[slot] = count
-        elif self.fd >= 0:
-            fmt.lock(self.fd, slot, fmt.UNLOCK)
+        elif self.lock_fd >= 0:
+            fmt.lock(self.lock_fd, slot, fmt.UNLOCK)
+        if self.closed and not self.leased:
+            self._close_locks()
 
     def close(self) -> None:
-        """Close the file: the kernel drops every lease this process holds on the arena."""
-        if self.fd >= 0:
-            del self.records
-            self.table.close()
-            if self._rows is not None:
-                mapped = self._rows.obj
-                self._rows.release()
-                mapped.close()  # type: ignore[attr-defined]
-                self._rows = None
-            os.close(self.fd)
-            self.fd = -1
+        """Close the arena's mappings and files. Leases of views still alive last until those
+        views go (their rows must not change under them)."""
+        if self.closed:
+            return
+        self.closed = True
+        del self.records, self.log, self.log_tail, self.runs
+        self.table.close()
+        if self._rows is not None:
+            mapped = self._rows.obj
+            self._rows.release()
+            mapped.close()  # type: ignore[attr-defined]
+            self._rows = None
+        os.close(self.fd)
+        self.fd = -1
+        if not self.leased:
+            self._close_locks()
+
+    def _close_locks(self) -> None:
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+    # Forks (the module's docstring) ------------------------------------------------------
+
+    def before_fork(self) -> None:
+        """In the parent, before a fork: an open for the child, leasing what this one does."""
+        if self.leased and self.lock_fd >= 0:
+            self.child_fd = fmt.reopen(self.lock_fd)
+            for slot in self.leased:
+                # The parent's read lock stands on each: a read lock of the child's is granted.
+                fmt.lock(self.child_fd, slot, fmt.READ)
+
+    def after_fork_in_parent(self) -> None:
+        if self.child_fd >= 0:
+            os.close(self.child_fd)  # the child's copy alone holds its leases
+            self.child_fd = -1
+
+    def after_fork_in_child(self) -> None:
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)  # the parent's leases: not this process's to end or keep
+            self.lock_fd = -1
+        if self.child_fd >= 0:
+            self.lock_fd, self.child_fd = self.child_fd, -1
+        elif not self.closed:
+            try:
+                self.lock_fd = fmt.reopen(self.fd)
+            except OSError:
+                self.closed = True  # unusable here: the reader opens it anew when asked
+        if self.lock_fd < 0:
             self.leased.clear()
 
 
-def _owner(path: str) -> int | str:
+def _map_runs(arena: _OpenArena, runs: tuple[Run, ...], length: int) -> mmap.mmap:
+    """A read-only mapping of ``length`` bytes of a slot's rows, its runs laid side by side
+    (one mapping of the file for one run; for several, a reservation with each run mapped over
+    its part, ``MAP_FIXED``: closing the reservation unmaps them all)."""
+    flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+    if len(runs) == 1:
+        first = runs[0][0]
+        return mmap.mmap(
+            arena.fd,
+            max(length, 1),
+            flags,
+            mmap.PROT_READ,
+            offset=arena.data_offset + first * fmt.PAGE,
+        )
+    total = sum(pages for _, pages in runs) * fmt.PAGE
+    region = mmap.mmap(-1, total, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ)
     try:
-        return os.stat(path).st_uid
-    except OSError:
-        return "unknown"
+        base = np.frombuffer(region, np.uint8).ctypes.data
+        at = 0
+        for first, pages in runs:
+            address = base + at
+            got = _libc.mmap(
+                address,
+                pages * fmt.PAGE,
+                mmap.PROT_READ,
+                flags | _MAP_FIXED,
+                arena.fd,
+                arena.data_offset + first * fmt.PAGE,
+            )
+            if got != address:
+                error = ctypes.get_errno()
+                raise OSError(error, f"mapping a run of R3 rows: {os.strerror(error)}")
+            at += pages * fmt.PAGE
+    except BaseException:
+        region.close()
+        raise
+    return region
+
+
+def _parts(rows: memoryview, runs: tuple[Run, ...], start: int, end: int) -> list[memoryview]:
+    """The bytes ``start:end`` of a slot's rows, as slices of the arena's data, run by run."""
+    parts = []
+    at = 0
+    for first, pages in runs:
+        size = pages * fmt.PAGE
+        a, b = max(start, at), min(end, at + size)
+        if a < b:
+            parts.append(rows[first * fmt.PAGE + a - at : first * fmt.PAGE + b - at])
+        at += size
+    return parts
 
 
 class Fetched(Sequence[np.ndarray]):
@@ -222,13 +427,19 @@ class Fetched(Sequence[np.ndarray]):
 
 class Reader:
     """Reads R3 rows by reference, from this node's arenas; ``aostore.r3.fetch`` uses one per
-    process."""
+    process. ``owner``: the uid of the frontend's user (default ``AOSTORE_R3_OWNER``, else this
+    process's): an arena's file of any other user is refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: int | None = None) -> None:
+        if owner is None:
+            owner = int(os.environ.get(OWNER_ENV, os.getuid()))
+        self.owner = owner
         self._arenas: dict[bytes, _OpenArena] = {}
         self._lock = threading.RLock()
+        self._polled = time.monotonic()
         self.stats = ReaderStats()
         self.closed = False
+        _readers.add(self)
 
     def fetch(
         self,
@@ -239,9 +450,11 @@ class Reader:
     ) -> Fetched:
         """The rows of ``references`` (each the HTTP field's string, or the array
         ``CompletionOutput.routed_experts`` holds; vLLM's rows in either form are read too),
-        from token ``start`` on (one for all, or one each; default: all rows). With ``out``,
-        copied into it (every row of the batch in order, its shape and dtype exactly) and not
-        leased."""
+        from row ``start`` on (one for all, or one each; default: all rows). ``start`` counts
+        the rows of the reference as vLLM sent them: row 0 is vLLM's first row, the token
+        ``routed_experts_prompt_start`` of the sequence where vLLM sets that above 0. With
+        ``out``, copied into it (every row of the batch in order, its shape and dtype exactly)
+        and not leased."""
         if isinstance(references, (str, np.ndarray)):
             raise TypeError("references is a sequence of references (a list of one for one)")
         items = [fmt.parse(value) for value in references]
@@ -257,29 +470,33 @@ class Reader:
         with self._lock:
             if self.closed:
                 raise ValueError("this reader is closed")
+            self._poll()
             arena = self._open(arenas.pop()) if arenas else None
-            taken: list[tuple[int, int]] = []  # (slot, offset)
+            taken: list[tuple[int, tuple[Run, ...]]] = []  # (slot, runs)
+            read: list[tuple[int, int]] = []
             try:
-                for item, _plan in zip(items, plans, strict=True):
+                for index, item in enumerate(items):
                     if item.dtype.names is None:
                         continue
                     assert arena is not None
                     dtype, shape = fmt.rows_of(item)
                     nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-                    slot = int(item["slot"])
-                    taken.append((slot, arena.take(slot, int(item["generation"]), nbytes)))
-            except fmt.ReferenceGone:
-                self.stats.misses += 1
-                for slot, _ in taken:
-                    arena.give_back(slot)  # type: ignore[union-attr]
-                raise
+                    slot, generation = int(item["slot"]), int(item["generation"])
+                    try:
+                        taken.append((slot, arena.take(slot, generation, nbytes)))
+                    except fmt.ReferenceGone as gone:
+                        self.stats.misses += 1
+                        raise fmt.ReferenceGone(str(gone), index) from None
+                    read.append((slot, generation))
             except BaseException:
                 for slot, _ in taken:
                     arena.give_back(slot)  # type: ignore[union-attr]
                 raise
+            if arena is not None:
+                arena.mark_read(read)  # only once every lease of the batch is taken
             self.stats.fetches += 1
             self.stats.references += len(taken)
-            self.stats.leases = sum(len(a.leased) for a in self._arenas.values())
+            self._count_leases()
         mappings: list[tuple[mmap.mmap, Any]] = []
         arrays = self._read(arena, items, plans, taken, out, mappings)
         return Fetched(arrays, mappings)
@@ -287,32 +504,38 @@ class Reader:
     def renew(self, references: Sequence[Any], seconds: float = DEFAULT_RENEWAL) -> None:
         """Keep unread references' rows at least ``seconds`` more (read ones are the readers':
         their leases keep them)."""
-        if not seconds > 0:
-            raise ValueError(f"renew by a positive number of seconds, not {seconds}")
+        if not (seconds > 0 and seconds < float("inf")):
+            raise ValueError(f"renew by a positive, finite number of seconds, not {seconds}")
         items = [fmt.parse(value) for value in references]
+        for item in items:
+            if item.dtype.names is not None:
+                self._plan(item, None)  # another node's reference: OtherNode
         with self._lock:
-            for item in items:
+            if self.closed:
+                raise ValueError("this reader is closed")
+            self._poll()
+            for index, item in enumerate(items):
                 if item.dtype.names is None:
                     continue
                 arena = self._open(fmt.ident(item["arena"]))
                 slot = int(item["slot"])
                 if slot >= arena.slots:
                     raise fmt.ForeignReference(f"a malformed aostore reference: slot {slot}")
-                if not fmt.lock(arena.fd, slot, fmt.READ):
-                    raise fmt.ReferenceGone("its rows are gone: the frontend gave the slot up")
+                if not fmt.lock(arena.lock_fd, slot, fmt.READ):
+                    raise fmt.ReferenceGone("its rows are gone: the frontend gave the slot up", index)
                 try:
                     record = arena.records[slot]
                     if int(record["generation"]) != int(item["generation"]):
                         self.stats.misses += 1
-                        raise fmt.ReferenceGone("its rows are gone: evicted or expired")
-                    record["deadline"] = max(float(record["deadline"]), time.time() + seconds)
+                        raise fmt.ReferenceGone("its rows are gone: evicted or expired", index)
+                    record["deadline"] = max(float(record["deadline"]), fmt.now() + seconds)
                 finally:
                     if slot not in arena.leased:
-                        fmt.lock(arena.fd, slot, fmt.UNLOCK)
+                        fmt.lock(arena.lock_fd, slot, fmt.UNLOCK)
 
     def close(self) -> None:
-        """Close every arena this reader opened (their leases end); fetching again is an
-        error."""
+        """Close every arena this reader opened; fetching again is an error. Views still alive
+        keep their leases until they go."""
         with self._lock:
             self.closed = True
             for arena in self._arenas.values():
@@ -320,10 +543,36 @@ class Reader:
             self._arenas.clear()
 
     def _open(self, arena: bytes) -> _OpenArena:
+        """The arena, opened once; ``ReferenceGone`` if its frontend is gone (and then this
+        reader lets go of it: a restarted frontend's old arena pins nothing here)."""
         opened = self._arenas.get(arena)
-        if opened is None:
-            opened = self._arenas[arena] = _OpenArena(arena)
+        if opened is None or opened.closed:
+            opened = self._arenas[arena] = _OpenArena(arena, self.owner)
+        if not opened.alive():
+            self._let_go(arena)
+            raise fmt.ReferenceGone(
+                "its R3 arena's frontend is gone (it exited or restarted): its rows went with it"
+            )
         return opened
+
+    def _poll(self) -> None:
+        """Let go of the arenas whose frontend is gone, at most once a :data:`LIVENESS_POLL`."""
+        now = time.monotonic()
+        if now - self._polled < LIVENESS_POLL:
+            return
+        self._polled = now
+        for arena, opened in list(self._arenas.items()):
+            if not opened.alive():
+                self._let_go(arena)
+
+    def _let_go(self, arena: bytes) -> None:
+        opened = self._arenas.pop(arena)
+        opened.close()
+        remove_if_dead(opened.path)  # the frontend was killed: its file pins the budget
+        self.stats.arenas_let_go += 1
+
+    def _count_leases(self) -> None:
+        self.stats.leases = sum(len(a.leased) for a in self._arenas.values())
 
     @staticmethod
     def _starts(start: int | Sequence[int] | None, n: int) -> list[int | None]:
@@ -352,8 +601,9 @@ class Reader:
             first = start - token_start
             if not 0 <= first <= shape[0]:
                 raise ValueError(
-                    f"start {start} is outside the rows (tokens {token_start} to "
-                    f"{token_start + shape[0]})"
+                    f"start {start} is outside the rows ({token_start} to "
+                    f"{token_start + shape[0]}; start counts rows as vLLM sent them, row 0 being "
+                    "its first, not tokens of the prompt)"
                 )
         return dtype, (shape[0] - first, *shape[1:]), first
 
@@ -362,63 +612,119 @@ class Reader:
         arena: _OpenArena | None,
         items: list[np.ndarray],
         plans: list[tuple[np.dtype[Any], tuple[int, ...], int]],
-        taken: list[tuple[int, int]],
+        taken: list[tuple[int, tuple[Run, ...]]],
         out: np.ndarray | None,
         mappings: list[tuple[mmap.mmap, Any]],
     ) -> list[np.ndarray]:
         arrays: list[np.ndarray] = []
-        leases = iter(taken)
+        handed = 0  # leases handed to a mapping's finalizer or given back after a copy
         at = 0
-        for item, (dtype, shape, first) in zip(items, plans, strict=True):
-            row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
-            if item.dtype.names is None:
-                rows = item[first:]
+        try:
+            for item, (dtype, shape, first) in zip(items, plans, strict=True):
+                row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+                if item.dtype.names is None:
+                    rows = item[first:]
+                    if out is not None:
+                        out[at : at + shape[0]] = rows
+                        rows = out[at : at + shape[0]]
+                    arrays.append(rows)
+                    at += shape[0]
+                    continue
+                assert arena is not None
+                slot, runs = taken[handed]
+                length = (first + shape[0]) * row
                 if out is not None:
-                    out[at : at + shape[0]] = rows
-                    rows = out[at : at + shape[0]]
-                arrays.append(rows)
-                at += shape[0]
-                continue
-            assert arena is not None
-            slot, offset = next(leases)
-            length = (first + shape[0]) * row
-            if out is not None:
-                view = out[at : at + shape[0]]
-                try:
+                    view = out[at : at + shape[0]]
                     into = view.reshape(-1).view(np.uint8)
-                    start = offset + first * row
                     # Through a mapping (os.preadv copied a 512-sample batch at 2.6x a memcpy of
                     # its bytes: a kernel copy a page at a time), streaming past the cache when
                     # the batch is larger than a cache holds (1.4x; a 6 MB sample streamed was
                     # 2.5x a memcpy into cache).
-                    source = arena.rows()[start : offset + length]
-                    copy_pages([source], len(into), into, stream=out.nbytes >= STREAM_FROM)
-                finally:
-                    with self._lock:
-                        arena.give_back(slot)
-                arrays.append(view)
-            else:
-                mapped = mmap.mmap(
-                    arena.fd,
-                    max(length, 1),
-                    mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                    mmap.PROT_READ,
-                    offset=arena.data_offset + offset,
-                )
-                # The lease ends with the mapping: at release(), or when no view is left.
-                mappings.append((mapped, weakref.finalize(mapped, self._give_back, arena, slot)))
-                arrays.append(np.ndarray(shape, dtype, buffer=mapped, offset=first * row))
-            self.stats.bytes += shape[0] * row
-            at += shape[0]
+                    parts = _parts(arena.rows(), runs, first * row, length)
+                    copy_pages(parts, len(into), into, stream=out.nbytes >= STREAM_FROM)
+                    handed += 1
+                    self._give_back(arena, slot)
+                    arrays.append(view)
+                else:
+                    mapped = _map_runs(arena, runs, length)
+                    # The lease ends with the mapping: at release(), or when no view is left.
+                    finalizer = weakref.finalize(mapped, self._give_back, arena, slot)
+                    handed += 1
+                    mappings.append((mapped, finalizer))
+                    arrays.append(np.ndarray(shape, dtype, buffer=mapped, offset=first * row))
+                self.stats.bytes += shape[0] * row
+                at += shape[0]
+        except BaseException:
+            # A batch that fails part way (a mapping refused: ENOMEM) keeps no lease.
+            del arrays
+            for mapped, finalizer in mappings:
+                try:
+                    mapped.close()
+                except BufferError:
+                    continue
+                finalizer()
+            for slot, _ in taken[handed:]:
+                self._give_back(arena, slot)  # type: ignore[arg-type]
+            raise
         with self._lock:
-            self.stats.leases = sum(len(a.leased) for a in self._arenas.values())
+            self._count_leases()
         return arrays
 
     def _give_back(self, arena: _OpenArena, slot: int) -> None:
         with self._lock:
-            if arena.fd >= 0 and slot in arena.leased:
+            if slot in arena.leased:
                 arena.give_back(slot)
-            self.stats.leases = sum(len(a.leased) for a in self._arenas.values())
+            self._count_leases()
+
+    # Forks (the module's docstring) ------------------------------------------------------
+
+    def _before_fork(self) -> None:
+        self._lock.acquire()
+        for arena in self._arenas.values():
+            try:
+                arena.before_fork()
+            except OSError:  # no descriptor left: the child's views then have no lease
+                arena.child_fd = -1
+
+    def _after_fork_in_parent(self) -> None:
+        for arena in self._arenas.values():
+            arena.after_fork_in_parent()
+        self._lock.release()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.RLock()  # the parent's may have been held by another thread
+        for arena in self._arenas.values():
+            arena.after_fork_in_child()
+        self._count_leases()
+
+
+_readers: weakref.WeakSet[Reader] = weakref.WeakSet()
+_forking: list[Reader] = []
+
+
+def _before_fork() -> None:
+    _forking[:] = list(_readers)
+    for reader in _forking:
+        reader._before_fork()
+
+
+def _after_fork_in_parent() -> None:
+    for reader in _forking:
+        reader._after_fork_in_parent()
+    _forking.clear()
+
+
+def _after_fork_in_child() -> None:
+    for reader in _forking:
+        reader._after_fork_in_child()
+    _forking.clear()
+
+
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
 
 
 def _check_out(out: Any, plans: list[tuple[np.dtype[Any], tuple[int, ...], int]]) -> None:

@@ -5,28 +5,28 @@ only by it: :meth:`Arena.deliver` copies a finished request's rows into a slot a
 reference that the response carries instead of them. The budget is reserved at start
 (``posix_fallocate``), so a full ``/dev/shm`` is an error at start, not a SIGBUS later.
 
-Which rows give way to new ones, in this order (docs/r3-reference.md):
+The file is made unnamed (``O_TMPFILE``) and linked under its name only once complete, with
+the frontend's liveness lock already held (:mod:`._format`): a sweep removes only arenas whose
+lock it can take, i.e. whose frontend is gone, whatever PID namespace either runs in; a
+frontend killed while it starts leaves nothing.
 
-1. free space;
-2. rows already read whose lease has ended, oldest first (``evictions``);
-3. rows unread past their deadline, with no lease (``expiries``).
-
-An unread reference before its deadline is never given up, nor is a slot under a lease: rows
-that do not fit go as rows (``fallbacks``).
+Which rows give way to new ones is :mod:`.placement`'s (free pages, then read rows, oldest read
+first, then unread rows past their deadline; only as many as make room, or none). An unread
+reference before its deadline is never given up, nor is a slot under a lease: rows that do not
+fit go as rows (``fallbacks``). A finish never waits on a reader: a slot whose lock a reader
+holds is passed over (``leased_when_wanted``, ``slots_busy``).
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import mmap
+import multiprocessing.util
 import os
 import secrets
 import threading
-import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +34,14 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
+from .placement import Placement, Run
 
-__all__ = ["Arena", "ArenaStats"]
+__all__ = ["Arena", "ArenaStats", "sweep_stale"]
+
+TRIES = 64
+"""The most slots' locks one finish tries, to give rows up or to find a free slot: a finish's
+cost stays bounded however many readers lease what it would give up (the leased ones go to the
+back of the line)."""
 
 
 @dataclass
@@ -54,12 +60,22 @@ class ArenaStats:
     """Unread rows given up past their deadline."""
     leased_when_wanted: int = 0
     """Times a slot that could have been given up was under a reader's lease."""
+    slots_busy: int = 0
+    """Times a free slot was passed over because a reader held its lock for a moment."""
     fallbacks: int = 0
     """Requests whose rows went as rows: they did not fit."""
 
 
 def _pages(nbytes: int) -> int:
-    return max(fmt.PAGE, -(-nbytes // fmt.PAGE) * fmt.PAGE)
+    """Pages that hold ``nbytes`` (rows of no bytes take one: every slot has a run)."""
+    return max(1, -(-nbytes // fmt.PAGE))
+
+
+def _span(count: int, itemsize: int) -> int:
+    return _pages(count * itemsize) * fmt.PAGE
+
+
+_arenas: weakref.WeakSet[Arena] = weakref.WeakSet()
 
 
 class Arena:
@@ -69,70 +85,86 @@ class Arena:
     def __init__(self, budget: int, ttl: float, *, setting: str = "budget") -> None:
         if budget < fmt.PAGE:
             raise ValueError(f"{setting}={budget}: an arena needs at least {fmt.PAGE} bytes")
-        if not ttl > 0:
-            raise ValueError(f"an unread reference's lifetime must be positive, not {ttl}")
-        budget = budget // fmt.PAGE * fmt.PAGE
+        if not (ttl > 0 and math.isfinite(ttl)):
+            raise ValueError(
+                f"an unread reference's lifetime must be a positive number of seconds, not {ttl}"
+            )
+        pages = budget // fmt.PAGE
+        budget = pages * fmt.PAGE
         self.ttl = float(ttl)
         self.id = secrets.token_bytes(16)
         self.path = fmt.path(self.id)
         slots = int(min(1 << 16, max(64, budget // (16 * 1024))))
         slots_offset = fmt.PAGE
-        data_offset = slots_offset + _pages(slots * fmt.SLOT.itemsize)
+        log_offset = slots_offset + _span(slots, fmt.SLOT.itemsize)
+        runs_offset = log_offset + _span(slots, fmt.LOG_ENTRY.itemsize)
+        data_offset = runs_offset + _span(pages, fmt.RUN.itemsize)
         size = data_offset + budget
         sweep_stale()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = _unnamed(size, setting, budget)
+        live = -1
         try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as error:
-                raise OSError(
-                    error.errno,
-                    f"cannot reserve {size:,} bytes in {fmt.DIRECTORY} for the R3 arena "
-                    f"({setting}={budget:,}): {error.strerror}. Lower {setting}, or give the "
-                    f"container more shared memory (docs/r3-reference.md)",
-                ) from None
             # Mapped now, every page (about 0.3 s a GiB, once): a finish then copies its rows
             # without a page fault every 4 KiB, which tripled the copy's cost.
             self._map = mmap.mmap(
                 fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE
             )
+            _write_header(
+                self._map,
+                arena=self.id,
+                slots=slots,
+                slots_offset=slots_offset,
+                log_offset=log_offset,
+                runs_offset=runs_offset,
+                data_offset=data_offset,
+                data_size=budget,
+            )
+            # The liveness lock, on an open of its own that nothing maps (a mapping inherited
+            # by a forked child would keep it, and the arena alive, after this process died).
+            live = fmt.reopen(fd)
+            if not fmt.lock_byte(live, fmt.LIVE, fmt.WRITE):
+                raise OSError("the new R3 arena's liveness lock is taken")
+            _name(fd, self.path)  # complete: now it has a name
         except BaseException:
+            if live >= 0:
+                os.close(live)
+            if hasattr(self, "_map"):
+                self._map.close()
             os.close(fd)
-            os.unlink(self.path)
             raise
         self._fd = fd
-        header = np.frombuffer(self._map, fmt.HEADER, 1)[0]
-        header["magic"] = fmt.MAGIC
-        header["version"] = fmt.VERSION
-        header["slot_size"] = fmt.SLOT.itemsize
-        header["arena"] = fmt.as_field(self.id)
-        header["boot"] = fmt.as_field(fmt.boot_id())
-        header["owner_pid"] = os.getpid()
-        header["owner_start"] = fmt.process_start(os.getpid())
-        header["slots"] = slots
-        header["slots_offset"] = slots_offset
-        header["data_offset"] = data_offset
-        header["data_size"] = budget
+        self._live = live
+        self._pid = os.getpid()
         self._slots = np.frombuffer(self._map, fmt.SLOT, slots, slots_offset)
+        self._log = np.frombuffer(self._map, fmt.LOG_ENTRY, slots, log_offset)
+        self._log_tail = np.frombuffer(self._map, "<u8", 1, fmt.LOG_TAIL)
+        self._runs = np.frombuffer(self._map, fmt.RUN, pages, runs_offset)
         self._data = np.frombuffer(self._map, np.uint8, budget, data_offset)
         self._lock = threading.Lock()
         self._generation = 0
-        self._free_slots = list(range(slots - 1, -1, -1))
-        self._free: list[tuple[int, int]] = [(0, budget)]  # (offset, size), by offset
-        self._held: OrderedDict[int, tuple[int, int]] = OrderedDict()  # slot: extent, oldest first
+        self._seen = 0  # read-log entries learned
+        self._books = Placement(pages, slots)
         self.counts = ArenaStats()
         self.closed = False
-        # A frontend that exits without close() removes its arena too (its rows are gone
-        # either way); one killed leaves it to the next frontend's sweep.
-        self._removal = weakref.finalize(self, _remove, self.path, os.getpid())
+        # A frontend that exits without close() removes its arena too, including one whose
+        # process multiprocessing ends with os._exit (vLLM's API servers); one killed leaves it
+        # to the next sweep.
+        self._removal = multiprocessing.util.Finalize(
+            self, _remove, args=(self.path, self._pid), exitpriority=0
+        )
+        _arenas.add(self)
 
     def deliver(self, rows: np.ndarray, token_start: int = 0) -> np.ndarray | None:
         """Copy ``rows`` into a slot and return their reference, or None when they do not fit
         (counted: the caller sends them as rows)."""
         rows = np.asarray(rows)
 
-        def write(target: np.ndarray) -> None:  # called once the dtype and shape are checked
-            target[...] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+        def write(targets: list[np.ndarray]) -> None:  # called once dtype and shape are checked
+            source = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+            at = 0
+            for target in targets:
+                target[...] = source[at : at + len(target)]
+                at += len(target)
 
         return self.deliver_written(rows.dtype, rows.shape, write, token_start)
 
@@ -140,12 +172,14 @@ class Arena:
         self,
         dtype: np.dtype[Any],
         shape: tuple[int, ...],
-        write: Callable[[np.ndarray], None],
+        write: Callable[[list[np.ndarray]], None],
         token_start: int = 0,
     ) -> np.ndarray | None:
         """:meth:`deliver` for rows that ``write`` puts straight into the slot: it is given
-        the slot's bytes (``uint8``, exactly as many as the rows have) and fills them, so rows
-        held in pieces (the frontend's pages) are copied once, not joined first."""
+        the slot's bytes as a list of ``uint8`` arrays (its page runs in order, exactly as many
+        bytes as the rows have; one array unless the free pages were scattered) and fills
+        them, so rows held in pieces (the frontend's pages) are copied once, not joined
+        first."""
         dtype = np.dtype(dtype)
         if dtype.hasobject or dtype.names is not None or not shape:
             raise TypeError(f"rows are a numeric array, not {dtype} {shape}")
@@ -154,55 +188,78 @@ class Arena:
                 f"rows of {len(shape)} dimensions: a reference holds at most {fmt.MAX_DIMS}"
             )
         nbytes = dtype.itemsize * math.prod(shape)
+        need = _pages(nbytes)
         with self._lock:
             if self.closed:
                 raise fmt.R3Error("the R3 arena is closed")
-            placed = self._place(_pages(nbytes))
-            if placed is None:
+            if os.getpid() != self._pid:
+                raise fmt.R3Error(
+                    "this R3 arena belongs to the process that made it, not to a forked child"
+                )
+            books = self._books
+            self._learn()
+            if not (books.free_pages >= need and books.has_free_slot()) and not self._room(
+                need
+            ):
                 self.counts.fallbacks += 1
                 return None
-            slot, offset, size = placed
-            # The slot's lock is ours while it changes: a reader with its old reference waits
-            # or sees the new generation, never a half-written slot.
-            # A free slot has no lease; a reader with a stale reference may hold its lock for
-            # the moment it takes to see that (so wait for it).
-            fmt.lock(self._fd, slot, fmt.WRITE, wait=True)
+            if not self._lock_free_slot():
+                self.counts.fallbacks += 1
+                return None
+            deadline = fmt.now() + self.ttl
+            slot, runs = books.place(need, deadline)
             try:
-                # A free slot's generation is 0, which no reference has: no reader takes these
-                # rows while they are written.
-                record = self._slots[slot]
                 try:
-                    write(self._data[offset : offset + nbytes])
+                    write(self._targets(runs, nbytes))
                 except BaseException:
-                    self._free_extent(slot, offset, size)
+                    books.release(slot)  # its generation is still 0: nothing to undo
                     raise
                 self._generation += 1
-                record["offset"] = offset
+                record = self._slots[slot]
+                self._link(runs)
+                record["page"] = runs[0][0]
+                record["runs"] = len(runs)
                 record["nbytes"] = nbytes
-                record["deadline"] = time.time() + self.ttl
+                record["deadline"] = deadline
                 record["read"] = 0
                 record["generation"] = self._generation
             finally:
                 fmt.lock(self._fd, slot, fmt.UNLOCK)
-            self._held[slot] = (offset, size)
             self.counts.references += 1
-            self.counts.slots_held += 1
-            self.counts.bytes_held += size
             return fmt.make_reference(self.id, slot, self._generation, dtype, shape, token_start)
 
     def stats(self) -> dict[str, int]:
-        """:class:`ArenaStats` as a mapping, with ``leases``: the slots held now that a reader
-        leases (each asked of the kernel: a scrape costs one ``fcntl`` per slot held). The
-        shape ``aostore.metrics.register_store`` exports."""
+        """:class:`ArenaStats` as a mapping: the shape ``aostore.metrics.register_store``
+        exports. Counters only: a scrape costs the same however many slots are held (asking the
+        kernel which are leased is :meth:`leases`)."""
         with self._lock:
-            figures = dataclasses.asdict(self.counts)
-            leases = 0
-            if not self.closed:
-                for slot in self._held:
-                    if fmt.leased(self._fd, slot):
-                        leases += 1
-            figures["leases"] = leases
-            return figures
+            self.counts.slots_held = self._books.held
+            self.counts.bytes_held = self._books.held_pages * fmt.PAGE
+            return dataclasses.asdict(self.counts)
+
+    def leases(self) -> int:
+        """The slots held now that a reader leases: one ``fcntl`` a slot held, outside the
+        lock a finish needs (a figure for tests and debugging, not for every scrape)."""
+        with self._lock:
+            if self.closed:
+                return 0
+            held = list(self._books._held)
+        return sum(1 for slot in held if not self.closed and fmt.leased(self._fd, slot))
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant of the arena's books (its
+        placement's, and the slot table against them)."""
+        with self._lock:
+            self._books.check()
+            for slot in range(len(self._slots)):
+                record = self._slots[slot]
+                held = slot in self._books._held
+                assert (int(record["generation"]) != 0) == held, f"slot {slot}'s generation"
+                if held:
+                    runs = self._books.runs(slot)
+                    assert int(record["page"]) == runs[0][0], f"slot {slot}'s first page"
+                    assert int(record["runs"]) == len(runs), f"slot {slot}'s runs"
+                    assert _pages(int(record["nbytes"])) == self._books.pages_of(slot), slot
 
     def close(self) -> None:
         """Remove the arena: every reference to it is gone from now on."""
@@ -210,10 +267,14 @@ class Arena:
             if self.closed:
                 return
             self.closed = True
-            del self._slots, self._data
+            del self._slots, self._log, self._log_tail, self._runs, self._data
             self._map.close()
+            if os.getpid() == self._pid:
+                self._removal()
             os.close(self._fd)
-            self._removal()
+            if self._live >= 0:
+                os.close(self._live)
+                self._live = -1
 
     def __enter__(self) -> Arena:
         return self
@@ -223,74 +284,156 @@ class Arena:
 
     # Placement -------------------------------------------------------------------------------
 
-    def _place(self, size: int) -> tuple[int, int, int] | None:
-        """A slot and ``size`` bytes at an offset, giving up old rows as the module says."""
-        if size > len(self._data):
-            return None
-        while True:
-            offset = self._fit(size)
-            if offset is not None and self._free_slots:
-                return self._free_slots.pop(), offset, size
-            if not self._give_up_one():
-                return None
+    def _learn(self) -> None:
+        """Tell the books what readers did since the last finish: the slots read first (the
+        read log), and which unread slots are due (their deadline, as renewals moved it)."""
+        books = self._books
+        tail = int(self._log_tail[0])
+        capacity = len(self._log)
+        if tail - self._seen > capacity:
+            # Readers outran the log (more first reads than slots since the last finish): the
+            # read flags say it all.
+            for slot in np.flatnonzero(self._slots["read"]).tolist():
+                if books.is_unread(slot) and int(self._slots[slot]["generation"]):
+                    books.read(slot)
+        else:
+            for at in range(self._seen, tail):
+                entry = self._log[at % capacity]
+                slot = int(entry["slot"])
+                # An entry is a hint: the record, written before it, has the last word.
+                if (
+                    slot < len(self._slots)
+                    and books.is_unread(slot)
+                    and int(self._slots[slot]["generation"]) == int(entry["generation"])
+                    and self._slots[slot]["read"]
+                ):
+                    books.read(slot)
+        self._seen = tail
+        now = fmt.now()
+        for slot in list(books.due(now)):
+            record = self._slots[slot]
+            if record["read"]:
+                books.read(slot)
+            elif float(record["deadline"]) > now:
+                books.postpone(slot, float(record["deadline"]))
+            else:
+                books.expire(slot)
 
-    def _fit(self, size: int) -> int | None:
-        for i, (offset, free) in enumerate(self._free):
-            if free >= size:
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + size, free - size)
-                return offset
-        return None
+    def _room(self, need: int) -> bool:
+        """Give up rows until ``need`` pages and a slot are free: only rows that may go, only
+        as many as make the room, or none (when the room cannot be made, nothing changes)."""
+        books = self._books
+        if not books.could_make_room(need):
+            return False
+        chosen: list[int] = []
+        room, now = books.free_pages, fmt.now()
+        for slot in books.candidates(TRIES):
+            if not fmt.lock(self._fd, slot, fmt.WRITE):
+                self.counts.leased_when_wanted += 1
+                books.touch(slot)
+                continue
+            record = self._slots[slot]
+            if not record["read"] and float(record["deadline"]) > now:  # renewed meanwhile
+                fmt.lock(self._fd, slot, fmt.UNLOCK)
+                books.postpone(slot, float(record["deadline"]))
+                continue
+            chosen.append(slot)
+            room += books.pages_of(slot)
+            if room >= need:
+                break
+        if room < need:
+            for slot in chosen:
+                fmt.lock(self._fd, slot, fmt.UNLOCK)
+            return False
+        for slot in chosen:
+            record = self._slots[slot]
+            if record["read"]:
+                self.counts.evictions += 1
+            else:
+                self.counts.expiries += 1
+            record["generation"] = 0  # no reference matches it from here
+            fmt.lock(self._fd, slot, fmt.UNLOCK)
+            books.release(slot)
+        return True
 
-    def _give_up_one(self) -> bool:
-        """Give up the oldest rows that may go (read ones first, then expired unread ones);
-        False when none may."""
-        now = time.time()
-        for wanted in ("read", "expired"):
-            for slot in self._held:
-                record = self._slots[slot]
-                if wanted == "read" and not record["read"]:
-                    continue
-                if wanted == "expired" and (record["read"] or record["deadline"] > now):
-                    continue
-                if not fmt.lock(self._fd, slot, fmt.WRITE):
-                    self.counts.leased_when_wanted += 1
-                    continue
-                try:
-                    # Under the lock: a renewal may have moved the deadline on.
-                    if wanted == "expired" and record["deadline"] > now:
-                        continue
-                    record["generation"] = 0  # no reference matches it from here
-                finally:
-                    fmt.lock(self._fd, slot, fmt.UNLOCK)
-                if wanted == "read":
-                    self.counts.evictions += 1
-                else:
-                    self.counts.expiries += 1
-                self._release(slot)
+    def _lock_free_slot(self) -> bool:
+        """Take the write lock of the next free slot, passing over any a reader holds for the
+        moment (one with a stale reference, between its lock and its look at the generation:
+        stopped there, it must not stop this finish)."""
+        books = self._books
+        for _ in range(TRIES):
+            if fmt.lock(self._fd, books.free_slot(), fmt.WRITE):
                 return True
+            self.counts.slots_busy += 1
+            books.skip_slot()
         return False
 
-    def _release(self, slot: int) -> None:
-        offset, size = self._held.pop(slot)
-        self.counts.slots_held -= 1
-        self.counts.bytes_held -= size
-        self._free_extent(slot, offset, size)
+    def _targets(self, runs: tuple[Run, ...], nbytes: int) -> list[np.ndarray]:
+        targets = []
+        for first, pages in runs:
+            take = min(pages * fmt.PAGE, nbytes)
+            targets.append(self._data[first * fmt.PAGE : first * fmt.PAGE + take])
+            nbytes -= take
+        return targets
 
-    def _free_extent(self, slot: int, offset: int, size: int) -> None:
-        """Put ``slot`` and its extent back among the free ones (joined with its neighbours)."""
-        self._free_slots.append(slot)
-        i = bisect.bisect(self._free, (offset, size))
-        self._free.insert(i, (offset, size))
-        # Join it with its neighbours.
-        if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
-            size += self._free.pop(i + 1)[1]
-            self._free[i] = (offset, size)
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
-            before = self._free.pop(i - 1)
-            self._free[i - 1] = (before[0], before[1] + size)
+    def _link(self, runs: tuple[Run, ...]) -> None:
+        """Write the run table's entries for ``runs`` (the reader follows them)."""
+        for i, (first, pages) in enumerate(runs):
+            entry = self._runs[first]
+            entry["pages"] = pages
+            entry["next"] = runs[i + 1][0] if i + 1 < len(runs) else fmt.NO_RUN
+
+    def _after_fork_in_child(self) -> None:
+        # The child must not keep this arena alive after its frontend dies, nor use its books.
+        if self._live >= 0:
+            os.close(self._live)
+            self._live = -1
+        self._lock = threading.Lock()
+
+
+def _write_header(mapped: mmap.mmap, **fields: Any) -> None:
+    header = np.frombuffer(mapped, fmt.HEADER, 1)
+    header["magic"] = fmt.MAGIC
+    header["version"] = fmt.ARENA_VERSION
+    header["slot_size"] = fmt.SLOT.itemsize
+    header["boot"] = fmt.as_field(fmt.boot_id())
+    header["log_capacity"] = fields["slots"]
+    for name, value in fields.items():
+        header[name] = fmt.as_field(value) if isinstance(value, bytes) else value
+
+
+def _name(fd: int, path: str) -> None:
+    """Link the unnamed file ``fd`` at ``path`` (``linkat`` with ``AT_SYMLINK_FOLLOW`` through
+    ``/proc/self/fd``, which ``os.link`` uses only when given a directory descriptor)."""
+    directory = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(str(fd), path, src_dir_fd=directory, follow_symlinks=True)
+    finally:
+        os.close(directory)
+
+
+def _unnamed(size: int, setting: str, budget: int) -> int:
+    """An unnamed file of ``size`` bytes reserved in :data:`fmt.DIRECTORY`."""
+    fd = os.open(fmt.DIRECTORY, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        os.close(fd)
+        raise OSError(
+            error.errno,
+            f"cannot reserve {size:,} bytes in {fmt.DIRECTORY} for the R3 arena "
+            f"({setting}={budget:,}): {error.strerror}. Lower {setting}, or give the "
+            f"container more shared memory (docs/r3-reference.md)",
+        ) from None
+    return fd
+
+
+def _after_fork_in_child() -> None:
+    for arena in list(_arenas):
+        arena._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _remove(path: str, owner: int) -> None:
@@ -305,29 +448,31 @@ def _remove(path: str, owner: int) -> None:
 
 def sweep_stale() -> int:
     """Remove this user's arenas whose frontend is gone (killed before it could remove its
-    own); their references are gone either way. Returns how many."""
+    own): those whose liveness lock can be taken. Their references are gone either way.
+    Returns how many."""
     removed = 0
     try:
         names = [n for n in os.listdir(fmt.DIRECTORY) if n.startswith(fmt.PREFIX)]
     except OSError:
         return 0
     for name in names:
-        full = os.path.join(fmt.DIRECTORY, name)
-        try:
-            if os.stat(full).st_uid != os.getuid():
-                continue
-            with open(full, "rb") as file:
-                header = np.frombuffer(file.read(fmt.HEADER.itemsize), fmt.HEADER)[0]
-        except (OSError, ValueError):
-            continue
-        if header["magic"] != fmt.MAGIC:
-            continue
-        pid, start = int(header["owner_pid"]), int(header["owner_start"])
-        if fmt.ident(header["boot"]) == fmt.boot_id() and fmt.process_start(pid) == start != 0:
-            continue  # its frontend lives
-        try:
-            os.unlink(full)
+        if remove_if_dead(os.path.join(fmt.DIRECTORY, name)):
             removed += 1
-        except OSError:
-            pass
     return removed
+
+
+def remove_if_dead(path: str) -> bool:
+    """Unlink the arena at ``path`` if it is this user's and its frontend is gone."""
+    try:
+        fd = fmt.open_arena_file(path, os.getuid())
+    except (fmt.R3Error, OSError):
+        return False  # gone, not a file, or another user's: not ours to remove
+    try:
+        if not fmt.lock_byte(fd, fmt.LIVE, fmt.WRITE):
+            return False  # its frontend lives (in whatever PID namespace)
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

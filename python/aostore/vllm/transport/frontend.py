@@ -174,11 +174,20 @@ class RowChunks:
         the one copy a finish makes, into the answer's buffer, which is read at once."""
         copy_pages(self._pages, self._size, target, stream=False)
 
-    def stream_into(self, target: np.ndarray) -> None:
-        """:meth:`copy_into` with streaming stores, for an R3 arena's slot: read later by
-        another process, its lines are not worth loading, nor the answer's working set worth
-        evicting for them (measured: a 16k sample's copy 0.8 ms plainly; see the CHANGELOG)."""
-        copy_pages(self._pages, self._size, target, stream=True)
+    def stream_into(self, targets: list[np.ndarray]) -> None:
+        """:meth:`copy_into` with streaming stores, for an R3 arena's slot (its page runs, in
+        order: one target unless the arena's free pages were scattered): read later by another
+        process, its lines are not worth loading, nor the answer's working set worth evicting
+        for them (measured: a 16k sample's copy 0.8 ms plainly; see the CHANGELOG)."""
+        if len(targets) == 1:
+            copy_pages(self._pages, self._size, targets[0], stream=True)
+            return
+        if sum(len(target) for target in targets) != self._size:
+            raise ValueError(f"the targets hold not the rows' {self._size} bytes: nothing written")
+        at = 0
+        for target in targets:
+            copy_pages(self._slices(at, at + len(target)), len(target), target, stream=True)
+            at += len(target)
 
     @property
     def nbytes(self) -> int:
@@ -248,14 +257,18 @@ class RowChunks:
         rows: np.ndarray = np.frombuffer(page, np.uint8, used).view(self._dtype)
         return rows.reshape(-1, *self._shape)
 
-    def _rows(self, start: int, end: int) -> np.ndarray:
-        """A copy of the bytes ``start:end`` as rows."""
+    def _slices(self, start: int, end: int) -> list[memoryview]:
+        """The bytes ``start:end``, as slices of the pages."""
         parts = []
         for page, first in zip(self._pages, self._starts, strict=True):
             a, b = max(start, first), min(end, first + len(page))
             if a < b:
                 parts.append(memoryview(page)[a - first : b - first])
-        data = bytearray(b"".join(parts))
+        return parts
+
+    def _rows(self, start: int, end: int) -> np.ndarray:
+        """A copy of the bytes ``start:end`` as rows."""
+        data = bytearray(b"".join(self._slices(start, end)))
         rows: np.ndarray = np.frombuffer(data, np.uint8).view(self._dtype)
         return rows.reshape(-1, *self._shape)
 
@@ -281,6 +294,7 @@ def request_state_subclass(vllm_request_state: Any) -> type:
         vllm_init(self, *args, **kwargs)
         self.routed_experts_chunks = RowChunks()
         self.aostore_r3_delivery = "rows"
+        self.aostore_r3_over_http = False
 
     def from_new_request(cls: Any, *args: Any, **kwargs: Any) -> Any:
         request = kwargs["request"] if "request" in kwargs else args[1]
@@ -288,6 +302,9 @@ def request_state_subclass(vllm_request_state: Any) -> type:
         mode = delivery.choose(getattr(request, "sampling_params", None))
         state = vllm_from_new_request(cls, *args, **kwargs)
         state.aostore_r3_delivery = mode
+        # Read where the request arrives (the caller's context): its finish runs in vLLM's
+        # output handler, a task of no request.
+        state.aostore_r3_over_http = delivery.OVER_HTTP.get()
         return state
 
     def _new_completion_output(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -299,7 +316,9 @@ def request_state_subclass(vllm_request_state: Any) -> type:
         # vLLM's code reads a list: `if finished and chunks: np.concatenate(chunks, axis=0)`.
         # It gets none, and the output gets what that concatenation gives, copied once.
         if self.aostore_r3_delivery == "reference":
-            rows = delivery.deliver_chunks(chunks)  # straight from the pages into the arena
+            # In process: straight from the pages into the arena. Over HTTP: the rows, written
+            # into the arena only if an answer renders them (delivery.answered).
+            rows = delivery.deliver_chunks(chunks, over_http=self.aostore_r3_over_http)
         else:
             rows = chunks.finished()
         self.routed_experts_chunks = []
