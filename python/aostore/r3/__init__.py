@@ -50,16 +50,16 @@ __all__ = [
     "renew",
 ]
 
-_reader: Reader | None = None
+_process_reader: Reader | None = None
 
 
 def reader() -> Reader:
     """This process's reader (what :func:`fetch` and :func:`renew` use; a forked child keeps
     using it, with leases of its own)."""
-    global _reader
-    if _reader is None or _reader.closed:
-        _reader = Reader()
-    return _reader
+    global _process_reader
+    if _process_reader is None or _process_reader.closed:
+        _process_reader = Reader()
+    return _process_reader
 
 
 def fetch(

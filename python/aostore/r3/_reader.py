@@ -263,11 +263,11 @@ class _OpenArena:
             return
         self.closed = True
         del self.records, self.log, self.log_tail, self.runs
-        self.table.close()
+        _close_mapping(self.table)
         if self._rows is not None:
             mapped = self._rows.obj
             self._rows.release()
-            mapped.close()  # type: ignore[attr-defined]
+            _close_mapping(mapped)  # type: ignore[arg-type]
             self._rows = None
         os.close(self.fd)
         self.fd = -1
@@ -307,6 +307,14 @@ class _OpenArena:
                 self.closed = True  # unusable here: the reader opens it anew when asked
         if self.lock_fd < 0:
             self.leased.clear()
+
+
+def _close_mapping(mapped: mmap.mmap) -> None:
+    """Unmap now, or when the last view of it goes (one kept by a caught exception's frame)."""
+    try:
+        mapped.close()
+    except BufferError:
+        pass
 
 
 def _map_runs(arena: _OpenArena, runs: tuple[Run, ...], length: int) -> mmap.mmap:

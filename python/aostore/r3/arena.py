@@ -268,7 +268,10 @@ class Arena:
                 return
             self.closed = True
             del self._slots, self._log, self._log_tail, self._runs, self._data
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError:  # a view kept by a caught exception's frame: unmapped with it
+                pass
             if os.getpid() == self._pid:
                 self._removal()
             os.close(self._fd)
