@@ -199,6 +199,7 @@ def test_settings_read_and_refuse_bad_values() -> None:
         ({"AOSTORE_VLLM_R3_DELIVERY": "refs"}, "not rows or reference"),
         ({"AOSTORE_VLLM_R3_DELIVERY": "rows", "AOSTORE_VLLM_R3_BUDGET": "lots"}, "size"),
         ({"AOSTORE_VLLM_R3_DELIVERY": "rows", "AOSTORE_VLLM_R3_TTL": "-1"}, "positive"),
+        ({"AOSTORE_VLLM_R3_DELIVERY": "rows", "AOSTORE_VLLM_R3_TTL": "inf"}, "finite"),
     ]:
         settings = Settings.from_env(env)
         assert settings.r3_delivery is None and said in settings.r3_said

@@ -310,7 +310,7 @@ def parse(value: Any) -> np.ndarray:
                 value = np.frombuffer(raw, REFERENCE, 1, len(header)).reshape(())
             else:
                 value = np.load(io.BytesIO(raw), allow_pickle=False)
-        except Exception as error:  # noqa: BLE001 - whatever a string that is no .npy raises
+        except Exception as error:
             # binascii.Error, ValueError, EOFError from the bytes; np.load parses the header
             # with ast.literal_eval, so a corrupted one raises SyntaxError or
             # tokenize.TokenError (an Exception of its own).

@@ -119,7 +119,7 @@ class _OpenArena:
         raw = os.pread(fd, fmt.HEADER.itemsize, 0)
         if len(raw) < fmt.HEADER.itemsize:
             raise fmt.ReferenceGone(f"{self.path} is cut short: not an R3 arena")
-        header = np.frombuffer(raw, fmt.HEADER)[0]
+        header: np.ndarray = np.frombuffer(raw, fmt.HEADER)[0]
         if header["magic"] != fmt.MAGIC:
             raise fmt.ReferenceGone(f"{self.path} is not an R3 arena")
         version = int(header["version"])
@@ -530,7 +530,9 @@ class Reader:
                 if slot >= arena.slots:
                     raise fmt.ForeignReference(f"a malformed aostore reference: slot {slot}")
                 if not fmt.lock(arena.lock_fd, slot, fmt.READ):
-                    raise fmt.ReferenceGone("its rows are gone: the frontend gave the slot up", index)
+                    raise fmt.ReferenceGone(
+                        "its rows are gone: the frontend gave the slot up", index
+                    )
                 try:
                     record = arena.records[slot]
                     if int(record["generation"]) != int(item["generation"]):

@@ -198,9 +198,7 @@ class Arena:
                 )
             books = self._books
             self._learn()
-            if not (books.free_pages >= need and books.has_free_slot()) and not self._room(
-                need
-            ):
+            if not (books.free_pages >= need and books.has_free_slot()) and not self._room(need):
                 self.counts.fallbacks += 1
                 return None
             if not self._lock_free_slot():
@@ -215,14 +213,18 @@ class Arena:
                     books.release(slot)  # its generation is still 0: nothing to undo
                     raise
                 self._generation += 1
-                record = self._slots[slot]
                 self._link(runs)
-                record["page"] = runs[0][0]
-                record["runs"] = len(runs)
-                record["nbytes"] = nbytes
-                record["deadline"] = deadline
-                record["read"] = 0
-                record["generation"] = self._generation
+                # One store of the whole record, under the slot's write lock: no reader sees
+                # it before the lock is let go.
+                self._slots[slot] = (
+                    self._generation,
+                    runs[0][0],
+                    nbytes,
+                    deadline,
+                    0,
+                    len(runs),
+                    (0, 0),
+                )
             finally:
                 fmt.lock(self._fd, slot, fmt.UNLOCK)
             self.counts.references += 1
@@ -382,9 +384,7 @@ class Arena:
     def _link(self, runs: tuple[Run, ...]) -> None:
         """Write the run table's entries for ``runs`` (the reader follows them)."""
         for i, (first, pages) in enumerate(runs):
-            entry = self._runs[first]
-            entry["pages"] = pages
-            entry["next"] = runs[i + 1][0] if i + 1 < len(runs) else fmt.NO_RUN
+            self._runs[first] = (pages, runs[i + 1][0] if i + 1 < len(runs) else fmt.NO_RUN)
 
     def _after_fork_in_child(self) -> None:
         # The child must not keep this arena alive after its frontend dies, nor use its books.

@@ -214,7 +214,9 @@ class Placement:
         self._run_at[first] = end - first
         self._run_to[end] = first
         heapq.heappush(self._largest, (first - end, first))
-        if len(self._largest) > 4 * len(self._run_at) + 64:  # stale entries: rebuild, O(1) amortized
+        if (
+            len(self._largest) > 4 * len(self._run_at) + 64
+        ):  # stale entries: rebuild, O(1) amortized
             self._largest = [(-n, at) for at, n in self._run_at.items()]
             heapq.heapify(self._largest)
 
@@ -232,7 +234,7 @@ class Placement:
             at = first + n
         assert at == self.pages, f"the runs end at page {at}, not {self.pages}"
         free = sorted(self._run_at.items())
-        for (a, n), (b, _) in zip(free, free[1:], strict=False):
+        for (a, n), (b, _) in itertools.pairwise(free):
             assert a + n != b, f"free runs at {a} and {b} are not joined"
         assert self._run_to == {a + n: a for a, n in self._run_at.items()}, "run ends"
         assert self.free_pages == sum(self._run_at.values()), "free pages"

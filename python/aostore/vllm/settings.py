@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from collections.abc import Mapping
 from typing import Literal
@@ -170,8 +171,8 @@ def _r3(env: Mapping[str, str]) -> tuple[str | None, int, float, str]:
             ttl = float(ttl_raw)
         except ValueError:
             ttl = 0.0
-        if not ttl > 0:
-            said.append(f"{ENV_R3_TTL}={ttl_raw!r} is not a positive number of seconds")
+        if not (ttl > 0 and math.isfinite(ttl)):  # inf would keep unread rows for ever
+            said.append(f"{ENV_R3_TTL}={ttl_raw!r} is not a positive, finite number of seconds")
     if said and delivery is not None:
         return None, budget, ttl, "R3 by reference off: " + "; ".join(said)
     return delivery, budget, ttl, ""
