@@ -139,6 +139,7 @@ bench: install test-venv
 bench-smoke: install test-venv
 	$(PY) benches/bench.py --quick --out target/bench-smoke
 	$(PY) benches/variable_bench.py --quick --out target/bench-smoke
+	$(PY) benches/r3_arena.py --quick --out target/bench-smoke
 	$(PY) -m aostore churn --slots 4096 --batches 50 >/dev/null
 
 # The real engine with each store, ABBA (benches/engine.py), at CPU sizes; a GPU machine runs
