@@ -452,8 +452,11 @@ def test_a_reader_lets_go_of_an_arena_whose_frontend_is_gone(scripts, ending) ->
     gc.collect()
     assert _deleted_arenas_open() == []
     # A killed frontend's file went with the reader's look (the reader is its user).
-    assert not [n for n in os.listdir(fmt.DIRECTORY) if reference and n.startswith(fmt.PREFIX)
-                and not _alive(os.path.join(fmt.DIRECTORY, n))]
+    assert not [
+        n
+        for n in os.listdir(fmt.DIRECTORY)
+        if reference and n.startswith(fmt.PREFIX) and not _alive(os.path.join(fmt.DIRECTORY, n))
+    ]
     reader.close()
 
 

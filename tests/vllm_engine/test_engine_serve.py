@@ -361,6 +361,8 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         try:
             results[arm] = exchange(server)
             if arm == "reference":  # read by a client of its own while the server lives
+                results["unrendered"] = unrendered(server)
+                results["metrics after exchange"] = r3_metrics(server)
                 results["fetched"] = fetch_elsewhere(references_in(results[arm]))
                 results["choices"] = choices(server)
                 results["lifecycle"] = lifecycle(server, results["fetched"])
@@ -369,6 +371,29 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         finally:
             server.stop()
     yield results
+
+
+def unrendered(server: Server) -> dict[str, Any]:
+    """Requests over HTTP whose rows no answer carries, beside the exchange's streamed ones and
+    its dropped stream: beam search (vLLM adds a request per beam and step, and builds its answer
+    from their tokens), and a non-streamed completion whose client goes away before its answer
+    (vLLM cancels the handler and aborts the request)."""
+    prompt = "t3 t4 t5 t6"
+    beam = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "n": 2, "use_beam_search": True}
+    status, raw = server.post("/v1/completions", beam)
+    assert status == 200, raw[:500]
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompt, "max_tokens": 1000, "ignore_eos": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head.encode() + body)
+        time.sleep(0.5)  # running: 1,000 tokens take the tiny model far longer on a CPU
+    time.sleep(2)  # the server sees the disconnect and aborts the request
+    return {"beam search": json.loads(raw)}
 
 
 def choices(server: Server) -> dict[str, tuple[int, Any]]:
@@ -477,6 +502,19 @@ def test_rows_gone_are_an_error_of_their_own_and_a_killed_reader_pins_nothing(
     assert references and rows, "the arena neither filled nor fell back"
     fallbacks = [line for line in answers["reference.log"].splitlines() if "did not fit" in line]
     assert len(fallbacks) == 1, fallbacks
+
+
+def test_rows_go_to_the_arena_only_for_answers_that_carry_them(answers: dict[str, Any]) -> None:
+    """Over HTTP, only an answer that carries routed experts takes a slot (non-streamed
+    completions and chat, ``/inference/v1/generate`` streamed or not): the exchange's streamed
+    completion and chat, its dropped stream, beam search's inner requests and a client that went
+    away take none. So the arena made exactly as many references as the bodies carry."""
+    carried = references_in(answers["reference"])
+    assert len(set(carried)) == len(carried)
+    assert answers["unrendered"]["beam search"]["choices"]
+    held = answers["metrics after exchange"]
+    assert held["aostore_r3_references_total"] == len(carried), held
+    assert held["aostore_r3_slots_held"] == len(carried), held
 
 
 def test_a_request_chooses_rows_and_a_bad_choice_is_a_400(answers: dict[str, Any]) -> None:

@@ -11,7 +11,9 @@ UTF-8). Here:
   cover goes to vLLM's function). A finished request's rows already sit after their header in
   one buffer (:meth:`~aostore.vllm.transport.frontend.RowChunks.finished`): that buffer is
   encoded as it is, and so is an R3 reference (its header as ``np.save`` writes it, then its
-  bytes);
+  bytes). Rows that a finish over HTTP left for the answer (R3 by reference,
+  :func:`~aostore.vllm.transport.delivery.answered`) are written into the arena here, when an
+  answer carries them, and their reference is encoded;
 - :func:`render_over`'s ``render`` dumps the body with each long string set aside, then splices
   the strings in, in one allocation (``aostore._native.splice_json``):
   ``json.dumps(ensure_ascii=False)`` writes an ASCII string without ``"``, ``\\`` or control
@@ -30,6 +32,7 @@ import numpy as np
 
 from ..._native import splice_json
 from ...r3 import _format as r3_format
+from . import delivery as r3_delivery
 
 LONG = 64 * 1024
 """Strings from this many characters are set aside (shorter ones cost ``json.dumps`` little)."""
@@ -80,6 +83,12 @@ def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callabl
 
     def numpy2base64(array: np.ndarray) -> str:
         """Encode a NumPy array using its `.npy` representation."""
+        if type(array) is np.ndarray:
+            # Rows a finish over HTTP left for the answer: delivered by reference now that an
+            # answer carries them (the reference, or the rows when they do not fit).
+            answer = r3_delivery.answered(array)
+            if answer is not None:
+                array = answer
         if encode is not None and type(array) is np.ndarray and r3_format.is_reference(array):
             text: str = encode(r3_format.npy_of(array))
             return text

@@ -10,12 +10,28 @@ vLLM's ``OutputProcessor`` is, so a budget the node cannot hold stops start-up.
 The rows written are exactly those vLLM would have sent: what its finish makes, after its stop
 trimming (``RequestState._new_completion_output``); rows that do not fit go as rows (counted,
 one WARNING).
+
+Rows go to the arena only for what leaves as a reference (SPEC 17):
+
+- a request that arrives while this process answers an HTTP request (:data:`OVER_HTTP`, set by
+  the plugin around Starlette's ASGI call: vLLM's API server, or an in-process server built on
+  vLLM's app) finishes with vLLM's rows, left for its answer (:func:`leave_for_answer`): only
+  when vLLM's serving code renders them (``numpy2base64``, :func:`answered`) are they written
+  into the arena and the answer carries the reference. Streamed chunks (which carry no routed
+  experts), a client that disconnected (vLLM aborts its request and nobody renders the
+  output) and beam search's inner requests (whose outputs vLLM never renders) take no slot;
+- any other request (``LLM``, ``AsyncLLM`` called directly: verl, NeMo-RL, SkyRL, even beside
+  an HTTP server in the same process) finishes with a reference, aborted ones included: its
+  output is handed to the caller as it is.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +50,15 @@ PREFIX = "aostore_r3_"
 
 # Under ``vllm``, as the plugin's own lines, so vLLM's logging configuration shows it.
 log = logging.getLogger("vllm.plugins.aostore")
+
+OVER_HTTP: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "aostore_r3_over_http", default=False
+)
+"""True while this task answers an HTTP (or WebSocket) request: what it adds to vLLM is
+answered by vLLM's serving code, which renders the routed experts it sends (``numpy2base64``)
+and drops the rest. A per-request fact, not a per-process one, because trainers run vLLM's HTTP
+app beside their own in-process calls (verl's server does both in one process), and tasks that
+vLLM starts for a request (``merge_async_iterators``) inherit it."""
 
 
 class Delivery:
@@ -77,12 +102,19 @@ class Delivery:
         self._fell_back(rows.nbytes)
         return rows
 
-    def deliver_chunks(self, chunks: RowChunks) -> np.ndarray | None:
+    def deliver_chunks(self, chunks: RowChunks, *, over_http: bool = False) -> np.ndarray | None:
         """What a finishing output carries for the rows in ``chunks``: their reference, written
         from the pages straight into the arena; the rows (:meth:`RowChunks.finished`) when they
-        do not fit; None when no rows came."""
+        do not fit; None when no rows came. ``over_http`` (the request came in over HTTP): the
+        rows, left for the answer (:func:`leave_for_answer`), so that only an answer that
+        renders them takes a slot."""
         if not chunks:
             return chunks.finished()
+        if over_http:
+            rows = chunks.finished()
+            if rows is not None:
+                leave_for_answer(rows, self)
+            return rows
         dtype = chunks.dtype
         if not chunks.paged or dtype.hasobject or dtype.names is not None:
             rows = chunks.finished()  # vLLM's concatenation: any rows vLLM could send
@@ -112,6 +144,85 @@ class Delivery:
 
 _delivery: Delivery | None = None
 _exported = False
+
+
+class _Left:
+    """Rows a finish over HTTP left for its answer, and what the answer carries once rendered."""
+
+    __slots__ = ("answer", "delivery", "ref")
+
+    def __init__(self, ref: weakref.ref[np.ndarray], delivery: Delivery) -> None:
+        self.ref = ref
+        self.delivery = delivery
+        self.answer: np.ndarray | None = None
+
+
+# By the array's id, as long as it lives (an array is not hashable, and the output must stay
+# vLLM's plain ndarray: a subclass or an attribute would show in every consumer's code).
+_left: dict[int, _Left] = {}
+
+
+def leave_for_answer(rows: np.ndarray, delivery: Delivery) -> None:
+    """Mark ``rows`` (an output's ``routed_experts``) as to be delivered by reference if, and
+    when, an answer renders them (:func:`answered`). Rows nobody renders are never written to
+    the arena: the mark goes with the array. Rows an arena cannot hold (a dtype of fields or
+    objects: vLLM never sends one) are not marked, and go as rows."""
+    if rows.dtype.hasobject or rows.dtype.names is not None or not rows.shape:
+        return
+    key = id(rows)
+
+    # The table bound here: at interpreter exit the module's globals may already be None.
+    def forget(
+        ref: weakref.ref[np.ndarray], key: int = key, table: dict[int, _Left] = _left
+    ) -> None:
+        left = table.get(key)
+        if left is not None and left.ref is ref:
+            table.pop(key, None)
+
+    _left[key] = _Left(weakref.ref(rows, forget), delivery)
+
+
+def answered(array: Any) -> np.ndarray | None:
+    """What an answer renders for ``array``: None unless it is rows left for an answer; then
+    their reference, the rows written into the arena now (the same reference if rendered
+    again), or the rows themselves when they do not fit (counted, as at a finish)."""
+    left = _left.get(id(array))
+    if left is None:
+        return None
+    rows = left.ref()
+    if rows is not array or rows is None:
+        return None
+    if left.answer is None:
+        arena = left.delivery.arena
+        if arena is not None and arena.closed:
+            left.answer = rows  # its arena closed since (the plugin undone): vLLM's rows
+        else:
+            left.answer = left.delivery.deliver(rows)
+    return left.answer
+
+
+def left_for_answers() -> int:
+    """How many finished outputs' rows wait for an answer to render them (for tests)."""
+    return len(_left)
+
+
+def over_http(call: Callable[..., Any]) -> Callable[..., Any]:
+    """An ASGI application's ``__call__`` that runs ``call`` with :data:`OVER_HTTP` set for an
+    HTTP or WebSocket request (not for ``lifespan``: what vLLM starts then is no request's)."""
+
+    async def __call__(self: Any, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") not in ("http", "websocket"):
+            await call(self, scope, receive, send)
+            return
+        token = OVER_HTTP.set(True)
+        try:
+            await call(self, scope, receive, send)
+        finally:
+            OVER_HTTP.reset(token)
+
+    __call__.__wrapped__ = call  # type: ignore[attr-defined]
+    __call__.__doc__ = call.__doc__
+    return __call__
 
 
 _refusals: list[type[ValueError]] = []
@@ -171,11 +282,11 @@ def current() -> Delivery | None:
     return _delivery
 
 
-def deliver_chunks(chunks: RowChunks) -> np.ndarray | None:
+def deliver_chunks(chunks: RowChunks, *, over_http: bool = False) -> np.ndarray | None:
     """:meth:`Delivery.deliver_chunks` with this process's delivery (the rows, without one)."""
     if _delivery is None:
         return chunks.finished()
-    return _delivery.deliver_chunks(chunks)
+    return _delivery.deliver_chunks(chunks, over_http=over_http)
 
 
 def choose(sampling_params: Any) -> str:

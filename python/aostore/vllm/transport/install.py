@@ -10,7 +10,9 @@ What goes in wherever the plugin loads and the release record recognizes the tra
 - the frontend: ``RequestState`` is aostore's subclass, whose rows are held in pages per
   request (:mod:`.frontend`);
 - the API server: ``numpy2base64`` and Starlette's ``JSONResponse.render`` give vLLM's bytes,
-  cheaper (:mod:`.answer`);
+  cheaper (:mod:`.answer`); with R3 by reference, Starlette's ``Starlette.__call__`` marks what
+  runs for an HTTP request (:data:`.delivery.OVER_HTTP`), so that rows go to the arena only for
+  an answer that renders them (:mod:`.delivery`);
 - the worker (through the data plane's connector): a step's rows are packed as one
   :class:`.rows.StepRows` where :func:`why_not_packed` says both ends run this aostore; the
   engine core reads them with vLLM's ``take_output`` or aostore's (:meth:`StepRows.take`).
@@ -32,8 +34,11 @@ SERIAL_MODULE = "vllm.v1.serial_utils"
 UTILS_MODULE = "vllm.utils.serial_utils"
 NUMPY2BASE64 = "numpy2base64"
 STARLETTE_RESPONSES = "starlette.responses"
+STARLETTE_APPLICATIONS = "starlette.applications"
 OUTPUT_PROCESSOR_MODULE = "vllm.v1.engine.output_processor"
 REQUEST_STATE = "RequestState"
+_MARK = "__aostore_over_http__"
+"""Set on aostore's ``Starlette.__call__``: installed once a process."""
 
 
 class ClassAttributes:
@@ -75,7 +80,7 @@ def install(
         output_processor = processor.OutputProcessor
         vllm_init = vars(output_processor)["__init__"]
         undo.append((ClassAttributes(output_processor), "__init__", vllm_init))
-        output_processor.__init__ = _starting_arena(vllm_init, delivery)
+        output_processor.__init__ = _starting_arena(vllm_init, delivery, undo)
     # The API server's answer: numpy2base64 where vLLM's serving modules will import it (and
     # where they already did), and Starlette's JSON rendering in a process that serves HTTP
     # (vLLM's API server imports Starlette before it loads plugins; other processes never
@@ -94,7 +99,29 @@ def install(
         undo.append((ClassAttributes(json_response), "render", vllm_render))
         json_response.render = render_over(vllm_render)
         patched.append(STARLETTE_RESPONSES)
+    if delivery is not None and answering_http(undo):
+        patched.append(STARLETTE_APPLICATIONS)
     return sorted({*patched, SERIAL_MODULE})
+
+
+def answering_http(undo: list[Any]) -> bool:
+    """Where this process serves HTTP (Starlette imported: vLLM's API server imports it before
+    it loads plugins; a trainer that builds vLLM's app in process has imported it before its
+    engine starts), mark what runs for each HTTP request (:func:`.delivery.over_http` around
+    ``Starlette.__call__``, which FastAPI's calls): a request vLLM's serving code adds there
+    gets rows by reference only when its answer renders them. Once a process; whether it is
+    in place."""
+    if STARLETTE_RESPONSES not in sys.modules and STARLETTE_APPLICATIONS not in sys.modules:
+        return False
+    starlette = importlib.import_module(STARLETTE_APPLICATIONS).Starlette
+    call = vars(starlette)["__call__"]
+    if getattr(call, _MARK, False):
+        return True
+    undo.append((ClassAttributes(starlette), "__call__", call))
+    marking = r3_delivery.over_http(call)
+    setattr(marking, _MARK, True)
+    starlette.__call__ = marking
+    return True
 
 
 class _Configured:
@@ -104,11 +131,15 @@ class _Configured:
         r3_delivery.configure(value)
 
 
-def _starting_arena(vllm_init: Callable[..., None], delivery: r3_delivery.Delivery) -> Any:
+def _starting_arena(
+    vllm_init: Callable[..., None], delivery: r3_delivery.Delivery, undo: list[Any]
+) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         vllm_init(self, *args, **kwargs)
         # The frontend starts here: its arena's budget is reserved now, or start-up stops.
         delivery.start()
+        # A process that imported Starlette after the plugin loaded serves HTTP from here on.
+        answering_http(undo)
 
     __init__.__wrapped__ = vllm_init  # type: ignore[attr-defined]
     return __init__
