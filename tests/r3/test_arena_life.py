@@ -690,3 +690,38 @@ def test_a_forked_child_gets_a_clear_error_from_its_parents_arena() -> None:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert os.path.exists(arena.path)  # the child's exit left it
+
+
+def test_a_reservation_is_read_only_once_published_and_given_back_unpublished(reader_) -> None:
+    """Rows over HTTP are written once into a reserved slot: no reference reads it, nothing
+    gives it up, until the answer publishes it; one never rendered is given back, also from a
+    garbage collection's callback (never under the arena's lock)."""
+    want = np.random.default_rng(5).integers(0, 128, (30, *ROW)).astype(np.uint8)
+
+    def write(targets: list[np.ndarray]) -> None:
+        (target,) = targets
+        target[...] = want.reshape(-1).view(np.uint8)
+
+    with Arena(8 * fmt.PAGE, ttl=60.0) as arena:
+        reserved = arena.reserve(want.dtype, want.shape, write)
+        assert reserved is not None
+        kept, rows = reserved
+        assert np.array_equal(rows, want) and not rows.flags.writeable
+        reserved = arena.reserve(want.dtype, want.shape, write)
+        assert reserved is not None
+        dropped = reserved[0]
+        assert arena.reserve(want.dtype, want.shape, write) is None  # 3 pages, 2 free
+        arena.check()
+        assert arena.stats()["references"] == 0
+        reference = kept.publish()
+        assert reference is not None and kept.publish() is reference
+        assert np.array_equal(reader_.fetch([reference])[0], want)
+        dropped.withdraw()
+        dropped.withdraw()  # once is enough
+        assert dropped.publish() is None
+        assert arena.stats()["slots_held"] == 1  # the withdrawn slot is free again
+        arena.check()
+        again = arena.reserve(want.dtype, want.shape, write)
+        assert again is not None
+        del again  # dropped without publish or withdraw: still held until withdrawn
+        assert arena.stats()["slots_held"] == 2

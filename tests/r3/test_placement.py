@@ -19,6 +19,7 @@ class PlacementModel(RuleBasedStateMachine):
         self.books = Placement(PAGES, SLOTS)
         self.pages: dict[int, int] = {}  # slot: pages held
         self.unread: dict[int, float] = {}  # slot: deadline
+        self.reserved: set[int] = set()
         self.read_order: list[int] = []
         self.expired_order: list[int] = []
 
@@ -30,20 +31,41 @@ class PlacementModel(RuleBasedStateMachine):
 
     def _forget(self, slot: int) -> None:
         self.unread.pop(slot, None)
+        self.reserved.discard(slot)
         for order in (self.read_order, self.expired_order):
             if slot in order:
                 order.remove(slot)
 
-    @rule(pages=st.integers(1, 18), deadline=st.integers(0, 20))
-    def place(self, pages: int, deadline: int) -> None:
+    @rule(
+        pages=st.integers(1, 18),
+        deadline=st.none() | st.integers(0, 20),
+        one_run=st.booleans(),
+    )
+    def place(self, pages: int, deadline: int | None, one_run: bool) -> None:
+        """Rows placed unread until ``deadline``, or reserved (None)."""
         fits = pages <= self.free() and len(self.pages) < SLOTS
+        if one_run:
+            fits = fits and pages <= self.books.largest_run()
+        told = None if deadline is None else float(deadline)
         if not fits:
             with pytest.raises(MemoryError):
-                self.books.place(pages, float(deadline))
+                self.books.place(pages, told, one_run=one_run)
             return
-        slot, runs = self.books.place(pages, float(deadline))
+        slot, runs = self.books.place(pages, told, one_run=one_run)
         assert slot not in self.pages and sum(n for _, n in runs) == pages
+        assert len(runs) == 1 or not one_run
         self.pages[slot] = pages
+        if told is None:
+            self.reserved.add(slot)
+        else:
+            self.unread[slot] = told
+
+    @precondition(lambda self: self.reserved)
+    @rule(data=st.data(), deadline=st.integers(0, 20))
+    def publish(self, data: st.DataObject, deadline: int) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.reserved)))
+        self.books.publish(slot, float(deadline))
+        self.reserved.remove(slot)
         self.unread[slot] = float(deadline)
 
     @precondition(lambda self: self.pages)
@@ -51,8 +73,8 @@ class PlacementModel(RuleBasedStateMachine):
     def read(self, data: st.DataObject) -> None:
         slot = data.draw(st.sampled_from(sorted(self.pages)))
         self.books.read(slot)
-        if slot in self.read_order:
-            return
+        if slot in self.read_order or slot in self.reserved:
+            return  # read already; a reserved slot has no reference to read it by
         self._forget(slot)
         self.read_order.append(slot)
 
@@ -115,6 +137,8 @@ class PlacementModel(RuleBasedStateMachine):
         assert self.books.free_pages == self.free()
         assert self.books.evictable_pages == self.evictable()
         assert self.books.held == len(self.pages)
+        free_runs = self.books._run_at.values()
+        assert self.books.largest_run() == max(free_runs, default=0)
 
 
 TestPlacementModel = PlacementModel.TestCase

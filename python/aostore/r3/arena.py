@@ -27,6 +27,7 @@ import os
 import secrets
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ import numpy as np
 from . import _format as fmt
 from .placement import Placement, Run
 
-__all__ = ["Arena", "ArenaStats", "sweep_stale"]
+__all__ = ["Arena", "ArenaStats", "Reservation", "sweep_stale"]
 
 TRIES = 64
 """The most slots' locks one finish tries, to give rows up or to find a free slot: a finish's
@@ -141,6 +142,7 @@ class Arena:
         self._runs = np.frombuffer(self._map, fmt.RUN, pages, runs_offset)
         self._data = np.frombuffer(self._map, np.uint8, budget, data_offset)
         self._lock = threading.Lock()
+        self._withdrawn: deque[int] = deque()  # reservations let go, freed at the next finish
         self._generation = 0
         self._seen = 0  # read-log entries learned
         self._books = Placement(pages, slots)
@@ -180,22 +182,10 @@ class Arena:
         bytes as the rows have; one array unless the free pages were scattered) and fills
         them, so rows held in pieces (the frontend's pages) are copied once, not joined
         first."""
-        dtype = np.dtype(dtype)
-        if dtype.hasobject or dtype.names is not None or not shape:
-            raise TypeError(f"rows are a numeric array, not {dtype} {shape}")
-        if len(shape) > fmt.MAX_DIMS:
-            raise ValueError(
-                f"rows of {len(shape)} dimensions: a reference holds at most {fmt.MAX_DIMS}"
-            )
-        nbytes = dtype.itemsize * math.prod(shape)
+        dtype, nbytes = _checked(dtype, shape)
         need = _pages(nbytes)
         with self._lock:
-            if self.closed:
-                raise fmt.R3Error("the R3 arena is closed")
-            if os.getpid() != self._pid:
-                raise fmt.R3Error(
-                    "this R3 arena belongs to the process that made it, not to a forked child"
-                )
+            self._usable()
             books = self._books
             self._learn()
             if not (books.free_pages >= need and books.has_free_slot()) and not self._room(need):
@@ -230,11 +220,83 @@ class Arena:
             self.counts.references += 1
             return fmt.make_reference(self.id, slot, self._generation, dtype, shape, token_start)
 
+    def reserve(
+        self,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        write: Callable[[list[np.ndarray]], None],
+    ) -> tuple[Reservation, np.ndarray] | None:
+        """Write rows into a slot now and make their reference later, if ever: for rows an
+        answer may or may not carry (over HTTP, only vLLM's serving code knows). ``write`` as
+        for :meth:`deliver_written`, given one array (a reservation is one run of pages, so the
+        frontend sees it as one array of rows). The reservation and the rows (read-only, in
+        the arena's memory: the reservation does not hold them, so their holder may let a
+        weak reference say when they go); None when no run of pages holds the rows (the caller
+        then keeps rows of its own, and delivers them if an answer renders them). A reserved
+        slot never gives way; :meth:`Reservation.withdraw` frees it."""
+        dtype, nbytes = _checked(dtype, shape)
+        need = _pages(nbytes)
+        with self._lock:
+            self._usable()
+            books = self._books
+            self._learn()
+            roomy = books.largest_run() >= need and books.has_free_slot()
+            if not roomy and not (self._room(need) and books.largest_run() >= need):
+                return None
+            if not self._lock_free_slot():
+                return None
+            slot, runs = books.place(need, None, one_run=True)
+            try:
+                targets = self._targets(runs, nbytes)
+                try:
+                    write(targets)
+                except BaseException:
+                    books.release(slot)
+                    raise
+                self._link(runs)
+                # Generation 0: no reference reads it until it is published.
+                self._slots[slot] = (0, runs[0][0], nbytes, 0.0, 0, 1, (0, 0))
+            finally:
+                fmt.lock(self._fd, slot, fmt.UNLOCK)
+            start = runs[0][0] * fmt.PAGE
+            rows = self._data[start : start + nbytes].view(dtype).reshape(shape)
+            rows.flags.writeable = False
+            return Reservation(self, slot, dtype, shape), rows
+
+    def _publish(self, reservation: Reservation, token_start: int) -> np.ndarray | None:
+        with self._lock:
+            if self.closed:
+                return None
+            slot = reservation.slot
+            deadline = fmt.now() + self.ttl
+            self._generation += 1
+            # The rows and the record's other fields are final: a reader with a stale
+            # reference to this slot sees generation 0 or this one, never its own.
+            self._slots["deadline"][slot] = deadline
+            self._slots["generation"][slot] = self._generation
+            self._books.publish(slot, deadline)
+            self.counts.references += 1
+            return fmt.make_reference(
+                self.id, slot, self._generation, reservation.dtype, reservation.shape, token_start
+            )
+
+    def _usable(self) -> None:
+        if self.closed:
+            raise fmt.R3Error("the R3 arena is closed")
+        if os.getpid() != self._pid:
+            raise fmt.R3Error(
+                "this R3 arena belongs to the process that made it, not to a forked child"
+            )
+        while self._withdrawn:
+            self._books.release(self._withdrawn.popleft())
+
     def stats(self) -> dict[str, int]:
         """:class:`ArenaStats` as a mapping: the shape ``aostore.metrics.register_store``
         exports. Counters only: a scrape costs the same however many slots are held (asking the
         kernel which are leased is :meth:`leases`)."""
         with self._lock:
+            while self._withdrawn and not self.closed:
+                self._books.release(self._withdrawn.popleft())
             self.counts.slots_held = self._books.held
             self.counts.bytes_held = self._books.held_pages * fmt.PAGE
             return dataclasses.asdict(self.counts)
@@ -256,7 +318,8 @@ class Arena:
             for slot in range(len(self._slots)):
                 record = self._slots[slot]
                 held = slot in self._books._held
-                assert (int(record["generation"]) != 0) == held, f"slot {slot}'s generation"
+                published = held and slot not in self._books._reserved
+                assert (int(record["generation"]) != 0) == published, f"slot {slot}'s generation"
                 if held:
                     runs = self._books.runs(slot)
                     assert int(record["page"]) == runs[0][0], f"slot {slot}'s first page"
@@ -413,6 +476,46 @@ def _name(fd: int, path: str) -> None:
         os.link(str(fd), path, src_dir_fd=directory, follow_symlinks=True)
     finally:
         os.close(directory)
+
+
+class Reservation:
+    """Rows written into a slot whose reference is not made yet (:meth:`Arena.reserve`)."""
+
+    def __init__(
+        self, arena: Arena, slot: int, dtype: np.dtype[Any], shape: tuple[int, ...]
+    ) -> None:
+        self.arena = arena
+        self.slot = slot
+        self.dtype = dtype
+        self.shape = shape
+        self._reference: np.ndarray | None = None
+        self._withdrawn = False
+
+    def publish(self, token_start: int = 0) -> np.ndarray | None:
+        """The rows' reference (the same one if asked again), unread from now until the TTL;
+        None once withdrawn, or when the arena is closed."""
+        if self._reference is None and not self._withdrawn:
+            self._reference = self.arena._publish(self, token_start)
+        return self._reference
+
+    def withdraw(self) -> None:
+        """Let the slot go unpublished. Safe from any thread, a garbage collection's callback
+        included: the slot is freed at the arena's next finish (never under its lock here)."""
+        if self._reference is None and not self._withdrawn:
+            self._withdrawn = True
+            self.arena._withdrawn.append(self.slot)
+
+
+def _checked(dtype: Any, shape: tuple[int, ...]) -> tuple[np.dtype[Any], int]:
+    """The rows' dtype and bytes, or ``TypeError``/``ValueError`` for rows no arena takes."""
+    dtype = np.dtype(dtype)
+    if dtype.hasobject or dtype.names is not None or not shape:
+        raise TypeError(f"rows are a numeric array, not {dtype} {shape}")
+    if len(shape) > fmt.MAX_DIMS:
+        raise ValueError(
+            f"rows of {len(shape)} dimensions: a reference holds at most {fmt.MAX_DIMS}"
+        )
+    return dtype, dtype.itemsize * math.prod(shape)
 
 
 def _unnamed(size: int, setting: str, budget: int) -> int:

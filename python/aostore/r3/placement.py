@@ -16,7 +16,9 @@ as make it (or none, when even all of them would not):
 2. unread rows past their deadline, oldest expired first (:meth:`due` lists candidates; the
    arena confirms each against its record, which a renewal may have moved).
 
-Unread rows before their deadline never give way. Every operation costs O(1) or O(log n) in the
+Unread rows before their deadline never give way, nor do reserved ones (written for an answer
+that has not rendered them yet: :meth:`place` without a deadline, then :meth:`publish` or
+:meth:`release`). Every operation costs O(1) or O(log n) in the
 number of slots held (heaps with lazy deletion, ordered dicts); nothing walks the held slots
 but :meth:`check`.
 """
@@ -56,6 +58,7 @@ class Placement:
         self._run_to: dict[int, int] = {pages: 0}  # a free run's end: its first page
         self._largest: list[tuple[int, int]] = [(-pages, 0)]  # (-pages, first), lazy
         self._held: dict[int, _Held] = {}
+        self._reserved: set[int] = set()  # written, not yet published
         self._unread: dict[int, float] = {}  # slot: deadline, before it was found due
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, token, slot), lazy
         self._read: OrderedDict[int, None] = OrderedDict()
@@ -84,6 +87,15 @@ class Placement:
 
     def is_unread(self, slot: int) -> bool:
         return slot in self._unread
+
+    def largest_run(self) -> int:
+        """The pages of the largest free run."""
+        while self._largest:
+            pages, first = self._largest[0]
+            if self._run_at.get(first) == -pages:
+                return -pages
+            heapq.heappop(self._largest)  # stale
+        return 0
 
     def could_make_room(self, pages: int) -> bool:
         """Whether free pages and every row that may give way hold ``pages`` (leases unknown)."""
@@ -117,13 +129,17 @@ class Placement:
         """Send the next free slot to the back (a reader holds its lock for a moment)."""
         self._free_slots.rotate(-1)
 
-    def place(self, pages: int, deadline: float) -> tuple[int, tuple[Run, ...]]:
-        """Hold ``pages`` pages of free space in :meth:`free_slot`, unread until
-        ``deadline``; its runs, in order."""
+    def place(
+        self, pages: int, deadline: float | None, *, one_run: bool = False
+    ) -> tuple[int, tuple[Run, ...]]:
+        """Hold ``pages`` pages of free space in :meth:`free_slot`, unread until ``deadline``
+        (None: reserved until :meth:`publish`); its runs, in order (one with ``one_run``)."""
         if pages < 1:
             raise ValueError(f"rows take at least a page, not {pages}")
         if pages > self.free_pages or not self._free_slots:
             raise MemoryError(f"{pages} pages asked, {self.free_pages} free")
+        if one_run and pages > self.largest_run():
+            raise MemoryError(f"{pages} pages asked in one run, {self.largest_run()} the most")
         slot = self._free_slots.popleft()
         runs: list[Run] = []
         left = pages
@@ -135,11 +151,19 @@ class Placement:
             runs.append((first, take))
             left -= take
         self.free_pages -= pages
-        token = next(self._tokens)
-        self._held[slot] = _Held(tuple(runs), pages, token)
-        self._unread[slot] = deadline
-        heapq.heappush(self._deadlines, (deadline, token, slot))
+        self._held[slot] = _Held(tuple(runs), pages, next(self._tokens))
+        self._reserved.add(slot)
+        if deadline is not None:
+            self.publish(slot, deadline)
         return slot, self._held[slot].runs
+
+    def publish(self, slot: int, deadline: float) -> None:
+        """``slot``'s rows, reserved, are a reference's now: unread until ``deadline``."""
+        if slot not in self._reserved:
+            raise ValueError(f"slot {slot} is not reserved")
+        self._reserved.remove(slot)
+        self._unread[slot] = deadline
+        heapq.heappush(self._deadlines, (deadline, self._held[slot].token, slot))
 
     def read(self, slot: int) -> None:
         """``slot``'s rows were read: they may give way from now on, after those read before."""
@@ -180,6 +204,7 @@ class Placement:
         """``slot``'s rows are gone: its pages and the slot are free."""
         held = self._held.pop(slot)
         self._unread.pop(slot, None)
+        self._reserved.discard(slot)
         for pool in (self._read, self._expired):
             if slot in pool:
                 del pool[slot]
@@ -244,7 +269,7 @@ class Placement:
             assert held.pages == sum(n for _, n in held.runs), f"slot {slot}'s pages"
         slots = list(self._free_slots) + list(self._held)
         assert sorted(slots) == list(range(self.slots)), "free and held slots"
-        pools = [set(self._unread), set(self._read), set(self._expired)]
+        pools = [self._reserved, set(self._unread), set(self._read), set(self._expired)]
         assert sum(map(len, pools)) == len(self._held), "a held slot in no pool or in two"
         assert set().union(*pools) == set(self._held), "a pool's slot is not held"
         evictable = sum(self._held[s].pages for s in itertools.chain(self._read, self._expired))

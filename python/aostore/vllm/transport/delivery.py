@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from aostore.r3.arena import Arena
+from aostore.r3.arena import Arena, Reservation
 
 if TYPE_CHECKING:
     from .frontend import RowChunks
@@ -107,15 +107,24 @@ class Delivery:
         from the pages straight into the arena; the rows (:meth:`RowChunks.finished`) when they
         do not fit; None when no rows came. ``over_http`` (the request came in over HTTP): the
         rows, left for the answer (:func:`leave_for_answer`), so that only an answer that
-        renders them takes a slot."""
+        renders them becomes a reference: written into a reserved slot of the arena now (one
+        copy, as by reference in process; the output's rows are that slot's, read-only), which
+        the answer publishes and an output nobody renders gives back; or, where no run of the
+        arena holds them, the finish's rows, written into the arena if an answer renders
+        them."""
         if not chunks:
             return chunks.finished()
-        if over_http:
-            rows = chunks.finished()
-            if rows is not None:
-                leave_for_answer(rows, self)
-            return rows
         dtype = chunks.dtype
+        if over_http:
+            if chunks.paged and not dtype.hasobject and dtype.names is None:
+                reserved = self.start().reserve(dtype, chunks.shape, chunks.stream_into)
+                if reserved is not None:
+                    leave_for_answer(reserved[1], self, reserved[0])
+                    return reserved[1]
+            finished = chunks.finished()
+            if finished is not None:
+                leave_for_answer(finished, self)
+            return finished
         if not chunks.paged or dtype.hasobject or dtype.names is not None:
             rows = chunks.finished()  # vLLM's concatenation: any rows vLLM could send
             return None if rows is None else self.deliver(rows)
@@ -149,11 +158,17 @@ _exported = False
 class _Left:
     """Rows a finish over HTTP left for its answer, and what the answer carries once rendered."""
 
-    __slots__ = ("answer", "delivery", "ref")
+    __slots__ = ("answer", "delivery", "ref", "reservation")
 
-    def __init__(self, ref: weakref.ref[np.ndarray], delivery: Delivery) -> None:
+    def __init__(
+        self,
+        ref: weakref.ref[np.ndarray],
+        delivery: Delivery,
+        reservation: Reservation | None,
+    ) -> None:
         self.ref = ref
         self.delivery = delivery
+        self.reservation = reservation
         self.answer: np.ndarray | None = None
 
 
@@ -162,7 +177,9 @@ class _Left:
 _left: dict[int, _Left] = {}
 
 
-def leave_for_answer(rows: np.ndarray, delivery: Delivery) -> None:
+def leave_for_answer(
+    rows: np.ndarray, delivery: Delivery, reservation: Reservation | None = None
+) -> None:
     """Mark ``rows`` (an output's ``routed_experts``) as to be delivered by reference if, and
     when, an answer renders them (:func:`answered`). Rows nobody renders are never written to
     the arena: the mark goes with the array. Rows an arena cannot hold (a dtype of fields or
@@ -178,8 +195,10 @@ def leave_for_answer(rows: np.ndarray, delivery: Delivery) -> None:
         left = table.get(key)
         if left is not None and left.ref is ref:
             table.pop(key, None)
+            if left.reservation is not None:
+                left.reservation.withdraw()  # never rendered: its slot goes back
 
-    _left[key] = _Left(weakref.ref(rows, forget), delivery)
+    _left[key] = _Left(weakref.ref(rows, forget), delivery, reservation)
 
 
 def answered(array: Any) -> np.ndarray | None:
@@ -192,7 +211,13 @@ def answered(array: Any) -> np.ndarray | None:
     rows = left.ref()
     if rows is not array or rows is None:
         return None
-    if left.answer is None:
+    if left.answer is None and left.reservation is not None:
+        # The rows are in a reserved slot already: the reference is made now. A closed arena
+        # (the plugin undone) makes none: the answer carries a copy of the rows.
+        left.answer = left.reservation.publish()
+        if left.answer is None:
+            left.answer = np.array(rows)
+    elif left.answer is None:
         arena = left.delivery.arena
         if arena is not None and arena.closed:
             left.answer = rows  # its arena closed since (the plugin undone): vLLM's rows
