@@ -400,18 +400,19 @@ def test_a_symlink_or_a_cut_short_file_under_an_arenas_name_is_refused() -> None
         os.unlink(arena.path)
 
 
-def _deleted_arenas_open() -> list[str]:
-    """The arena files this process still holds open (or mapped) after they were removed."""
+def _held_after_removal(path: str) -> list[str]:
+    """Where this process still holds the arena file ``path`` open (or mapped) after it was
+    removed."""
     held = []
     for name in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if fmt.PREFIX in target and target.endswith("(deleted)"):
+        if target == f"{path} (deleted)":
             held.append(target)
     with open("/proc/self/maps") as maps:
-        held += [line for line in maps if fmt.PREFIX in line and "(deleted)" in line]
+        held += [line for line in maps if f"{path} (deleted)" in line]
     return held
 
 
@@ -450,22 +451,11 @@ def test_a_reader_lets_go_of_an_arena_whose_frontend_is_gone(scripts, ending) ->
         reader.fetch([reference])
     assert reader.stats.arenas_let_go == 1
     gc.collect()
-    assert _deleted_arenas_open() == []
+    path = fmt.path(fmt.ident(fmt.parse(reference)["arena"]))
+    assert _held_after_removal(path) == []
     # A killed frontend's file went with the reader's look (the reader is its user).
-    assert not [
-        n
-        for n in os.listdir(fmt.DIRECTORY)
-        if reference and n.startswith(fmt.PREFIX) and not _alive(os.path.join(fmt.DIRECTORY, n))
-    ]
+    assert not os.path.exists(path)
     reader.close()
-
-
-def _alive(path: str) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return fmt.held_by_another(fd, fmt.LIVE)
-    finally:
-        os.close(fd)
 
 
 EXITS_UNDER_MULTIPROCESSING = """

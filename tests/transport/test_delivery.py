@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import logging
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,25 @@ def test_asking_for_a_reference_where_it_is_off_says_how_to_turn_it_on(installed
     processor.add_request(request("rows", {delivery.KEY: "rows"}), None)  # vLLM's way: fine
     rows = np.ones((4, 46, 8), np.uint8)
     assert np.array_equal(finish(processor, "rows", rows), rows)
+
+
+class Engine:
+    """What vLLM's ``AsyncLLM`` and ``LLMEngine`` are when they make their ``OutputProcessor``:
+    ``self.vllm_config`` set, its ``aux_output_config`` saying whether routed experts return."""
+
+    def __init__(self, routed_experts: bool) -> None:
+        aux = SimpleNamespace(enable_return_routed_experts=routed_experts)
+        self.vllm_config = SimpleNamespace(aux_output_config=aux)
+        self.output_processor = op_module.OutputProcessor(None, log_stats=False)
+
+
+@pytest.mark.parametrize("installed", ["reference"], indirect=True)
+def test_no_budget_is_reserved_for_an_engine_without_routed_experts(installed: Any) -> None:
+    """Issue 45, item 17: the arena's budget was reserved although no rows would ever come."""
+    Engine(routed_experts=False)
+    assert installed.arena is None
+    Engine(routed_experts=True)
+    assert installed.arena is not None
 
 
 def test_a_budget_the_node_cannot_hold_stops_the_frontends_start() -> None:

@@ -124,6 +124,16 @@ def answering_http(undo: list[Any]) -> bool:
     return True
 
 
+def _routed_experts(caller: Any) -> bool | None:
+    """Whether the engine whose ``__init__`` is ``caller`` (vLLM's ``AsyncLLM`` and
+    ``LLMEngine`` make their ``OutputProcessor`` with ``self.vllm_config`` set) returns routed
+    experts (``--enable-return-routed-experts``); None where that cannot be told."""
+    owner = caller.f_locals.get("self")
+    config = getattr(getattr(owner, "vllm_config", None), "aux_output_config", None)
+    flag = getattr(config, "enable_return_routed_experts", None)
+    return flag if isinstance(flag, bool) else None
+
+
 class _Configured:
     """What the undo list sets to put this process's delivery back to none."""
 
@@ -136,8 +146,11 @@ def _starting_arena(
 ) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         vllm_init(self, *args, **kwargs)
-        # The frontend starts here: its arena's budget is reserved now, or start-up stops.
-        delivery.start()
+        # The frontend starts here: its arena's budget is reserved now, or start-up stops;
+        # unless the engine making it runs without routed experts (no rows ever come: a later
+        # one would start the arena then).
+        if _routed_experts(sys._getframe(1)) is not False:
+            delivery.start()
         # A process that imported Starlette after the plugin loaded serves HTTP from here on.
         answering_http(undo)
 
