@@ -223,6 +223,8 @@ def test_a_non_streamed_answer_carries_a_reference_that_reads_back(
         frontend.run("a", rows)  # vLLM's output handler: the finish
         completion = frontend.output("a").outputs[0]
         assert np.array_equal(completion.routed_experts, rows)  # until an answer renders them
+        # Written once, into a slot the answer publishes: the arena's bytes, read-only.
+        assert not completion.routed_experts.flags.writeable
         text: str = serving[answer].numpy2base64(completion.routed_experts)
         return text
 
@@ -273,6 +275,28 @@ def test_a_streamed_completion_or_chat_keeps_no_slot(
 
     over_http(handler)
     figures = stats(installed)
+    assert (figures["references"], figures["slots_held"]) == (0, 0), figures
+    assert delivery.left_for_answers() == 0
+
+
+def test_a_non_streamed_output_nobody_renders_gives_its_slot_back(
+    installed: delivery.Delivery,
+) -> None:
+    """A non-streamed answer's rows go into a reserved slot at the finish; if its answer never
+    renders them (the client left between the finish and the answer), the slot goes back
+    with the output, and no reference was made."""
+    frontend = Frontend()
+    rows = rows_of(6)
+
+    async def handler() -> None:
+        frontend.add("late")
+        frontend.run("late", rows)
+        output = frontend.output("late")
+        assert np.array_equal(output.outputs[0].routed_experts, rows)
+        assert installed.stats() is not None and installed.stats()["slots_held"] == 1
+
+    over_http(handler)
+    figures = stats(installed)  # the output is gone: so is its reservation
     assert (figures["references"], figures["slots_held"]) == (0, 0), figures
     assert delivery.left_for_answers() == 0
 

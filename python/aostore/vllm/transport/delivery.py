@@ -102,21 +102,24 @@ class Delivery:
         self._fell_back(rows.nbytes)
         return rows
 
-    def deliver_chunks(self, chunks: RowChunks, *, over_http: bool = False) -> np.ndarray | None:
+    def deliver_chunks(
+        self, chunks: RowChunks, *, over_http: bool = False, expected: bool = False
+    ) -> np.ndarray | None:
         """What a finishing output carries for the rows in ``chunks``: their reference, written
         from the pages straight into the arena; the rows (:meth:`RowChunks.finished`) when they
         do not fit; None when no rows came. ``over_http`` (the request came in over HTTP): the
         rows, left for the answer (:func:`leave_for_answer`), so that only an answer that
-        renders them becomes a reference: written into a reserved slot of the arena now (one
-        copy, as by reference in process; the output's rows are that slot's, read-only), which
-        the answer publishes and an output nobody renders gives back; or, where no run of the
-        arena holds them, the finish's rows, written into the arena if an answer renders
-        them."""
+        renders them becomes a reference. ``expected`` (an answer will render them, as far as
+        the finish can tell): written into a reserved slot of the arena now (one copy, as by
+        reference in process; the output's rows are that slot's, read-only), which the answer
+        publishes and an output nobody renders gives back when it goes; otherwise, or where no
+        run of the arena holds them, the finish's rows, written into the arena if an answer
+        renders them (a second copy, for what is rarely rendered)."""
         if not chunks:
             return chunks.finished()
         dtype = chunks.dtype
         if over_http:
-            if chunks.paged and not dtype.hasobject and dtype.names is None:
+            if expected and chunks.paged and not dtype.hasobject and dtype.names is None:
                 reserved = self.start().reserve(dtype, chunks.shape, chunks.stream_into)
                 if reserved is not None:
                     leave_for_answer(reserved[1], self, reserved[0])
@@ -307,11 +310,13 @@ def current() -> Delivery | None:
     return _delivery
 
 
-def deliver_chunks(chunks: RowChunks, *, over_http: bool = False) -> np.ndarray | None:
+def deliver_chunks(
+    chunks: RowChunks, *, over_http: bool = False, expected: bool = False
+) -> np.ndarray | None:
     """:meth:`Delivery.deliver_chunks` with this process's delivery (the rows, without one)."""
     if _delivery is None:
         return chunks.finished()
-    return _delivery.deliver_chunks(chunks, over_http=over_http)
+    return _delivery.deliver_chunks(chunks, over_http=over_http, expected=expected)
 
 
 def choose(sampling_params: Any) -> str:

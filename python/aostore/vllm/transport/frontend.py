@@ -318,7 +318,20 @@ def request_state_subclass(vllm_request_state: Any) -> type:
         if self.aostore_r3_delivery == "reference":
             # In process: straight from the pages into the arena. Over HTTP: the rows, written
             # into the arena only if an answer renders them (delivery.answered).
-            rows = delivery.deliver_chunks(chunks, over_http=self.aostore_r3_over_http)
+            over_http = self.aostore_r3_over_http
+            rows = delivery.deliver_chunks(
+                chunks,
+                over_http=over_http,
+                # Rows an answer will render are written into the arena now (one copy): a
+                # non-streamed answer (FINAL_ONLY: vLLM's serving code asks for that) that was
+                # not aborted. Streamed outputs (DELTA: completions and chat render no routed
+                # experts; /inference/v1/generate's last chunk does), beam search's inner
+                # requests (CUMULATIVE) and aborted ones (a client that went away) keep rows of
+                # their own until an answer renders them, if one ever does.
+                expected=over_http
+                and getattr(self.output_kind, "name", None) == "FINAL_ONLY"
+                and str(finish_reason) != "abort",
+            )
         else:
             rows = chunks.finished()
         self.routed_experts_chunks = []
