@@ -14,8 +14,11 @@ UTF-8). Here:
   bytes). Rows that a finish over HTTP left for the answer (R3 by reference,
   :func:`~aostore.vllm.transport.delivery.answered`) are written into the arena here, when an
   answer carries them, and their reference is encoded;
-- :func:`render_over`'s ``render`` dumps the body with each long string set aside, then splices
-  the strings in, in one allocation (``aostore._native.splice_json``):
+- :func:`render_over`'s ``render`` is Starlette's for every answer but one that carries a long
+  string this context's ``numpy2base64`` made (routed experts as rows: a request's handler
+  makes and renders its answer in one task); only that answer is walked, and only where such
+  a string can be (lists of numbers are passed over whole). It dumps the body with those
+  strings set aside, then splices them in, in one allocation (``aostore._native.splice_json``):
   ``json.dumps(ensure_ascii=False)`` writes an ASCII string without ``"``, ``\\`` or control
   characters as itself in quotes (base64 is such a string), so the bytes are vLLM's; a body with
   any other long string is rendered by vLLM's code.
@@ -23,6 +26,7 @@ UTF-8). Here:
 
 from __future__ import annotations
 
+import contextvars
 import io
 import json
 from collections.abc import Callable
@@ -36,6 +40,26 @@ from . import delivery as r3_delivery
 
 LONG = 64 * 1024
 """Strings from this many characters are set aside (shorter ones cost ``json.dumps`` little)."""
+
+_MADE: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "aostore_long_strings_made", default=None
+)
+"""The ids of the long strings ``numpy2base64`` made in this context and no answer rendered
+yet: a hint, not a promise (an id may be reused once its string is gone; the splice checks
+every string it sets aside), kept to the last :data:`REMEMBERED`."""
+REMEMBERED = 1024
+
+
+def _made(text: str) -> None:
+    if len(text) < LONG:
+        return
+    made = _MADE.get()
+    if made is None:
+        made = []
+        _MADE.set(made)
+    made.append(id(text))
+    if len(made) > REMEMBERED:
+        del made[: REMEMBERED // 2]
 
 
 def npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
@@ -83,6 +107,11 @@ def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callabl
 
     def numpy2base64(array: np.ndarray) -> str:
         """Encode a NumPy array using its `.npy` representation."""
+        text = encoded(array)
+        _made(text)
+        return text
+
+    def encoded(array: np.ndarray) -> str:
         if type(array) is np.ndarray:
             # Rows a finish over HTTP left for the answer: delivered by reference now that an
             # answer carries them (the reference, or the rows when they do not fit).
@@ -121,21 +150,31 @@ class _NotPlain(Exception):
     pass
 
 
-def _set_aside(value: Any, long: list[str]) -> Any:
-    """``value`` with every ASCII string of at least :data:`LONG` characters replaced by a
-    marker and kept in ``long``; raises :class:`_NotPlain` for a long string that is not ASCII.
-    (Whether ``json.dumps`` writes each as itself in quotes is checked as it is spliced.)"""
-    if type(value) is str:
-        if len(value) < LONG:
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _set_aside(value: Any, long: list[str], wanted: set[int]) -> Any:
+    """``value`` with every string whose id is in ``wanted`` replaced by a marker and kept in
+    ``long`` (ids found are taken out of ``wanted``: once it is empty nothing more is walked);
+    raises :class:`_NotPlain` for one that is not ASCII. (Whether ``json.dumps`` writes each
+    as itself in quotes is checked as it is spliced.)"""
+    if not wanted:
+        return value
+    kind = type(value)
+    if kind is str:
+        if id(value) not in wanted or len(value) < LONG:
             return value
         if not value.isascii():  # O(1): CPython records it
             raise _NotPlain
+        wanted.discard(id(value))
         long.append(value)
         return _MARKER.format(len(long) - 1)
-    if type(value) is dict:
-        return {key: _set_aside(item, long) for key, item in value.items()}
-    if type(value) is list:
-        return [_set_aside(item, long) for item in value]
+    if kind is dict:
+        return {key: _set_aside(item, long, wanted) for key, item in value.items()}
+    if kind is list:
+        if set(map(type, value)) <= _SCALARS:  # token ids, logprobs: no string (C speed)
+            return value
+        return [_set_aside(item, long, wanted) for item in value]
     return value
 
 
@@ -143,13 +182,18 @@ def render_over(vllm_render: Callable[[Any, Any], bytes]) -> Callable[[Any, Any]
     """aostore's ``JSONResponse.render`` over Starlette's (its fallback)."""
 
     def render(self: Any, content: Any) -> bytes:
+        made = _MADE.get()
+        if not made:  # no routed experts made for this answer: Starlette's render, no walk
+            return vllm_render(self, content)
         long: list[str] = []
+        wanted = set(made)
         try:
-            shallow = _set_aside(content, long)
+            shallow = _set_aside(content, long, wanted)
         except _NotPlain:
             return vllm_render(self, content)
         if not long:
             return vllm_render(self, content)
+        made[:] = [i for i in made if i in wanted]  # rendered: no longer looked for
         text = json.dumps(
             shallow, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
         )
