@@ -185,6 +185,20 @@ def test_probe_of_vllms_store_is_quiet(tree: FakeTree, caplog: pytest.LogCapture
     assert [r.getMessage() for r in caplog.records if r.name == STORE] == ["after"]
 
 
+def test_r3_by_reference_refused_is_a_warning(
+    tree: FakeTree, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 47: a refused R3 setting was said at INFO at the end of a long line; the docs
+    promise a WARNING for any setting ignored."""
+    monkeypatch.setenv("AOSTORE_VLLM_R3_DELIVERY", "reference")
+    monkeypatch.setenv("AOSTORE_VLLM_R3_TTL", "-5")
+    with caplog.at_level(logging.DEBUG):
+        vllm_plugin.register()
+    (record,) = plugin_records(caplog)
+    assert record.levelno == logging.WARNING
+    assert "AOSTORE_VLLM_R3_TTL='-5' is not a positive" in record.getMessage()
+
+
 @pytest.mark.parametrize("value", ["0", "false", "off", "no", " 0 ", "OFF"])
 def test_environment_variable_turns_it_off(
     tree: FakeTree, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str

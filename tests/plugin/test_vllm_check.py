@@ -184,6 +184,34 @@ def test_profile_and_prefault_settings_are_reported(
     assert f"prefault:    {said}" in out and f"(AOSTORE_VLLM_PREFAULT='{value}')" in out
 
 
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"AOSTORE_VLLM_R3_BUDGET": "abc"}, "AOSTORE_VLLM_R3_BUDGET='abc' is not a size"),
+        ({"AOSTORE_VLLM_R3_DELIVERY": "refrence"}, "'refrence' is not rows or reference"),
+        ({"AOSTORE_VLLM_R3_TTL": "-5"}, "AOSTORE_VLLM_R3_TTL='-5' is not a positive"),
+        ({}, "R3 by reference refused (AOSTORE_VLLM_R3_DELIVERY=reference): it needs the"),
+    ],
+)
+def test_r3_settings_are_reported_with_why_they_were_refused(
+    make_tree: TreeMaker,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    settings: dict[str, str],
+    said: str,
+) -> None:
+    """Issue 47: ``aostore vllm-check`` said nothing about R3 by reference, in text or JSON."""
+    make_tree("grow", known=True)
+    monkeypatch.setenv("AOSTORE_VLLM_R3_DELIVERY", "reference")
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    _, out = _check(capsys)
+    assert "  R3:          " in out and said in out, out
+    _, out = _check(capsys, "--json")
+    report = json.loads(out)
+    assert said in report["r3"] and report["r3_delivery"] is None
+
+
 def test_json_report(make_tree: TreeMaker, capsys: pytest.CaptureFixture[str]) -> None:
     make_tree("fail-closed", known=True)
     status, out = _check(capsys, "--json")

@@ -180,7 +180,9 @@ def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bo
     parts += [f"kept vLLM's {name}: {why}" for name, why in decision.keep.items()]
     # A Mooncake setting that was asked for and is not used deserves a warning.
     tier_ignored = bool(decision.mooncake_said) and decision.mooncake is None
-    warn = warn or tier_ignored
+    # So does R3 by reference asked for and refused (a bad setting, the transport off).
+    r3_refused = bool(decision.r3_said) and decision.r3_delivery is None
+    warn = warn or tier_ignored or r3_refused
     level = logging.WARNING if decision.keep or not decision.replace or warn else logging.INFO
     if not (logger.isEnabledFor(level) and logger.hasHandlers()):
         # Nothing would show it (vLLM's front end loads plugins before it configures logging):

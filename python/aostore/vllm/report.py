@@ -195,6 +195,8 @@ def check() -> dict[str, Any]:
         "data_plane_on": [],
         "transport": "",
         "transport_on": False,
+        "r3": "",
+        "r3_delivery": None,
         "problem": "",
     }
     problems = []
@@ -218,6 +220,8 @@ def check() -> dict[str, Any]:
         report["data_plane_on"] = list(decision.data_plane)
         report["transport"] = decision.transport_said
         report["transport_on"] = decision.transport
+        report["r3"] = decision.r3_said
+        report["r3_delivery"] = decision.r3_delivery
     if result.profile:
         report["profile"] = result.profile
         report["profile_reason"] = result.reason
@@ -265,6 +269,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  data plane:  {report['data_plane']}")
     if report.get("transport"):
         lines.append(f"  transport:   {report['transport']}")
+    if report.get("r3"):
+        lines.append(f"  R3:          {report['r3']}")
     if report["use"]:
         planes = report.get("data_plane_on") or []
         plane = f"data plane on for the {' and the '.join(planes)}" if planes else "data plane off"
