@@ -34,15 +34,24 @@ test-venv: $(VENV)/.test-deps
 # The product: one cp311-abi3 manylinux_2_28 wheel, stripped (a 0.7 MB download, not 2.2 MB:
 # the crate's release profile keeps line tables for profiling). maturin finds zig (the ziglang
 # package) through the virtual environment's python on the PATH.
+# zig links its own static libunwind, whose _Unwind_* the Rust personality then calls with
+# libgcc_s's context when glibc force-unwinds a thread through Rust frames (CPython 3.11 ends a
+# daemon thread that wants the GIL during finalization with pthread_exit): a SIGSEGV at exit,
+# caught by tests/stores/test_process_life.py. So the system's libgcc_s.so.1 (one of the
+# libraries manylinux allows) is linked first and serves every _Unwind_* symbol.
+LIBGCC_S := $(shell $(or $(CC),cc) -print-file-name=libgcc_s.so.1)
 build: venv
 	rm -rf $(WHEEL_DIR)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/maturin build --release --strip --zig \
-		--compatibility manylinux_2_28 --out $(WHEEL_DIR)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C link-arg=$(LIBGCC_S)" \
+		$(VENV)/bin/maturin build --release --strip --zig --compatibility manylinux_2_28 \
+		--out $(WHEEL_DIR)
 
 # What platforms the wheel installs on, as pip sees it: fails unless it is manylinux_2_28.
 wheel-check: build test-venv
+	mkdir -p target
 	$(VENV)/bin/auditwheel show $(WHEEL_DIR)/aostore-*-cp311-abi3-*.whl | tee target/auditwheel.txt
 	grep -q '"manylinux_2_28_x86_64"' target/auditwheel.txt
+	grep -q "libgcc_s.so.1 with versions" target/auditwheel.txt  # the system's unwinder, not zig's
 
 # Installs the wheel (not the source tree) into the virtual environment.
 install: build

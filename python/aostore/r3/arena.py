@@ -183,42 +183,16 @@ class Arena:
         them, so rows held in pieces (the frontend's pages) are copied once, not joined
         first."""
         dtype, nbytes = _checked(dtype, shape)
-        need = _pages(nbytes)
         with self._lock:
             self._usable()
-            books = self._books
-            self._learn()
-            if not (books.free_pages >= need and books.has_free_slot()) and not self._room(need):
+            written = self._write(nbytes, write, fmt.now() + self.ttl)
+            if written is None:
                 self.counts.fallbacks += 1
                 return None
-            if not self._lock_free_slot():
-                self.counts.fallbacks += 1
-                return None
-            deadline = fmt.now() + self.ttl
-            slot, runs = books.place(need, deadline)
-            try:
-                try:
-                    write(self._targets(runs, nbytes))
-                except BaseException:
-                    books.release(slot)  # its generation is still 0: nothing to undo
-                    raise
-                self._generation += 1
-                self._link(runs)
-                # One store of the whole record, under the slot's write lock: no reader sees
-                # it before the lock is let go.
-                self._slots[slot] = (
-                    self._generation,
-                    runs[0][0],
-                    nbytes,
-                    deadline,
-                    0,
-                    len(runs),
-                    (0, 0),
-                )
-            finally:
-                fmt.lock(self._fd, slot, fmt.UNLOCK)
             self.counts.references += 1
-            return fmt.make_reference(self.id, slot, self._generation, dtype, shape, token_start)
+            return fmt.make_reference(
+                self.id, written[0], self._generation, dtype, shape, token_start
+            )
 
     def reserve(
         self,
@@ -235,33 +209,53 @@ class Arena:
         then keeps rows of its own, and delivers them if an answer renders them). A reserved
         slot never gives way; :meth:`Reservation.withdraw` frees it."""
         dtype, nbytes = _checked(dtype, shape)
-        need = _pages(nbytes)
         with self._lock:
             self._usable()
-            books = self._books
-            self._learn()
-            roomy = books.largest_run() >= need and books.has_free_slot()
-            if not roomy and not (self._room(need) and books.largest_run() >= need):
+            written = self._write(nbytes, write, None)
+            if written is None:
                 return None
-            if not self._lock_free_slot():
-                return None
-            slot, runs = books.place(need, None, one_run=True)
-            try:
-                targets = self._targets(runs, nbytes)
-                try:
-                    write(targets)
-                except BaseException:
-                    books.release(slot)
-                    raise
-                self._link(runs)
-                # Generation 0: no reference reads it until it is published.
-                self._slots[slot] = (0, runs[0][0], nbytes, 0.0, 0, 1, (0, 0))
-            finally:
-                fmt.lock(self._fd, slot, fmt.UNLOCK)
+            slot, runs = written
             start = runs[0][0] * fmt.PAGE
             rows = self._data[start : start + nbytes].view(dtype).reshape(shape)
             rows.flags.writeable = False
             return Reservation(self, slot, dtype, shape), rows
+
+    def _write(
+        self, nbytes: int, write: Callable[[list[np.ndarray]], None], deadline: float | None
+    ) -> tuple[int, tuple[Run, ...]] | None:
+        """Under the arena's lock: room made, a free slot locked, ``nbytes`` of rows written by
+        ``write`` and the slot's record stored (its generation the next one, unread until
+        ``deadline``; or, with None, 0: reserved, one run, unread by any reference until
+        published). The slot and its runs; None when the rows find no room or no slot."""
+        books, need = self._books, _pages(nbytes)
+        self._learn()
+        if deadline is None:  # a reservation: one run, so the frontend sees one array
+            roomy = books.largest_run() >= need and books.has_free_slot()
+            if not roomy and not (self._room(need) and books.largest_run() >= need):
+                return None
+        elif not (books.free_pages >= need and books.has_free_slot()) and not self._room(need):
+            return None
+        if not self._lock_free_slot():
+            return None
+        slot, runs = books.place(need, deadline, one_run=deadline is None)
+        try:
+            try:
+                write(self._targets(runs, nbytes))
+            except BaseException:
+                books.release(slot)  # its generation is still 0: nothing to undo
+                raise
+            generation = 0
+            if deadline is not None:
+                self._generation += 1
+                generation = self._generation
+            self._link(runs)
+            # One store of the whole record, under the slot's write lock: no reader sees it
+            # before the lock is let go.
+            record = (generation, runs[0][0], nbytes, deadline or 0.0, 0, len(runs), (0, 0))
+            self._slots[slot] = record
+        finally:
+            fmt.lock(self._fd, slot, fmt.UNLOCK)
+        return slot, runs
 
     def _publish(self, reservation: Reservation, token_start: int) -> np.ndarray | None:
         with self._lock:
