@@ -169,12 +169,12 @@ READ, WRITE, UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64 and aarch64
 
 
-def lock_byte(fd: int, byte: int, kind: int, *, wait: bool = False) -> bool:
+def lock_byte(fd: int, byte: int, kind: int) -> bool:
     """Take (``F_RDLCK``, ``F_WRLCK``) or drop (``F_UNLCK``) the lock on ``byte`` for this open
-    file description; False when another's lock stands in the way (unless ``wait``)."""
+    file description, never waiting: False when another's lock stands in the way."""
     request = _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, request)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
     except OSError as error:
         if error.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -183,7 +183,7 @@ def lock_byte(fd: int, byte: int, kind: int, *, wait: bool = False) -> bool:
 
 
 def lock(fd: int, slot: int, kind: int) -> bool:
-    """:func:`lock_byte` on ``slot``'s byte, never waiting."""
+    """:func:`lock_byte` on ``slot``'s byte."""
     return lock_byte(fd, LOCKS + slot, kind)
 
 

@@ -309,6 +309,17 @@ class _OpenArena:
             self.leased.clear()
 
 
+def _end_leases(mappings: list[tuple[mmap.mmap, Any]]) -> None:
+    """Unmap each view's mapping and end its lease; a mapping still viewed through another
+    buffer keeps its lease until that view goes (its finalizer ends it then)."""
+    for mapped, finalizer in mappings:
+        try:
+            mapped.close()
+        except BufferError:
+            continue
+        finalizer()
+
+
 def _close_mapping(mapped: mmap.mmap) -> None:
     """Unmap now, or when the last view of it goes (one kept by a caught exception's frame)."""
     try:
@@ -412,12 +423,7 @@ class Fetched(Sequence[np.ndarray]):
 
     def _end(self) -> None:
         self._arrays = None
-        for mapped, finalizer in self._mappings:
-            try:
-                mapped.close()
-            except BufferError:  # a view through another buffer: the lease waits for it
-                continue
-            finalizer()
+        _end_leases(self._mappings)
         self._mappings = []
 
     def __enter__(self) -> Fetched:
@@ -667,12 +673,7 @@ class Reader:
         except BaseException:
             # A batch that fails part way (a mapping refused: ENOMEM) keeps no lease.
             del arrays
-            for mapped, finalizer in mappings:
-                try:
-                    mapped.close()
-                except BufferError:
-                    continue
-                finalizer()
+            _end_leases(mappings)
             for slot, _ in taken[handed:]:
                 self._give_back(arena, slot)  # type: ignore[arg-type]
             raise

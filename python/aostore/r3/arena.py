@@ -281,6 +281,11 @@ class Arena:
             raise fmt.R3Error(
                 "this R3 arena belongs to the process that made it, not to a forked child"
             )
+        self._release_withdrawn()
+
+    def _release_withdrawn(self) -> None:
+        """Free the slots of reservations let go since (queued: never freed from the garbage
+        collector's callback, which may run under this lock)."""
         while self._withdrawn:
             self._books.release(self._withdrawn.popleft())
 
@@ -289,8 +294,8 @@ class Arena:
         exports. Counters only: a scrape costs the same however many slots are held (asking the
         kernel which are leased is :meth:`leases`)."""
         with self._lock:
-            while self._withdrawn and not self.closed:
-                self._books.release(self._withdrawn.popleft())
+            if not self.closed:
+                self._release_withdrawn()
             self.counts.slots_held = self._books.held
             self.counts.bytes_held = self._books.held_pages * fmt.PAGE
             return dataclasses.asdict(self.counts)
@@ -301,7 +306,7 @@ class Arena:
         with self._lock:
             if self.closed:
                 return 0
-            held = list(self._books._held)
+            held = self._books.held_slots()
         return sum(1 for slot in held if not self.closed and fmt.leased(self._fd, slot))
 
     def check(self) -> None:
@@ -309,10 +314,11 @@ class Arena:
         placement's, and the slot table against them)."""
         with self._lock:
             self._books.check()
+            held_slots = set(self._books.held_slots())
             for slot in range(len(self._slots)):
                 record = self._slots[slot]
-                held = slot in self._books._held
-                published = held and slot not in self._books._reserved
+                held = slot in held_slots
+                published = held and not self._books.is_reserved(slot)
                 assert (int(record["generation"]) != 0) == published, f"slot {slot}'s generation"
                 if held:
                     runs = self._books.runs(slot)

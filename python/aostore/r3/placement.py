@@ -79,6 +79,13 @@ class Placement:
     def has_free_slot(self) -> bool:
         return bool(self._free_slots)
 
+    def held_slots(self) -> list[int]:
+        """The slots holding rows, reserved ones included."""
+        return list(self._held)
+
+    def is_reserved(self, slot: int) -> bool:
+        return slot in self._reserved
+
     def runs(self, slot: int) -> tuple[Run, ...]:
         return self._held[slot].runs
 
