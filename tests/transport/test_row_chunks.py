@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from aostore._npy import LaidOut
 from aostore.vllm.transport import RowChunks
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -186,7 +187,7 @@ def test_the_finished_rows_follow_their_npy_header_and_are_the_callers() -> None
         buffer = buffer.base  # type: ignore[union-attr]
     saved = io.BytesIO()
     np.save(saved, want, allow_pickle=False)
-    assert type(buffer) is np.ndarray and buffer.tobytes() == saved.getvalue()
+    assert type(buffer) is LaidOut and buffer.tobytes() == saved.getvalue()
     ours[-1] = rows(1, 99, shape=(46, 8))
     got[0, 0, 0] = 255
     same(got[1:], want[1:])

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import _npy as npy
+
 MAGIC = b"AOSTR3\x00\x01"
 ARENA_VERSION = 2
 """The arena file's format (1: the pid-checked arena of aostore 0.1.0's first R3 release)."""
@@ -276,12 +278,10 @@ def make_reference(
 
 
 def _npy_header() -> bytes:
-    """The ``.npy`` header of a reference as ``np.save`` (vLLM's ``numpy2base64``) writes it
-    with this numpy."""
+    """The ``.npy`` header of a reference as ``np.save`` (vLLM's ``numpy2base64``) writes it,
+    made once."""
     if "npy" not in _known:
-        buffer = io.BytesIO()
-        np.save(buffer, np.zeros((), REFERENCE), allow_pickle=False)
-        _known["npy"] = buffer.getvalue()[: -REFERENCE.itemsize]
+        _known["npy"] = npy.header(REFERENCE, ())
     return _known["npy"]
 
 
@@ -293,7 +293,7 @@ def is_reference(array: np.ndarray) -> bool:
 def npy_of(reference: np.ndarray) -> bytes:
     """What ``np.save`` writes for a reference (a 0-d array of :data:`REFERENCE`), without its
     header's formatting each time."""
-    return _npy_header() + reference.tobytes()
+    return npy.saved(reference, _npy_header())
 
 
 def parse(value: Any) -> np.ndarray:

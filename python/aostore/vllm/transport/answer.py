@@ -9,9 +9,10 @@ UTF-8). Here:
 - :func:`numpy2base64` writes the ``.npy`` header and the array's bytes once and encodes them
   straight to a ``str``: vLLM's string exactly, for every array (anything the fast path does not
   cover goes to vLLM's function). A finished request's rows already sit after their header in
-  one buffer (:meth:`~aostore.vllm.transport.frontend.RowChunks.finished`): that buffer is
-  encoded as it is, and so is an R3 reference (its header as ``np.save`` writes it, then its
-  bytes). Rows that a finish over HTTP left for the answer (R3 by reference,
+  one buffer (:meth:`~aostore.vllm.transport.frontend.RowChunks.finished`), known by its type
+  (:class:`aostore._npy.LaidOut`): that buffer is encoded as it is. An R3 reference is its
+  header as ``np.save`` writes it, then its bytes (:mod:`aostore._npy` makes both). Rows that
+  a finish over HTTP left for the answer (R3 by reference,
   :func:`~aostore.vllm.transport.delivery.answered`) are written into the arena here, when an
   answer carries them, and their reference is encoded;
 - :func:`render_over`'s ``render`` is Starlette's for every answer but one that carries a long
@@ -27,13 +28,13 @@ UTF-8). Here:
 from __future__ import annotations
 
 import contextvars
-import io
 import json
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ... import _npy as npy
 from ..._native import splice_json
 from ...r3 import _format as r3_format
 from . import delivery as r3_delivery
@@ -62,43 +63,6 @@ def _made(text: str) -> None:
         del made[: REMEMBERED // 2]
 
 
-def npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
-    """The header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape`` with
-    neither fields nor a subarray dtype: format 1.0, what it picks when the header fits."""
-    header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        header,
-        {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape},
-    )
-    return header.getvalue()
-
-
-def npy_ready(dtype: np.dtype[Any]) -> bool:
-    """Whether :func:`npy_header` covers ``dtype``."""
-    return not dtype.hasobject and dtype.names is None and dtype.subdtype is None
-
-
-def _laid_out(array: np.ndarray) -> np.ndarray | None:
-    """The buffer that holds exactly ``array``'s ``.npy`` form (its header, then its bytes,
-    which are the array's own memory: :meth:`RowChunks.finished`'s layout), or None."""
-    owner = array.base
-    if type(owner) is not np.ndarray:
-        return None
-    while type(owner.base) is np.ndarray:
-        owner = owner.base
-    if owner.base is not None or owner.dtype != np.uint8 or owner.ndim != 1:
-        return None
-    header = npy_header(array.dtype, array.shape)
-    if (
-        owner.nbytes != len(header) + array.nbytes
-        or array.__array_interface__["data"][0]
-        != owner.__array_interface__["data"][0] + len(header)
-        or owner[: len(header)].tobytes() != header
-    ):
-        return None
-    return owner
-
-
 def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callable[..., str]:
     """aostore's ``numpy2base64`` over vLLM's (its fallback)."""
     import pybase64  # type: ignore[import-not-found]  # vLLM's dependency
@@ -125,16 +89,14 @@ def numpy2base64_over(vllm_numpy2base64: Callable[[np.ndarray], str]) -> Callabl
             encode is None
             or type(array) is not np.ndarray
             or not array.flags.c_contiguous
-            or not npy_ready(array.dtype)
+            or not npy.plain(array.dtype)
         ):
             return vllm_numpy2base64(array)
-        laid_out = _laid_out(array)
+        laid_out = npy.laid_out(array)
         if laid_out is not None:
             text = encode(laid_out)
             return text
-        header = npy_header(array.dtype, array.shape)
-        data = b"".join((header, array.reshape(-1).view(np.uint8).data))
-        text = encode(data)
+        text = encode(npy.saved(array))
         return text
 
     numpy2base64.__wrapped__ = vllm_numpy2base64  # type: ignore[attr-defined]

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from ... import _npy as npy
 from ..._native import copy_pages
 from . import delivery
-from .answer import npy_header, npy_ready
 
 PAGE = 64 * 1024
 """The largest page: a request's rows live in pages of at most this many bytes (whole rows),
@@ -139,20 +139,21 @@ class RowChunks:
     def finished(self) -> np.ndarray | None:
         """Every row as one array, what vLLM's ``np.concatenate(chunks, axis=0)`` gives on the
         finish (None when no chunk came; once a plain list, that concatenation). The array's
-        bytes follow its ``.npy`` header in one buffer (an array of bytes), so that the API server's
-        ``numpy2base64`` encodes that buffer as it is instead of copying the rows again."""
+        bytes follow its ``.npy`` header in one buffer (:class:`aostore._npy.LaidOut`), so that
+        the API server's ``numpy2base64`` encodes that buffer as it is instead of copying the
+        rows again."""
         if self._list is not None:
             return np.concatenate(self._list, axis=0) if self._list else None
         if not self._ends:
             return None
         shape = self.shape
-        header = npy_header(self._dtype, shape) if npy_ready(self._dtype) else b""
-        # Not a bytearray: that would zero every byte before they are copied.
-        buffer = np.empty(len(header) + self._size, np.uint8)
-        buffer[: len(header)] = np.frombuffer(header, np.uint8)
-        self.copy_into(buffer[len(header) :])
-        rows: np.ndarray = buffer[len(header) :].view(self._dtype)
-        return rows.reshape(shape)
+        if npy.plain(self._dtype):
+            rows = npy.lay_out(self._dtype, shape)
+        else:  # rows vLLM's numpy2base64 writes itself: no header to lay them out after
+            # Not a bytearray: that would zero every byte before they are copied.
+            rows = np.empty(self._size, np.uint8).view(self._dtype).reshape(shape)
+        self.copy_into(rows.reshape(-1).view(np.uint8))
+        return rows
 
     @property
     def paged(self) -> bool:
