@@ -222,10 +222,11 @@ def server(arm: hops.Arm, job: Job, port_out: Connection) -> dict[str, Any]:
             del finished, completion, field, body
             if conn.recv(1) != b"k":
                 raise ConnectionError("the client did not ack")
-    held = delivery.current()
+    held = delivery.installed()
     arena = held.stats() if held is not None else None
     conn.recv(1)  # the client is done reading: the arena may go
-    delivery.configure(None)  # closes it (this process ends with os._exit: no finalizers)
+    if held is not None and held.arena is not None:
+        held.arena.close()  # this process ends with os._exit: no finalizers
     conn.close()
     listener.close()
     return {"answers": figures, "arena": arena}

@@ -71,7 +71,7 @@ def installed(request: pytest.FixtureRequest) -> Any:
         yield made
     finally:
         undo_swap(undo)
-        assert delivery.current() is None
+        assert delivery.installed() is None
         if made is not None and made.arena is not None:
             made.arena.close()
 

@@ -171,7 +171,7 @@ def installed() -> Iterator[delivery.Delivery]:
         yield made
     finally:
         undo_swap(undo)
-        assert delivery.current() is None
+        assert delivery.installed() is None
         if made.arena is not None:
             made.arena.close()
 

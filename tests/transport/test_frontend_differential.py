@@ -39,7 +39,7 @@ if importlib.util.find_spec("vllm") is None:
 from aostore import r3
 from aostore.vllm.install import swap, undo_swap
 from aostore.vllm.transport import StepRows, delivery, install
-from aostore.vllm.transport.frontend import RowChunks
+from aostore.vllm.transport.frontend import RowChunks, request_state_subclass
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -351,13 +351,15 @@ def test_request_outputs_are_vllms(seed: int, transport: type) -> None:
 
 @pytest.mark.parametrize("seed", range(30))
 def test_rows_by_reference_read_back_as_vllms_rows(seed: int, transport: type) -> None:
-    """R3 by reference (SPEC 17): a third arm whose requests ask for references; what
-    ``aostore.r3`` reads for each is vLLM's finished rows exactly (after its stop trimming),
-    and every other field is vLLM's."""
-    delivery.configure(delivery.Delivery("rows", 64 << 20, 60.0))
+    """R3 by reference: a third arm whose requests ask for references; what ``aostore.r3``
+    reads for each is vLLM's finished rows exactly (after its stop trimming), and every other
+    field is vLLM's."""
+    made = delivery.Delivery("rows", 64 << 20, 60.0)
+    ours = request_state_subclass(op_module.RequestState, made)  # vLLM's, between the arms
     try:
-        assert run(seed, transport, reference=True) > 0
-        stats = delivery.current().stats()  # type: ignore[union-attr]
+        assert run(seed, ours, reference=True) > 0
+        stats = made.stats()
         assert stats is not None and stats["references"] > 0 and stats["fallbacks"] == 0
     finally:
-        delivery.configure(None)
+        if made.arena is not None:
+            made.arena.close()

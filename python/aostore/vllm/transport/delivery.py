@@ -1,4 +1,4 @@
-"""R3 rows by reference (SPEC 17): the frontend keeps a finished request's rows in its arena
+"""R3 rows by reference: the frontend keeps a finished request's rows in its arena
 and the output carries a reference (:mod:`aostore.r3`) instead of them.
 
 Off unless ``AOSTORE_VLLM_R3_DELIVERY`` is set: ``reference`` makes references the default,
@@ -11,7 +11,8 @@ The rows written are exactly those vLLM would have sent: what its finish makes, 
 trimming (``RequestState._new_completion_output``); rows that do not fit go as rows (counted,
 one WARNING).
 
-Rows go to the arena only for what leaves as a reference (SPEC 17):
+Rows go to the arena only for what leaves as a reference (a slot held for rows nobody reads
+would crowd out references a trainer will fetch):
 
 - a request that arrives while this process answers an HTTP request (:data:`OVER_HTTP`, set by
   the plugin around Starlette's ASGI call: vLLM's API server, or an in-process server built on
@@ -23,23 +24,26 @@ Rows go to the arena only for what leaves as a reference (SPEC 17):
 - any other request (``LLM``, ``AsyncLLM`` called directly: verl, NeMo-RL, SkyRL, even beside
   an HTTP server in the same process) finishes with a reference, aborted ones included: its
   output is handed to the caller as it is.
+
+A process's delivery is bound to aostore's ``RequestState`` (the class attribute
+:data:`ATTRIBUTE`, set when :func:`~aostore.vllm.transport.frontend.request_state_subclass` makes
+the class): what a request chooses and where its rows go is read from its own class, so the
+plugin undone (vLLM's class back) is delivery off, with nothing else to reset.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from aostore.r3.arena import Arena, Reservation
-
-if TYPE_CHECKING:
-    from .frontend import RowChunks
 
 KEY = "aostore_r3_delivery"
 MODES = ("rows", "reference")
@@ -47,6 +51,11 @@ ENV_DELIVERY = "AOSTORE_VLLM_R3_DELIVERY"
 ENV_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
 ENV_TTL = "AOSTORE_VLLM_R3_TTL"
 PREFIX = "aostore_r3_"
+ATTRIBUTE = "aostore_r3"
+"""The class attribute of aostore's ``RequestState`` that holds its :class:`Delivery` (None:
+by reference off)."""
+OUTPUT_PROCESSOR_MODULE = "vllm.v1.engine.output_processor"
+"""Where vLLM's output processor finds the ``RequestState`` it makes (aostore's, installed)."""
 
 # Under ``vllm``, as the plugin's own lines, so vLLM's logging configuration shows it.
 log = logging.getLogger("vllm.plugins.aostore")
@@ -59,6 +68,22 @@ answered by vLLM's serving code, which renders the routed experts it sends (``nu
 and drops the rest. A per-request fact, not a per-process one, because trainers run vLLM's HTTP
 app beside their own in-process calls (verl's server does both in one process), and tasks that
 vLLM starts for a request (``merge_async_iterators``) inherit it."""
+
+
+class FinishingRows(Protocol):
+    """What a finishing request's rows offer the delivery (:class:`~.frontend.RowChunks`)."""
+
+    @property
+    def paged(self) -> bool: ...
+    @property
+    def dtype(self) -> Any: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+    def __bool__(self) -> bool: ...
+    def finished(self) -> np.ndarray | None: ...
+    def stream_into(self, targets: list[np.ndarray]) -> None: ...
 
 
 class Delivery:
@@ -103,7 +128,7 @@ class Delivery:
         return rows
 
     def deliver_chunks(
-        self, chunks: RowChunks, *, over_http: bool = False, expected: bool = False
+        self, chunks: FinishingRows, *, over_http: bool = False, expected: bool = False
     ) -> np.ndarray | None:
         """What a finishing output carries for the rows in ``chunks``: their reference, written
         from the pages straight into the arena; the rows (:meth:`RowChunks.finished`) when they
@@ -154,7 +179,6 @@ class Delivery:
         return None if self.arena is None else self.arena.stats()
 
 
-_delivery: Delivery | None = None
 _exported = False
 
 
@@ -285,44 +309,49 @@ def refused(message: str, value: Any) -> ValueError:
 
 
 def _export() -> None:
-    """Register, once per process, a collector of the current delivery's arena figures."""
+    """Register, once per process, a collector of the installed delivery's arena figures."""
     global _exported
     if _exported:
         return
     try:
         from aostore.metrics import register_store
 
-        register_store(lambda: (_delivery.stats() if _delivery else None) or {}, prefix=PREFIX)
+        register_store(lambda: _installed_stats() or {}, prefix=PREFIX)
     except ImportError:  # no prometheus_client: the figures stay in Arena.stats()
         return
     _exported = True
 
 
-def configure(delivery: Delivery | None) -> None:
-    """Set (or, with None, clear) this process's delivery."""
-    global _delivery
-    if _delivery is not None and _delivery is not delivery and _delivery.arena is not None:
-        _delivery.arena.close()
-    _delivery = delivery
+def installed() -> Delivery | None:
+    """This process's delivery: the one bound to the ``RequestState`` vLLM's output processor
+    makes now (aostore's, while the plugin is in), else None."""
+    processor = sys.modules.get(OUTPUT_PROCESSOR_MODULE)
+    delivery: Delivery | None = getattr(getattr(processor, "RequestState", None), ATTRIBUTE, None)
+    return delivery
 
 
-def current() -> Delivery | None:
-    return _delivery
+def _installed_stats() -> dict[str, int] | None:
+    delivery = installed()
+    return None if delivery is None else delivery.stats()
 
 
 def deliver_chunks(
-    chunks: RowChunks, *, over_http: bool = False, expected: bool = False
+    delivery: Delivery | None,
+    chunks: FinishingRows,
+    *,
+    over_http: bool = False,
+    expected: bool = False,
 ) -> np.ndarray | None:
-    """:meth:`Delivery.deliver_chunks` with this process's delivery (the rows, without one)."""
-    if _delivery is None:
+    """:meth:`Delivery.deliver_chunks` with ``delivery`` (the rows, without one)."""
+    if delivery is None:
         return chunks.finished()
-    return _delivery.deliver_chunks(chunks, over_http=over_http, expected=expected)
+    return delivery.deliver_chunks(chunks, over_http=over_http, expected=expected)
 
 
-def choose(sampling_params: Any) -> str:
-    """The request's mode (``rows`` when delivery by reference is off; asking for a reference
-    then is a ``ValueError`` saying how to turn it on)."""
-    if _delivery is None:
+def choose(delivery: Delivery | None, sampling_params: Any) -> str:
+    """The request's mode under ``delivery`` (``rows`` when delivery by reference is off;
+    asking for a reference then is a ``ValueError`` saying how to turn it on)."""
+    if delivery is None:
         extra = getattr(sampling_params, "extra_args", None) or {}
         if extra.get(KEY, "rows") != "rows":
             raise refused(
@@ -331,4 +360,4 @@ def choose(sampling_params: Any) -> str:
                 extra[KEY],
             )
         return "rows"
-    return _delivery.choose(sampling_params)
+    return delivery.choose(sampling_params)

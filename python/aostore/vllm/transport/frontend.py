@@ -286,10 +286,12 @@ class RowChunks:
         return self._list
 
 
-def request_state_subclass(vllm_request_state: Any) -> type:
+def request_state_subclass(vllm_request_state: Any, r3: delivery.Delivery | None = None) -> type:
     """aostore's ``RequestState``: vLLM's, with :class:`RowChunks` for the routed experts; its
     ``_new_completion_output`` (where vLLM concatenates the chunks of a finished request)
-    sees them as one array."""
+    sees them as one array. ``r3``: R3 rows by reference (:mod:`.delivery`), bound to the class
+    as its :data:`~.delivery.ATTRIBUTE` (None: off, a request that asks for a reference is
+    refused)."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         vllm_init(self, *args, **kwargs)
@@ -300,7 +302,9 @@ def request_state_subclass(vllm_request_state: Any) -> type:
     def from_new_request(cls: Any, *args: Any, **kwargs: Any) -> Any:
         request = kwargs["request"] if "request" in kwargs else args[1]
         # Before the state exists: a bad choice refuses the request and changes nothing.
-        mode = delivery.choose(getattr(request, "sampling_params", None))
+        mode = delivery.choose(
+            getattr(cls, delivery.ATTRIBUTE), getattr(request, "sampling_params", None)
+        )
         state = vllm_from_new_request(cls, *args, **kwargs)
         state.aostore_r3_delivery = mode
         # Read where the request arrives (the caller's context): its finish runs in vLLM's
@@ -321,6 +325,7 @@ def request_state_subclass(vllm_request_state: Any) -> type:
             # into the arena only if an answer renders them (delivery.answered).
             over_http = self.aostore_r3_over_http
             rows = delivery.deliver_chunks(
+                getattr(self, delivery.ATTRIBUTE),
                 chunks,
                 over_http=over_http,
                 # Rows an answer will render are written into the arena now (one copy): a
@@ -353,6 +358,7 @@ def request_state_subclass(vllm_request_state: Any) -> type:
             "__init__": __init__,
             "_new_completion_output": _new_completion_output,
             "from_new_request": classmethod(from_new_request),
+            delivery.ATTRIBUTE: r3,
             "__module__": __name__,
             "__qualname__": vllm_request_state.__qualname__,
             "__doc__": "vLLM's RequestState; routed-experts rows held in one buffer per request "

@@ -35,7 +35,7 @@ UTILS_MODULE = "vllm.utils.serial_utils"
 NUMPY2BASE64 = "numpy2base64"
 STARLETTE_RESPONSES = "starlette.responses"
 STARLETTE_APPLICATIONS = "starlette.applications"
-OUTPUT_PROCESSOR_MODULE = "vllm.v1.engine.output_processor"
+OUTPUT_PROCESSOR_MODULE = r3_delivery.OUTPUT_PROCESSOR_MODULE
 REQUEST_STATE = "RequestState"
 _MARK = "__aostore_over_http__"
 """Set on aostore's ``Starlette.__call__``: installed once a process."""
@@ -71,11 +71,16 @@ def install(
         setattr(cls, name, make(vllm_function, serial_utils))
     processor = importlib.import_module(OUTPUT_PROCESSOR_MODULE)
     vllm_state = getattr(processor, REQUEST_STATE)
+    replaced = r3_delivery.installed()
     patched = swap(
-        {REQUEST_STATE: vllm_state}, {REQUEST_STATE: request_state_subclass(vllm_state)}, undo
+        {REQUEST_STATE: vllm_state},
+        {REQUEST_STATE: request_state_subclass(vllm_state, delivery)},
+        undo,
     )
-    r3_delivery.configure(delivery)
-    undo.append((_Configured(), "delivery", None))
+    # One arena a process: the delivery this one replaces lets its budget go.
+    if replaced is not None and replaced is not delivery:
+        _Closing(replaced)["arena"] = None
+    undo.append((_Closing(delivery), "arena", None))
     if delivery is not None:
         output_processor = processor.OutputProcessor
         vllm_init = vars(output_processor)["__init__"]
@@ -134,11 +139,16 @@ def _routed_experts(caller: Any) -> bool | None:
     return flag if isinstance(flag, bool) else None
 
 
-class _Configured:
-    """What the undo list sets to put this process's delivery back to none."""
+class _Closing:
+    """What the undo list sets to close a delivery's arena (its ``RequestState`` goes with the
+    swap's own undo, and delivery by reference with it)."""
+
+    def __init__(self, delivery: r3_delivery.Delivery | None) -> None:
+        self.delivery = delivery
 
     def __setitem__(self, name: str, value: Any) -> None:
-        r3_delivery.configure(value)
+        if self.delivery is not None and self.delivery.arena is not None:
+            self.delivery.arena.close()
 
 
 def _starting_arena(
