@@ -11,8 +11,8 @@ mod handle;
 mod layout;
 mod lock;
 mod object;
+mod pages;
 mod policy;
-mod rows;
 mod scheduler;
 mod step_rows;
 mod variable;
@@ -53,6 +53,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     scheduler::register(m)?;
     layout::register(m)?;
     answer::register(m)?;
-    rows::register(m)?;
+    pages::register(m)?;
     Ok(())
 }

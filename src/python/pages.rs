@@ -1,5 +1,8 @@
-//! Routed-experts rows copied where `aostore.r3` keeps them: a finished request's pages
-//! (`aostore.vllm.transport.frontend.RowChunks`) into its slot of the frontend's arena.
+//! `copy_pages`: bytes held in pages, copied in order into one buffer, with streaming stores
+//! where the copy is read later by another process or is larger than a cache. Two callers: a
+//! finished request's pages (`aostore.vllm.transport.frontend.RowChunks`) into the answer's
+//! buffer or its slot of the frontend's R3 arena, and a slot's page runs into a reader's `out`
+//! (`aostore.r3`).
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
