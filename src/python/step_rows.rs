@@ -1,9 +1,9 @@
 //! A step's outputs packed for `aostore.vllm.transport`: one fresh buffer of every emitted
 //! request's rows, in vLLM's dict order, and an index, handed to `StepRows.packed`.
 //!
-//! The buffer is a new `bytearray` each step (SPEC 15: outputs never alias reused memory); the
-//! index is `(token_start, row_end)` per request as little-endian `int64`, the transport's
-//! format 1.
+//! The layout is `StepRows`'s, specified once in `python/aostore/vllm/transport/rows.py` (its
+//! `FORMAT`); a change here is a change of that format. The buffer is a new `bytearray` each
+//! step: vLLM keeps the rows (views of it) past the step.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyTuple};

@@ -1,4 +1,4 @@
-"""aostore's transport of routed-experts rows across vLLM's processes (SPEC 16).
+"""aostore's transport of routed-experts rows across vLLM's processes.
 
 After the worker connector, vLLM moves each step's rows as one Python object per request per
 step. Here: the worker hands the engine core one buffer a step (``rows``), the engine core's

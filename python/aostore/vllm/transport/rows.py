@@ -9,10 +9,25 @@ vLLM's own ``AuxRequestOutput``, built on access, so vLLM's ``take_output`` read
 (an engine core whose plugin is off still works, only slower); aostore's scheduler connector
 calls :meth:`StepRows.take` instead, which keeps vLLM's checks and messages.
 
-Every step's buffer is new and owned by Python (SPEC 15: outputs never alias reused memory);
-the rows handed on are views of it. The arrays are plain ``ndarray``; the buffer under them is
-a :class:`StepArray`, which is how :mod:`.wire` knows a routed-experts array when vLLM's
-encoder meets one.
+Every step's buffer is new and owned by Python (the rows handed on are views of it, and vLLM
+keeps them past the step: memory reused for the next step would change them under it). The
+arrays are plain ``ndarray``; the buffer under them is a :class:`StepArray`, which is how
+:mod:`.wire` knows a routed-experts array when vLLM's encoder meets one.
+
+The format (:data:`FORMAT` 1), specified here once; the worker's native plane
+(``src/python/step_rows.rs``) writes it and cites this:
+
+- ``ids``: the requests that emitted rows this step, in vLLM's dict order (a tuple of ``str``);
+- ``index``: per request, two little-endian ``int64`` (:data:`_INDEX`): its first row's token
+  position (``token_start``) and the end of its rows in the buffer, counted in rows from the
+  buffer's start (the requests' rows follow each other, so a request's rows start where the
+  previous one's end);
+- ``data``: every request's rows back to back, each row ``shape`` of ``dtype`` in C order, in
+  a fresh buffer of exactly their bytes (a ``bytearray`` from the native plane);
+- ``dtype``: the rows' numpy dtype (its ``str`` when pickled), ``shape``: one token's row.
+
+The native plane hands these to :meth:`StepRows.packed`; a pickle carries them, after
+:data:`FORMAT` and the writer's aostore :data:`VERSION`, to :func:`_rebuild`.
 """
 
 from __future__ import annotations
@@ -26,10 +41,11 @@ from typing import Any, cast
 import numpy as np
 
 FORMAT = 1
-"""The pickled layout's version; a reader that does not know it raises (:func:`_rebuild`)."""
+"""The layout's version (the module's docstring specifies it); a reader that does not know it
+raises (:func:`_rebuild`)."""
 
 _INDEX = np.dtype("<i8")
-"""The index: per request, its token start and the end of its rows in the buffer."""
+"""The index's numbers: per request, its token start and the end of its rows in the buffer."""
 
 
 class StepArray(np.ndarray):
