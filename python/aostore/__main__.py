@@ -245,13 +245,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     fingerprint_parser.add_argument(
         "--root", metavar="DIR", help="a vLLM package directory instead of the installed one"
     )
+    fingerprint_parser.add_argument(
+        "--draft",
+        metavar="WHEEL|DIR",
+        help="draft a record for the vLLM release in this wheel or tree",
+    )
+    fingerprint_parser.add_argument(
+        "--against",
+        metavar="WHEEL|DIR",
+        help="with --draft: the nearest release's wheel or tree, for diff statistics",
+    )
     args = parser.parse_args(argv)
     if args.command == "vllm-fingerprint":
         from pathlib import Path
 
         from aostore.vllm.compat import releases
 
+        if args.against and not args.draft:
+            parser.error("--against needs --draft")
+        if args.draft:
+            from aostore.vllm.compat import draft
+
+            try:
+                tree = draft.open_tree(args.draft)
+                against = draft.open_tree(args.against) if args.against else None
+            except draft.NotAVllmTree as error:
+                print(f"aostore vllm-fingerprint: {error}", file=sys.stderr)
+                return 2
+            print("\n".join(draft.describe(tree, against)))
+            return 0
         root = Path(args.root) if args.root else releases.vllm_root()
+        if root is not None and not releases.is_vllm_tree(root):
+            print(
+                f"aostore vllm-fingerprint: {root} is not a vLLM package "
+                "(no __init__.py with a distributed/ beside it)",
+                file=sys.stderr,
+            )
+            return 2
         lines, status = releases.describe(root)
         print("\n".join(lines))
         return status

@@ -47,7 +47,9 @@ def test_without_vllm_it_says_so_and_exits_2() -> None:
 
 
 def test_a_tree_of_no_release_is_shown_beside_every_record(tmp_path: Path) -> None:
-    _write_package(tmp_path, {f"{releases.PACKAGE_DIR}/worker.py": "# not vLLM's\n"})
+    _write_package(
+        tmp_path, {"__init__.py": "", f"{releases.PACKAGE_DIR}/worker.py": "# not vLLM's\n"}
+    )
     done = _fingerprint("--root", str(tmp_path))
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -62,6 +64,14 @@ def test_a_tree_of_no_release_is_shown_beside_every_record(tmp_path: Path) -> No
     assert missing.split()[1] == "missing"
     assert lines[-1] == "result: this tree matches no record for any feature (exit status 1)"
     assert done.stderr == ""
+
+
+def test_a_directory_that_is_not_vllm_is_named_not_tabled(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a package\n")
+    done = _fingerprint("--root", str(tmp_path))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    assert f"{tmp_path} is not a vLLM package" in done.stderr
 
 
 def test_a_partial_match_names_each_feature(
