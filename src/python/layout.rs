@@ -47,6 +47,12 @@ impl PyLayout {
         self.0.reads_pending_blocks()
     }
 
+    /// A request's emit start is its prompt start capped at the prompt (0.32.0 on).
+    #[getter]
+    fn caps_prompt_start(&self) -> bool {
+        self.0.caps_prompt_start()
+    }
+
     fn __repr__(&self) -> String {
         format!("Layout({:?})", self.0.name())
     }

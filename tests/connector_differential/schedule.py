@@ -115,11 +115,18 @@ BAD_INPUTS = (
 
 
 class _Model:
-    def __init__(self, seed: int, kv_events: bool, pending_reads: bool = False) -> None:
+    def __init__(
+        self,
+        seed: int,
+        kv_events: bool,
+        pending_reads: bool = False,
+        caps_prompt_start: bool = True,
+    ) -> None:
         self.rng = np.random.default_rng(seed)
         rng = self.rng
         self.kv_events = kv_events
         self.pending_reads = pending_reads
+        self.caps_prompt_start = caps_prompt_start
         block = int(rng.choice([1, 2, 4]))
         seqs = int(rng.integers(2, 7))
         batched = int(rng.choice([16, 32, 64]))
@@ -237,7 +244,12 @@ class _Model:
             request.hit = hit
             self.seen["prefix hit"] += hit > 0
         request.capture = request.scheduled = request.hit
-        request.emit = min(request.prompt_start, prompt_len)
+        # vLLM 0.32.0 on caps the start at the prompt; 0.31.0 sends it as asked.
+        if self.caps_prompt_start:
+            request.emit = min(request.prompt_start, prompt_len)
+        else:
+            request.emit = request.prompt_start
+            self.seen["prompt start past the prompt, uncapped"] += start > prompt_len
         self.requests[rid] = request
 
     # -- one step ---------------------------------------------------------------------------
@@ -505,12 +517,15 @@ class _Model:
         self.ops.append(self.begin([]))
 
 
-def generate(seed: int, kv_events: bool, pending_reads: bool = False) -> Schedule:
+def generate(
+    seed: int, kv_events: bool, pending_reads: bool = False, caps_prompt_start: bool = True
+) -> Schedule:
     """The schedule of ``seed``; ``kv_events``: the metadata carries KV-cached retains and
     releases (vLLM 0.33.0 on); ``pending_reads``: the worker reads rows of full blocks whose
     hash has not arrived (vLLM 0.34.0), so schedules also send a prompt's hashes after its
-    rows behind a prefix hit (earlier releases assert there)."""
-    model = _Model(seed, kv_events, pending_reads)
+    rows behind a prefix hit (earlier releases assert there); ``caps_prompt_start``: the
+    scheduler caps a prompt start at the prompt (0.32.0 on; 0.31.0 sends it past)."""
+    model = _Model(seed, kv_events, pending_reads, caps_prompt_start)
     while model.run_step():
         pass
     if not model.injected:

@@ -35,6 +35,8 @@ KV_EVENTS = "retained_block_hashes" in {
 """Whether this vLLM's metadata carries KV-cached retains and releases (0.33.0's does)."""
 PENDING_READS = contenders.layout().reads_pending_blocks
 """Whether this vLLM reads unkeyed full blocks back (0.34.0), from its release record."""
+CAPS_PROMPT_START = contenders.layout().caps_prompt_start
+"""Whether this vLLM's scheduler caps a prompt start at the prompt (0.32.0 on)."""
 
 CHUNK = 100
 
@@ -75,7 +77,7 @@ def quiet_growth() -> Iterator[None]:
 def _run(seeds: list[int], factories: list[contenders.Factory]) -> list[harness.Outcome]:
     outcomes = []
     for seed in seeds:
-        plan = schedule.generate(seed, KV_EVENTS, PENDING_READS)
+        plan = schedule.generate(seed, KV_EVENTS, PENDING_READS, CAPS_PROMPT_START)
         outcome = harness.run_schedule(plan, factories)
         TOTALS["schedules"] += 1
         TOTALS["operations"] += outcome.ops
@@ -129,6 +131,8 @@ def test_coverage(capsys: pytest.CaptureFixture[str]) -> None:
         wanted += ["KV-cached retain", "KV-cached release"]
     if PENDING_READS:
         wanted += ["prompt hashes after a prefix hit's rows"]
+    if not CAPS_PROMPT_START:
+        wanted += ["prompt start past the prompt, uncapped"]
     assert all(TOTALS[name] > 0 for name in wanted), {name: TOTALS[name] for name in wanted}
     rejected = [name for name in TOTALS if name.startswith("rejected input")]
     raised = [name for name in rejected if not name.endswith("raised nothing")]

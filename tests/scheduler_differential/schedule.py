@@ -160,7 +160,7 @@ class _Req:
 
 
 class _Model:
-    def __init__(self, seed: int, kv_events: bool) -> None:
+    def __init__(self, seed: int, kv_events: bool, caps_prompt_start: bool = True) -> None:
         self.rng = rng = np.random.default_rng(seed)
         self.params = Params(
             block_size=BLOCK,
@@ -169,6 +169,7 @@ class _Model:
             kv_connector=bool(rng.random() < 0.3),
             kv_events=kv_events,
         )
+        self.caps_prompt_start = caps_prompt_start
         self.ops: list[Op] = []
         self.features: Counter[str] = Counter()
         self.live: dict[str, _Req] = {}
@@ -280,9 +281,13 @@ class _Model:
                 if req is None:
                     continue
                 new = len(req.tokens) - req.prompt_len
-                starts[rid] = max(
-                    min(req.prompt_start, req.prompt_len), len(req.tokens) - 1 if new else 0
+                # vLLM 0.32.0 on caps the prompt start at the prompt; 0.31.0 does not.
+                start = (
+                    min(req.prompt_start, req.prompt_len)
+                    if self.caps_prompt_start
+                    else req.prompt_start
                 )
+                starts[rid] = max(start, len(req.tokens) - 1 if new else 0)
             self.ops.append(Build(dict(scheduled)))
             self.features["build_connector_meta"] += 1
             if "ghost" in scheduled:
@@ -366,8 +371,10 @@ class _Model:
         self.features[kind] += 1
 
 
-def generate(seed: int, kv_events: bool) -> Schedule:
-    model = _Model(seed, kv_events)
+def generate(seed: int, kv_events: bool, caps_prompt_start: bool = True) -> Schedule:
+    """The schedule of ``seed``; ``caps_prompt_start``: the release caps a prompt start at the
+    prompt (0.32.0 on), which the starts of the worker's outputs follow."""
+    model = _Model(seed, kv_events, caps_prompt_start)
     model.generate()
     bad = model.bad if any(k.startswith("bad: ") for k in model.features) else ""
     return Schedule(seed, model.params, model.ops, bad, model.features)

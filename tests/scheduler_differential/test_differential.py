@@ -27,6 +27,9 @@ from . import contenders, harness, schedule
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 KV_EVENTS = contenders.kv_events()
+LAYOUT = contenders.release().layout
+CAPS_PROMPT_START = LAYOUT != "0.31"
+"""vLLM 0.31.0's scheduler sends a prompt start past the prompt as asked; later ones cap it."""
 CHUNK = 250
 
 
@@ -54,7 +57,7 @@ def _run(
 ) -> list[harness.Outcome]:
     outcomes = []
     for seed in seeds:
-        plan = schedule.generate(seed, KV_EVENTS)
+        plan = schedule.generate(seed, KV_EVENTS, CAPS_PROMPT_START)
         outcome = harness.run_schedule(plan, factories, names)
         TOTALS["schedules"] += 1
         TOTALS["operations"] += outcome.ops
@@ -213,6 +216,26 @@ if KV_EVENTS:
         _patched("uncapped-max-cache-hit", "max_cache_hit", _uncapped_hit),
         _patched("never-retains", "request_finished", _never_retains),
     ]
+
+
+def _other_prompt_start_rule() -> contenders.Factory:
+    """aostore's native connector with the neighbouring release's prompt-start rule (0.32.0's
+    cap on 0.31.0, 0.31.0's none on 0.32.0): the harness must see the layout's one difference."""
+    from aostore.vllm.dataplane import scheduler_subclass
+    from vllm.distributed.aux_output_connector import connector as module
+
+    other = "0.32" if LAYOUT == "0.31" else "0.31"
+    cls = scheduler_subclass(module.AuxOutputSchedulerConnector, module, layout=other)
+
+    def factory(setup: contenders.Setup) -> Any:
+        return cls()
+
+    factory.__name__ = f"prompt-start-as-{other}"
+    return factory
+
+
+if LAYOUT in ("0.31", "0.32"):
+    BROKEN.append(_other_prompt_start_rule())
 
 
 @pytest.mark.parametrize("broken", BROKEN, ids=[b.__name__ for b in BROKEN])

