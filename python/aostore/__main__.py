@@ -211,9 +211,29 @@ def replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aostore", description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
+DESCRIPTION = """\
+Replays W3 (docs/workloads.md: one RL rollout of GLM-4.5-Air, 167,341 slots x 5,888 B) as
+vLLM's worker drives its store, against aostore, vLLM's own store (when vllm imports; --no-vllm
+skips it) and a pure-Python replica of vLLM's store, all in the same run, and prints writer
+time and put latency of each. Two rows are judged against their targets: writer time against
+the memcpy floor (T5) and the worst put (T8). Exit status 0 once the replay ran, whether the
+targets were met or NOT MET; 2 for bad arguments. The subcommands below do other things.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``aostore`` (``python -m aostore``), every option described."""
+    parser = argparse.ArgumentParser(
+        prog="aostore",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generated rollout, and of churn's reads (before COMMAND; default 0)",
+    )
     parser.add_argument("--scale", action="store_true", help="three rollouts, one after another")
     parser.add_argument(
         "--prefault", action="store_true", help="commit both arenas before the replay"
@@ -223,14 +243,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="PNG", help="write the put-latency plot")
-    sub = parser.add_subparsers(dest="command")
-    churn_parser = sub.add_parser("churn", help="steady churn of a full store, ns per object")
-    churn_parser.add_argument("--slots", type=int, default=167_341, help="capacity in objects")
-    churn_parser.add_argument("--object-nbytes", type=int, default=5_888, help="bytes per object")
-    churn_parser.add_argument("--batches", type=int, default=2_000, help="batches of 64")
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help="instead of the replay (COMMAND -h: its options)"
+    )
+    churn_parser = sub.add_parser(
+        "churn",
+        help="steady churn of a full store, ns per object",
+        description="Fills a store, then puts and reads batches of 64 objects in steady "
+        "state (every put evicts), and prints ns per object and GB/s of puts and gets.",
+    )
+    churn_parser.add_argument(
+        "--slots", type=int, default=167_341, help="capacity in objects, >= 64 (default 167,341)"
+    )
+    churn_parser.add_argument(
+        "--object-nbytes", type=int, default=5_888, help="bytes per object (default 5,888)"
+    )
+    churn_parser.add_argument(
+        "--batches", type=int, default=2_000, help="batches of 64 objects (default 2,000)"
+    )
     check_parser = sub.add_parser(
         "vllm-check",
         help="dry run of the vLLM plugin: what it would replace here (exit 0) or keep (exit 1)",
+        description="Runs the vLLM plugin's gate on the installed vLLM without starting an "
+        "engine and prints what it would replace, or keep and why. Exit status 0: aostore's "
+        "store will be used; 1: it will not.",
     )
     check_parser.add_argument(
         "--json", dest="as_json", action="store_true", help="print the report as JSON"
@@ -241,6 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     fingerprint_parser = sub.add_parser(
         "vllm-fingerprint",
         help="the installed vLLM's files beside each release record (exit 0: one record's)",
+        description="Prints the installed vLLM's files beside each release record "
+        "(docs/adding-a-vllm-release.md), or with --draft a first record for a release "
+        "that has none. Exit status 0: the files are one record's for every feature; "
+        "1: a partial match or none; 2: no vLLM, or not a vLLM package.",
     )
     fingerprint_parser.add_argument(
         "--root", metavar="DIR", help="a vLLM package directory instead of the installed one"
@@ -255,6 +295,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="WHEEL|DIR",
         help="with --draft: the nearest release's wheel or tree, for diff statistics",
     )
+    return parser
+
+
+def sub_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``, so that its errors print its own usage."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise KeyError(name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "vllm-fingerprint":
         from pathlib import Path
@@ -262,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from aostore.vllm.compat import releases
 
         if args.against and not args.draft:
-            parser.error("--against needs --draft")
+            sub_parser(parser, "vllm-fingerprint").error("--against needs --draft")
         if args.draft:
             from aostore.vllm.compat import draft
 
@@ -292,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "churn":
         return replay(args)
     if args.slots < _BATCH or args.object_nbytes < 1 or args.batches < 1:
-        parser.error("--slots must be >= 64, --object-nbytes and --batches >= 1")
+        churn_parser = sub_parser(parser, "churn")
+        churn_parser.error("--slots must be >= 64, --object-nbytes and --batches >= 1")
     rows = churn(args.slots, args.object_nbytes, args.batches, args.seed)
     print(f"aostore: {args.slots:,} slots x {args.object_nbytes:,} B, {args.batches:,} batches")
     print(_table(rows))

@@ -8,6 +8,7 @@ Nothing here asserts a time: the figures are built by hand, or a put is made to 
 
 from __future__ import annotations
 
+import argparse
 import io
 import time
 from typing import Any
@@ -269,3 +270,43 @@ def test_bench_quick_judges_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "| NO |" not in quick and "| yes |" not in quick
     assert quick.count("| not judged |") == 2 and "| - |" in quick
     assert "--quick: tiny sizes" in quick and "no row is judged" in quick
+
+
+def test_the_read_time_row_says_what_it_measures_and_that_it_is_no_target() -> None:
+    ours = result("aostore", [100_000, 200_000], [100_000, 200_000])
+    theirs = result("replica", [1_000_000, 2_000_000], [1_000_000, 2_000_000])
+    text = flat(report.replay_table([ours, theirs], "", floor_seconds=0.001))
+    assert "Read time is the sum of the get_concatenated calls" in text
+    assert "it is not a target" in text
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _all_parsers(sub)
+    return found
+
+
+def test_help_is_plain_text_and_describes_every_option() -> None:
+    """``aostore --help`` (issue 47): no reStructuredText markup, every option and subcommand
+    with a description, and each subcommand with its own."""
+    parser = cli.build_parser()
+    parsers = _all_parsers(parser)
+    assert {p.prog for p in parsers} >= {"aostore", "aostore churn", "aostore vllm-check"}
+    for each in parsers:
+        text = each.format_help()
+        assert "``" not in text and ":doc:" not in text, text
+        assert each.description, f"{each.prog} has no description"
+        for action in each._actions:
+            assert action.help, f"{each.prog} {action.option_strings or action.dest}: no help"
+
+
+def test_a_bad_churn_argument_prints_churn_s_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["churn", "--slots", "0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: aostore churn ")
+    assert "aostore churn: error: --slots must be >= 64" in err

@@ -213,7 +213,12 @@ def replay_table(
         _wrap(
             "Not judged: the counts, p50, p99 and read time (docs/ gives them no target) and the "
             "worst on CPU (the put that ran longest on the thread's CPU: it tells the store's "
-            "worst work from a stall of the machine)."
+            "worst work from a stall of the machine). Read time is the sum of the "
+            "get_concatenated calls that read each finished request's blocks into one new bytes "
+            "object: every store spends it copying those bytes (a few MB a request), so its "
+            "ratio follows the machine's memory from run to run (0.4x-1.2x seen) and says "
+            "little about the store; it is not a target (T2 and T3 judge reads: "
+            "benches/bench.py)."
         )
     )
     if vllm_missing:
