@@ -8,13 +8,17 @@ a block that leans on names from another block, or on this test's process, fails
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import mooncake_util
 import pytest
+from mooncake_fakes import require_mooncake
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -25,7 +29,8 @@ PAGES = [README, *DOCS]
 # device this test cannot provide: every other block runs.
 SKIPS = {
     "TieredBlockObjectStore.from_config(": (
-        "needs a running Mooncake master and client (tests/tier/test_mooncake.py starts one)"
+        "needs a running Mooncake master and client: test_mooncake_block_runs_against_a_master "
+        "runs it against one"
     ),
 }
 
@@ -88,6 +93,77 @@ def test_python_block_runs_as_written(name: str, text: str, tmp_path: Path) -> N
         check=False,
     )
     assert done.returncode == 0, f"{name} failed:\n{text}\n{done.stderr[-4000:]}"
+
+
+# The addresses the Mooncake blocks use (docs/mooncake.md's quick start); the test below gives
+# them its own master's.
+MOONCAKE_MASTER = "127.0.0.1:50051"
+MOONCAKE_METADATA = "http://127.0.0.1:8080/metadata"
+MOONCAKE_BLOCKS = [(name, text) for name, text in BLOCKS if "TieredBlockObjectStore" in text]
+
+# Run after a Mooncake block, in its process: what it read, and what a reader elsewhere needs.
+_REPORT = """
+import hashlib as _hashlib, json as _json
+print(_json.dumps({"config": config, "keys": keys, "nbytes": len(data) // len(keys),
+                   "sha256": _hashlib.sha256(data).hexdigest()}))
+"""
+
+# Another process: a fresh tiered store (an empty local tier) reads the same keys from Mooncake.
+_READER = """
+import hashlib, json, sys
+from aostore.mooncake import TieredBlockObjectStore
+wrote = json.loads(sys.stdin.read())
+store = TieredBlockObjectStore.from_config(
+    wrote["config"], max_bytes=1 << 24, object_nbytes=wrote["nbytes"])
+data = store.get_concatenated(wrote["keys"])
+print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(),
+                  "from_mooncake": store.stats()["remote_hit_objects"]}))
+store.close()
+"""
+
+
+def _run(code: str, cwd: Path, stdin: str = "") -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=dict(os.environ),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"failed:\n{code}\n{done.stderr[-4000:]}"
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mooncake_util.Cluster]:
+    """A master and a segment holder on loopback (free ports), stopped by PID at the end."""
+    require_mooncake()
+    with mooncake_util.cluster(tmp_path_factory.mktemp("mooncake")) as started:
+        yield started
+
+
+def test_the_readme_has_a_mooncake_block() -> None:
+    assert any(name.startswith("README.md:") for name, _ in MOONCAKE_BLOCKS)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize(
+    ("name", "text"), MOONCAKE_BLOCKS, ids=[name for name, _ in MOONCAKE_BLOCKS]
+)
+def test_mooncake_block_runs_against_a_master(
+    name: str, text: str, mooncake_cluster: mooncake_util.Cluster, tmp_path: Path
+) -> None:
+    """The block as written, with the test master's addresses for the quick start's; then a
+    second process reads what it published from Mooncake, byte for byte."""
+    assert MOONCAKE_MASTER in text and MOONCAKE_METADATA in text, name
+    code = text.replace(MOONCAKE_MASTER, mooncake_cluster.master_address)
+    code = code.replace(MOONCAKE_METADATA, mooncake_cluster.metadata_server)
+    wrote = json.loads(_run(code + _REPORT, tmp_path))
+    read = json.loads(_run(_READER, tmp_path, stdin=json.dumps(wrote)))
+    assert read == {"sha256": wrote["sha256"], "from_mooncake": len(wrote["keys"])}
 
 
 def _slug(heading: str) -> str:

@@ -1,12 +1,13 @@
 """A real Mooncake cluster on loopback for tests and benchmarks, and a worker for two processes.
 
-``start_cluster()`` starts ``mooncake_master`` (RPC, HTTP metadata server and metrics on
-127.0.0.1, free ports) and, unless told not to, one segment holder (``mooncake_client`` with a
-``--global_segment_size`` pool), so engine clients can use ``global_segment_size=0`` and what
-they publish outlives them. ``Cluster.stop()`` stops every process it started by PID
-(SIGTERM, then SIGKILL after a bound). For fault tests, ``kill_master``, ``pause_master`` /
-``resume_master`` (SIGSTOP/SIGCONT) and ``restart_master`` (same ports, empty) act on the
-master by PID. Where ``setpriv`` exists the servers also get
+``cluster()`` starts ``mooncake_master`` (RPC, HTTP metadata server and metrics on free
+ports, each given 127.0.0.1; Mooncake 0.3.13.post1 binds its built-in metadata server to 0.0.0.0
+all the same: docs/mooncake.md) and, unless told not to, one segment holder
+(``mooncake_client`` with a ``--global_segment_size`` pool), so engine clients can use
+``global_segment_size=0`` and what they publish outlives them. ``Cluster.stop()`` stops every
+process it started by PID (SIGTERM, then SIGKILL after a bound). For fault tests,
+``kill_master``, ``pause_master`` / ``resume_master`` (SIGSTOP/SIGCONT) and ``restart_master``
+(same ports, empty) act on the master by PID. Where ``setpriv`` exists the servers also get
 ``--pdeathsig``, so a test run that is killed does not leave them behind.
 
 As a script, the worker for the two-process tests:
