@@ -1,5 +1,6 @@
-"""The README's table from several full runs of ``benches/bench.py``: the middle run's figures,
-each measure's range over the runs, and in how many runs its target was met.
+"""The store's targets' table (docs/performance.md) from several full runs of
+``benches/bench.py``: the middle run's figures, each measure's range over the runs, and in how
+many runs its target was met.
 
     python benches/bench.py --out target/bench-runs/run1   # ... run2, run3, one after another
     python benches/runs_table.py target/bench-runs/run1 target/bench-runs/run2 \
