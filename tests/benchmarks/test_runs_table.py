@@ -1,4 +1,5 @@
-"""``benches/runs_table.py``: the README's table from several ``bench.py`` runs."""
+"""``benches/runs_table.py``: the store's targets' table (docs/performance.md) from several
+``bench.py`` runs."""
 
 from __future__ import annotations
 
