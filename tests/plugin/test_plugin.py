@@ -199,6 +199,33 @@ def test_r3_by_reference_refused_is_a_warning(
     assert "AOSTORE_VLLM_R3_TTL='-5' is not a positive" in record.getMessage()
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("AOSTORE_VLLM_PLUGIN", "maybe"),
+        ("AOSTORE_VLLM_DATA_PLANE", "nah"),
+        ("AOSTORE_VLLM_TRANSPORT", "2"),
+        ("AOSTORE_VLLM_PREFAULT", "eager"),
+    ],
+)
+def test_an_ignored_switch_is_a_warning_and_keeps_the_default(
+    tree: FakeTree,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+    value: str,
+) -> None:
+    """Issue 47: a switch set to neither on nor off was read as on without a word."""
+    monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.DEBUG):
+        vllm_plugin.register()
+    (record,) = plugin_records(caplog)
+    assert record.levelno == logging.WARNING
+    assert f"{name}: ignored {value!r}" in record.getMessage()
+    # The rest of the plugin went in as without the setting.
+    assert tree.modules[STORE].BlockObjectStore is not tree.originals["BlockObjectStore"]
+
+
 @pytest.mark.parametrize("value", ["0", "false", "off", "no", " 0 ", "OFF"])
 def test_environment_variable_turns_it_off(
     tree: FakeTree, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str

@@ -212,6 +212,59 @@ def test_r3_settings_are_reported_with_why_they_were_refused(
     assert said in report["r3"] and report["r3_delivery"] is None
 
 
+BAD_SETTINGS = {
+    "AOSTORE_VLLM_PLUGIN": ("maybe", "on", "not one of 0/false/no/off or 1/true/yes/on"),
+    "AOSTORE_VLLM_DATA_PLANE": ("nah", "on where vLLM is recognized", "not one of 0/false"),
+    "AOSTORE_VLLM_TRANSPORT": ("2", "on where vLLM is recognized", "not one of 0/false"),
+    "AOSTORE_VLLM_PREFAULT": ("eager", "background", "not background, 0 or 1"),
+    "AOSTORE_VLLM_PROFILE": ("elastic", "probed (vLLM's store decides)", "not one of"),
+    "AOSTORE_VLLM_MOONCAKE": ("/nonexistent/mooncake.json", "off", "Mooncake tier off"),
+    "AOSTORE_VLLM_R3_BUDGET": ("abc", "1073741824 bytes (unused", "is not a size of at least"),
+    "AOSTORE_VLLM_R3_TTL": ("inf", "600 s (unused", "not a positive, finite number"),
+    "AOSTORE_VLLM_R3_DELIVERY": ("refrence", "off (rows in the answer)", "not rows or reference"),
+}
+
+
+def test_every_setting_is_listed_with_its_effective_value(
+    make_tree: TreeMaker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 47: every variable the plugin reads, in text and JSON, set or not."""
+    make_tree("grow", known=True)
+    _, out = _check(capsys, "--json")
+    report = json.loads(out)
+    assert list(report["settings"]) == list(vllm_settings.VARIABLES)
+    assert report["ignored"] == {}
+    for name, said in report["settings"].items():
+        assert said["set"] is None and said["ignored"] is None and said["effective"], name
+    _, out = _check(capsys)
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("    AOSTORE_")]
+    assert listed == list(vllm_settings.VARIABLES)
+    assert "WARNING" not in out and "setting(s) ignored" not in out
+
+
+@pytest.mark.parametrize("name", list(BAD_SETTINGS))
+def test_an_ignored_setting_is_named_with_why_and_what_is_in_force(
+    make_tree: TreeMaker,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+) -> None:
+    """A value that is neither on nor off (and the like) was taken silently as on; now each
+    is said, with the value in force."""
+    value, effective, why = BAD_SETTINGS[name]
+    make_tree("grow", known=True)
+    monkeypatch.setenv(name, value)
+    _, out = _check(capsys, "--json")
+    report = json.loads(out)
+    said = report["settings"][name]
+    assert said["set"] == value and said["effective"].startswith(effective), said
+    assert why in said["ignored"] and list(report["ignored"]) == [name], report["ignored"]
+    _, out = _check(capsys)
+    (line,) = [line for line in out.splitlines() if line.startswith(f"    {name} ")]
+    assert f"(set to {value!r}): WARNING " in line and why in line, line
+    assert "  warning:     1 setting(s) ignored" in out
+
+
 def test_json_report(make_tree: TreeMaker, capsys: pytest.CaptureFixture[str]) -> None:
     make_tree("fail-closed", known=True)
     status, out = _check(capsys, "--json")

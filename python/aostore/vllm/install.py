@@ -149,10 +149,17 @@ def _register(settings: Settings) -> None:
             delattr(store_module, MARK)
         dataplane.remove_mark()
         raise
-    _say(decision, patched, profile, reason, warn)
+    _say(decision, patched, profile, reason, warn, settings)
 
 
-def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bool) -> None:
+def _say(
+    decision: Plan,
+    patched: list[str],
+    profile: str,
+    reason: str,
+    warn: bool,
+    settings: Settings | None = None,
+) -> None:
     parts = []
     if decision.replace:
         planes = [name for f in decision.data_plane for name in dataplane.BY_FEATURE[f]]
@@ -178,11 +185,15 @@ def _say(decision: Plan, patched: list[str], profile: str, reason: str, warn: bo
     if decision.note:
         parts.append(decision.note)
     parts += [f"kept vLLM's {name}: {why}" for name, why in decision.keep.items()]
+    # Every other ignored setting (a switch, the prefault) is said, and warned of, here.
+    said = " ".join(parts)
+    ignored = dict(settings.ignored) if settings is not None else {}
+    parts += [f"{name}: {why}" for name, why in ignored.items() if why not in said]
     # A Mooncake setting that was asked for and is not used deserves a warning.
     tier_ignored = bool(decision.mooncake_said) and decision.mooncake is None
     # So does R3 by reference asked for and refused (a bad setting, the transport off).
     r3_refused = bool(decision.r3_said) and decision.r3_delivery is None
-    warn = warn or tier_ignored or r3_refused
+    warn = warn or tier_ignored or r3_refused or bool(ignored)
     level = logging.WARNING if decision.keep or not decision.replace or warn else logging.INFO
     if not (logger.isEnabledFor(level) and logger.hasHandlers()):
         # Nothing would show it (vLLM's front end loads plugins before it configures logging):

@@ -159,11 +159,26 @@ def _prefault(settings: Settings) -> str:
     value = settings.prefault
     raw = settings.raw.get(ENV_PREFAULT)
     setting = f"{ENV_PREFAULT}={raw!r}" if raw is not None else "the default"
+    if ENV_PREFAULT in settings.ignored:
+        setting = f"{ENV_PREFAULT}: {settings.ignored[ENV_PREFAULT]}"
     if value is True:
         return f"1: the arena is committed before the constructor returns ({setting})"
     if value is False:
         return f"0: the arena's pages are committed on first write ({setting})"
     return f"background: a thread commits the arena from construction on ({setting})"
+
+
+def _settings(settings: Settings) -> dict[str, dict[str, str | None]]:
+    """Every variable the plugin reads: as set (``None``: unset), in force, and why a value
+    was not taken (``None``: it was, or it is unset)."""
+    return {
+        name: {
+            "set": settings.raw.get(name),
+            "effective": effective,
+            "ignored": settings.ignored.get(name),
+        }
+        for name, effective in settings.effective().items()
+    }
 
 
 def check() -> dict[str, Any]:
@@ -197,6 +212,8 @@ def check() -> dict[str, Any]:
         "transport_on": False,
         "r3": "",
         "r3_delivery": None,
+        "settings": _settings(result.settings),
+        "ignored": dict(result.settings.ignored),
         "problem": "",
     }
     problems = []
@@ -271,6 +288,18 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  transport:   {report['transport']}")
     if report.get("r3"):
         lines.append(f"  R3:          {report['r3']}")
+    lines.append("  settings:")
+    for name, said in report["settings"].items():
+        given = "unset" if said["set"] is None else f"set to {said['set']!r}"
+        line = f"    {name:<31} {said['effective']} ({given})"
+        if said["ignored"]:
+            line += f": WARNING {said['ignored']}"
+        lines.append(line)
+    if report["ignored"]:
+        lines.append(
+            f"  warning:     {len(report['ignored'])} setting(s) ignored; a vLLM process started "
+            "here logs its start-up line at WARNING"
+        )
     if report["use"]:
         planes = report.get("data_plane_on") or []
         plane = f"data plane on for the {' and the '.join(planes)}" if planes else "data plane off"

@@ -88,7 +88,7 @@ class MooncakeTier:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What the seven variables say, validated; the defaults are those of an empty environment."""
+    """What the variables say, validated; the defaults are those of an empty environment."""
 
     enabled: bool = True
     """``AOSTORE_VLLM_PLUGIN`` leaves the plugin on."""
@@ -115,6 +115,10 @@ class Settings:
     r3_ttl: float = R3_TTL
     r3_said: str = ""
     """Why an R3 setting is ignored; ``""``: none is."""
+    ignored: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Every variable whose value was not taken, with why (the switches, the prefault, the
+    profile, the tier and the R3 settings alike): ``aostore vllm-check`` lists them and a
+    running engine's start-up line is a WARNING while any is here."""
     raw: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     """The variables that were set, as found (what ``aostore vllm-check`` quotes)."""
 
@@ -123,34 +127,79 @@ class Settings:
         """Reads and validates the variables (``os.environ`` unless given). Never raises for
         a bad value: it is ignored and ``profile_said``/``tier_said`` say why."""
         env = os.environ if environ is None else environ
+        ignored: dict[str, str] = {}
+        switches = {}
+        for name in (ENV_DISABLE, ENV_DATA_PLANE, ENV_TRANSPORT):
+            switches[name], why = _switch(env.get(name, ""))
+            if why:
+                ignored[name] = why
+        prefault, why = _prefault(env.get(ENV_PREFAULT, ""))
+        if why:
+            ignored[ENV_PREFAULT] = why
         profile, profile_said = _profile(env.get(ENV_PROFILE, ""))
+        if profile_said.startswith("ignored"):
+            ignored[ENV_PROFILE] = profile_said
         tier, tier_said = _mooncake(env.get(ENV_MOONCAKE, ""))
-        r3_delivery, r3_budget, r3_ttl, r3_said = _r3(env)
+        if tier_said:
+            ignored[ENV_MOONCAKE] = tier_said
+        r3_delivery, r3_budget, r3_ttl, r3_said, r3_ignored = _r3(env)
+        ignored |= r3_ignored
         return cls(
-            enabled=not _off(env.get(ENV_DISABLE, "1")),
+            enabled=switches[ENV_DISABLE],
             profile=profile,
             profile_said=profile_said,
-            prefault=_prefault(env.get(ENV_PREFAULT, "background")),
+            prefault=prefault,
             tier=tier,
             tier_said=tier_said,
-            data_plane=not _off(env.get(ENV_DATA_PLANE, "1")),
+            data_plane=switches[ENV_DATA_PLANE],
             data_plane_report=env.get(ENV_DATA_PLANE_REPORT) or None,
-            transport=not _off(env.get(ENV_TRANSPORT, "1")),
+            transport=switches[ENV_TRANSPORT],
             r3_delivery=r3_delivery,
             r3_budget=r3_budget,
             r3_ttl=r3_ttl,
             r3_said=r3_said,
+            ignored=ignored,
             raw={name: env[name] for name in VARIABLES if name in env},
         )
 
+    def effective(self) -> dict[str, str]:
+        """Every variable's value in force, in words (``aostore vllm-check``'s table)."""
+        tier = self.tier
+        delivery = self.r3_delivery
+        prefault = "background" if self.prefault == "background" else str(int(self.prefault))
+        unused = "" if delivery else " (unused: R3 by reference is off)"
+        return {
+            ENV_DISABLE: "on" if self.enabled else "off",
+            ENV_PROFILE: self.profile or "probed (vLLM's store decides)",
+            ENV_PREFAULT: prefault,
+            ENV_MOONCAKE: f"on: {tier.path}" if tier else "off",
+            ENV_DATA_PLANE: "on where vLLM is recognized" if self.data_plane else "off",
+            ENV_DATA_PLANE_REPORT: self.data_plane_report or "off",
+            ENV_TRANSPORT: "on where vLLM is recognized" if self.transport else "off",
+            ENV_R3_DELIVERY: f"{delivery} by default" if delivery else "off (rows in the answer)",
+            ENV_R3_BUDGET: f"{self.r3_budget} bytes{unused}",
+            ENV_R3_TTL: f"{self.r3_ttl:g} s{unused}",
+        }
 
-def _off(value: str) -> bool:
-    return value.strip().lower() in ("0", "false", "no", "off")
+
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
 
 
-def _r3(env: Mapping[str, str]) -> tuple[str | None, int, float, str]:
-    """The R3 settings, validated: (delivery, budget, ttl, what to say about a bad one; a bad
-    one turns delivery by reference off rather than guess)."""
+def _switch(raw: str) -> tuple[bool, str]:
+    """An on/off variable: (on, why its value was ignored). Unset or empty is on; a value that
+    is neither on nor off is ignored (on) and said, rather than read as either."""
+    value = raw.strip().lower()
+    if value in _OFF:
+        return False, ""
+    if not value or value in _ON:
+        return True, ""
+    return True, f"ignored {raw!r} (not one of {'/'.join(_OFF)} or {'/'.join(_ON)}); on"
+
+
+def _r3(env: Mapping[str, str]) -> tuple[str | None, int, float, str, dict[str, str]]:
+    """The R3 settings, validated: (delivery, budget, ttl, what to say about a bad one, each
+    bad variable with why; a bad one turns delivery by reference off rather than guess)."""
     delivery = env.get(ENV_R3_DELIVERY, "").strip().lower() or None
     budget_raw = env.get(ENV_R3_BUDGET, "").strip()
     ttl_raw = env.get(ENV_R3_TTL, "").strip()
@@ -173,18 +222,27 @@ def _r3(env: Mapping[str, str]) -> tuple[str | None, int, float, str]:
             ttl = 0.0
         if not (ttl > 0 and math.isfinite(ttl)):  # inf would keep unread rows for ever
             said.append(f"{ENV_R3_TTL}={ttl_raw!r} is not a positive, finite number of seconds")
+    ignored = {
+        name: f"ignored: {why}"
+        for why in said
+        for name in (ENV_R3_DELIVERY, ENV_R3_BUDGET, ENV_R3_TTL)
+        if why.startswith(name + "=")
+    }
     if said and delivery is not None:
-        return None, budget, ttl, "R3 by reference off: " + "; ".join(said)
-    return delivery, budget, ttl, ""
+        return None, R3_BUDGET, R3_TTL, "R3 by reference off: " + "; ".join(said), ignored
+    return delivery, budget if not said else R3_BUDGET, ttl if not said else R3_TTL, "", ignored
 
 
-def _prefault(raw: str) -> Prefault:
+def _prefault(raw: str) -> tuple[Prefault, str]:
+    """``AOSTORE_VLLM_PREFAULT``: (the mode, why its value was ignored)."""
     value = raw.strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    return "background"
+    if value in _OFF:
+        return False, ""
+    if value in _ON:
+        return True, ""
+    if value in ("", "background"):
+        return "background", ""
+    return "background", f"ignored {raw!r} (not background, 0 or 1); background"
 
 
 def _profile(raw: str) -> tuple[str | None, str]:
