@@ -239,12 +239,17 @@ def test_vllm_check_names_the_tier_or_why_it_is_ignored(
     out = capsys.readouterr().out
     assert "mooncake:    Mooncake tier on" in out and "master 127.0.0.1:1" in out, out
     assert _vllm_check.check()["mooncake"].startswith("Mooncake tier on")
+    # The settings table gives the config's master and metadata server, as the start-up line.
+    said = _vllm_check.check()["settings"][ENV]
+    assert said["set"] == str(path) and said["ignored"] is None
+    assert said["effective"].startswith("Mooncake tier on") and "127.0.0.1:1" in said["effective"]
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     monkeypatch.setenv(ENV, str(bad))
     assert _vllm_check.run() == 0  # the local store is still aostore's
     out = capsys.readouterr().out
     assert f"ignored {ENV}='{bad}'" in out and "Mooncake tier off" in out, out
+    assert _vllm_check.check()["ignored"][ENV].startswith(f"ignored {ENV}=")
     monkeypatch.delenv(ENV)
     assert _vllm_check.check()["mooncake"] == ""
 

@@ -172,7 +172,7 @@ class Settings:
             ENV_DISABLE: "on" if self.enabled else "off",
             ENV_PROFILE: self.profile or "probed (vLLM's store decides)",
             ENV_PREFAULT: prefault,
-            ENV_MOONCAKE: f"on: {tier.path}" if tier else "off",
+            ENV_MOONCAKE: tier.describe() if tier else "off",
             ENV_DATA_PLANE: "on where vLLM is recognized" if self.data_plane else "off",
             ENV_DATA_PLANE_REPORT: self.data_plane_report or "off",
             ENV_TRANSPORT: "on where vLLM is recognized" if self.transport else "off",
