@@ -1,4 +1,4 @@
-"""T17: the R3 arena under load (SPEC 17), a finish's placement and a ``/metrics`` scrape with the
+"""T17: the R3 arena under load (docs/r3-reference.md), a finish's placement and a ``/metrics`` scrape with the
 arena full against the same with room, in one run.
 
 The frontend's finish (``Arena.deliver`` of one sample's rows, 16 KiB: the default budget's
@@ -15,7 +15,7 @@ twice per give-up; the scrape asked the kernel about each). Cases, each the medi
   reader through ``fetch(out=)``), each finish gives one up: a small arena against a full one;
 - ``scrape, room`` / ``scrape, full``.
 
-Target (SPEC 10, T17): full / room about equal (<= 2x) for a finish and a scrape; a give-up's
+Target (docs/workloads.md, T17): full / room about equal (<= 2x) for a finish and a scrape; a give-up's
 cost independent of the number held (all held / few held <= 2x).
 
     python benches/r3_arena.py               # the default budget (1 GiB, 65,536 slots)
