@@ -1,5 +1,5 @@
-"""T17: the R3 arena under load (docs/r3-reference.md), a finish's placement and a ``/metrics`` scrape with the
-arena full against the same with room, in one run.
+"""T17: the R3 arena under load (docs/r3-reference.md), a finish's placement and a
+``/metrics`` scrape with the arena full against the same with room, in one run.
 
 The frontend's finish (``Arena.deliver`` of one sample's rows, 16 KiB: the default budget's
 share of each of its 65,536 slots) and the collector's scrape (``Arena.stats``) run on vLLM's
@@ -15,8 +15,8 @@ twice per give-up; the scrape asked the kernel about each). Cases, each the medi
   reader through ``fetch(out=)``), each finish gives one up: a small arena against a full one;
 - ``scrape, room`` / ``scrape, full``.
 
-Target (docs/workloads.md, T17): full / room about equal (<= 2x) for a finish and a scrape; a give-up's
-cost independent of the number held (all held / few held <= 2x).
+Target (docs/workloads.md, T17): full / room about equal (<= 2x) for a finish and a scrape;
+a give-up's cost independent of the number held (all held / few held <= 2x).
 
     python benches/r3_arena.py               # the default budget (1 GiB, 65,536 slots)
     python benches/r3_arena.py --quick       # 64 MiB, a smoke run

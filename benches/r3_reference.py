@@ -1,4 +1,5 @@
-"""T14: R3 rows by reference (docs/r3-reference.md) against vLLM's rows, a server and a client process.
+"""T14: R3 rows by reference (docs/r3-reference.md) against vLLM's rows, a server and a client
+process.
 
 vLLM answers a non-streaming ``/v1/completions`` with the routed experts as base64 ``.npy``
 inside the JSON body; a trainer decodes them (``json.loads``, ``base64.b64decode``,
@@ -41,8 +42,8 @@ Then, in the reference arm, a full read of the rows' bytes against a memcpy floo
 of as many bytes between two warm buffers): the views touched (each copied into a warm buffer)
 and ``fetch(..., out=)`` (one ``preadv`` a reference).
 
-Targets (docs/workloads.md, T14): the routed-experts field at most 1 KB a sample; the server's and the
-client's CPU per sample each at most 1/20 of vLLM's; a batch read within 1.5x of the memcpy
+Targets (docs/workloads.md, T14): the routed-experts field at most 1 KB a sample; the server's
+and the client's CPU per sample each at most 1/20 of vLLM's; a batch read within 1.5x of the memcpy
 floor.
 
     python benches/r3_reference.py                 # one ABBA block

@@ -666,7 +666,7 @@ def test_start_counts_rows_and_the_error_says_so(reader_) -> None:
 
 
 def test_a_forked_child_gets_a_clear_error_from_its_parents_arena() -> None:
-    """docs/r3-reference.md: a child may not write its parent's arena (its books are the parent's)."""
+    """A child may not write its parent's arena (its books are the parent's; r3-reference.md)."""
     with Arena(fmt.PAGE, ttl=60.0) as arena:
         pid = os.fork()
         if pid == 0:

@@ -1,4 +1,5 @@
-"""R3 rows go to the arena only for what leaves as a reference (docs/r3-reference.md, issue 45 item 6).
+"""R3 rows go to the arena only for what leaves as a reference (docs/r3-reference.md, issue 45
+item 6).
 
 Over HTTP (a request vLLM's serving code adds while it answers an HTTP request: Starlette's
 ASGI call, which the plugin marks), the finish keeps vLLM's rows and only an answer that renders
