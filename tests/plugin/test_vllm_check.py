@@ -210,13 +210,17 @@ def test_r3_settings_are_reported_with_why_they_were_refused(
     _, out = _check(capsys, "--json")
     report = json.loads(out)
     assert said in report["r3"] and report["r3_delivery"] is None
+    # The delivery asked for is in the ignored settings, with why, as the engine warns of it.
+    row = report["settings"]["AOSTORE_VLLM_R3_DELIVERY"]
+    assert row["effective"] == "off (rows in the answer)" and said in row["ignored"], row
+    assert said in report["ignored"]["AOSTORE_VLLM_R3_DELIVERY"]
 
 
 BAD_SETTINGS = {
     "AOSTORE_VLLM_PLUGIN": ("maybe", "on", "not one of 0/false/no/off or 1/true/yes/on"),
     "AOSTORE_VLLM_DATA_PLANE": ("nah", "on where vLLM is recognized", "not one of 0/false"),
     "AOSTORE_VLLM_TRANSPORT": ("2", "on where vLLM is recognized", "not one of 0/false"),
-    "AOSTORE_VLLM_PREFAULT": ("eager", "background", "not background, 0 or 1"),
+    "AOSTORE_VLLM_PREFAULT": ("eager", "background", "not background, 0/false/no/off or 1/true"),
     "AOSTORE_VLLM_PROFILE": ("elastic", "probed (vLLM's store decides)", "not one of"),
     "AOSTORE_VLLM_MOONCAKE": ("/nonexistent/mooncake.json", "off", "Mooncake tier off"),
     "AOSTORE_VLLM_R3_BUDGET": ("abc", "1073741824 bytes (unused", "is not a size of at least"),

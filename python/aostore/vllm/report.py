@@ -24,7 +24,7 @@ from typing import Any
 from .compat.names import PACKAGE, STORE_MODULE
 from .install import MARK, lock
 from .plan import Plan, decide
-from .settings import ENV_DISABLE, ENV_PREFAULT, Prefault, Settings
+from .settings import ENV_DISABLE, ENV_PREFAULT, ENV_R3_DELIVERY, Prefault, Settings
 
 
 @dataclasses.dataclass
@@ -239,6 +239,13 @@ def check() -> dict[str, Any]:
         report["transport_on"] = decision.transport
         report["r3"] = decision.r3_said
         report["r3_delivery"] = decision.r3_delivery
+        # Asked for and refused by the plan (the transport off, say): ignored, as the running
+        # engine's WARNING says.
+        asked = result.settings.r3_delivery is not None
+        if asked and decision.r3_delivery is None and decision.r3_said:
+            report["ignored"].setdefault(ENV_R3_DELIVERY, decision.r3_said)
+            row = report["settings"][ENV_R3_DELIVERY]
+            row["effective"], row["ignored"] = "off (rows in the answer)", decision.r3_said
     if result.profile:
         report["profile"] = result.profile
         report["profile_reason"] = result.reason

@@ -229,7 +229,9 @@ def _r3(env: Mapping[str, str]) -> tuple[str | None, int, float, str, dict[str, 
         if why.startswith(name + "=")
     }
     if said and delivery is not None:
-        return None, R3_BUDGET, R3_TTL, "R3 by reference off: " + "; ".join(said), ignored
+        refused = "R3 by reference off: " + "; ".join(said)
+        ignored.setdefault(ENV_R3_DELIVERY, f"ignored {delivery!r}: {refused}")
+        return None, R3_BUDGET, R3_TTL, refused, ignored
     return delivery, budget if not said else R3_BUDGET, ttl if not said else R3_TTL, "", ignored
 
 
@@ -242,7 +244,9 @@ def _prefault(raw: str) -> tuple[Prefault, str]:
         return True, ""
     if value in ("", "background"):
         return "background", ""
-    return "background", f"ignored {raw!r} (not background, 0 or 1); background"
+    return "background", (
+        f"ignored {raw!r} (not background, {'/'.join(_OFF)} or {'/'.join(_ON)}); background"
+    )
 
 
 def _profile(raw: str) -> tuple[str | None, str]:
