@@ -50,6 +50,12 @@ impl Layout {
         !matches!(self, Layout::V0_31 | Layout::V0_32)
     }
 
+    /// The worker connector builds its store and buffer in a second phase, once the KV cache
+    /// is laid out (`initialize_output_storage`, 0.34.0); earlier releases in `__init__`.
+    pub fn builds_storage_in_two_phases(self) -> bool {
+        matches!(self, Layout::V0_34)
+    }
+
     /// A scheduled request's emit start is its prompt start capped at its prompt's length
     /// (before it has output); 0.31.0 sends the prompt start uncapped.
     pub fn caps_prompt_start(self) -> bool {
@@ -88,6 +94,13 @@ mod tests {
         assert!(Layout::V0_34.kv_events());
         assert!(!Layout::V0_33.reads_pending_blocks() && Layout::V0_34.reads_pending_blocks());
         assert!(!Layout::V0_31.reads_pending_blocks());
+    }
+
+    #[test]
+    fn only_0_34_builds_storage_in_two_phases() {
+        let two: Vec<Layout> =
+            Layout::ALL.into_iter().filter(|l| l.builds_storage_in_two_phases()).collect();
+        assert_eq!(two, [Layout::V0_34]);
     }
 
     #[test]

@@ -60,6 +60,8 @@ pub struct NativeDataPlane {
     dtype: Py<PyAny>,
     shape: Py<PyTuple>,
     row_nbytes: usize,
+    /// The layout's metadata carries KV-cached retains and releases (asked once, at `new`).
+    kv_events: bool,
     /// `aostore.vllm.transport.StepRows.packed`: outputs go as one buffer a step
     /// (`super::step_rows`); `None`: as vLLM's dict.
     step_rows: Option<Py<PyAny>>,
@@ -313,7 +315,11 @@ fn text<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
 }
 
 /// vLLM's metadata read into the plane's form, borrowing its strings and hashes.
-fn metadata<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult<StepMetadata<'a>> {
+fn metadata<'a, 'py>(
+    value: &Bound<'py, PyAny>,
+    held: &'a Held<'py>,
+    kv_events: bool,
+) -> PyResult<StepMetadata<'a>> {
     let py = value.py();
     let mut out = StepMetadata {
         generation: value.getattr(intern!(py, "generation"))?.extract()?,
@@ -334,11 +340,12 @@ fn metadata<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult
     for id in value.getattr(intern!(py, "finished_requests"))?.try_iter()? {
         out.finished.push(text(held.keep(id?))?);
     }
-    // 0.33.0's fields; 0.32.0's metadata has neither.
-    if let Ok(retained) = value.getattr(intern!(py, "retained_block_hashes")) {
+    // The layout says whether the fields exist (0.33.0 on): a metadata without them on such
+    // a release is an error, not a step without events.
+    if kv_events {
+        let retained = value.getattr(intern!(py, "retained_block_hashes"))?;
         out.retained = hashes(held.keep(retained), held)?;
-    }
-    if let Ok(released) = value.getattr(intern!(py, "released_block_hashes")) {
+        let released = value.getattr(intern!(py, "released_block_hashes"))?;
         out.released = hashes(held.keep(released), held)?;
     }
     Ok(out)
@@ -383,6 +390,7 @@ impl NativeDataPlane {
             max_concurrent_batches,
             layout,
         };
+        let kv_events = layout.kv_events();
         let plane = DataPlane::new(config).map_err(PyValueError::new_err)?;
         let plain_output = plain_dataclass(output_class)?;
         Ok(Self {
@@ -393,6 +401,7 @@ impl NativeDataPlane {
             dtype: dtype.unbind(),
             shape: PyTuple::new(py, &shape_per_token)?.unbind(),
             row_nbytes,
+            kv_events,
             step_rows: step_rows.map(Bound::unbind),
             numpy: numpy.unbind(),
             steps: AtomicU64::new(0),
@@ -404,7 +413,7 @@ impl NativeDataPlane {
     /// `begin_step(metadata)` for a metadata that is not `None`.
     fn begin_step(&self, py: Python<'_>, metadata: &Bound<'_, PyAny>) -> PyResult<()> {
         let held = Held::new();
-        let metadata = self::metadata(metadata, &held)?;
+        let metadata = self::metadata(metadata, &held, self.kv_events)?;
         self.with_plane(py, |plane, sink| plane.begin_step(&metadata, sink))
     }
 

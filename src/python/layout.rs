@@ -47,6 +47,12 @@ impl PyLayout {
         self.0.reads_pending_blocks()
     }
 
+    /// The worker connector builds its storage after the KV cache (0.34.0).
+    #[getter]
+    fn builds_storage_in_two_phases(&self) -> bool {
+        self.0.builds_storage_in_two_phases()
+    }
+
     /// A request's emit start is its prompt start capped at the prompt (0.32.0 on).
     #[getter]
     fn caps_prompt_start(&self) -> bool {

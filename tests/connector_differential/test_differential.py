@@ -139,6 +139,12 @@ def test_coverage(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(raised) >= 10, rejected
 
 
+def test_the_records_layout_says_how_this_vllm_builds_storage() -> None:
+    """The plugin picks the two-phase connector from the record's layout, never by probing
+    vLLM's class; here the class is probed, to hold the record to it."""
+    assert contenders.layout().builds_storage_in_two_phases == contenders.two_phase()
+
+
 def _vllm_version() -> str:
     import vllm
 

@@ -303,6 +303,7 @@ def test_every_record_names_a_layout_the_rust_side_knows() -> None:
         assert layout.name == record.layout
         assert layout.kv_events == (record.layout not in ("0.31", "0.32"))
         assert layout.caps_prompt_start == (record.layout != "0.31")
+        assert layout.builds_storage_in_two_phases == (record.layout == "0.34")
         assert all(
             len(digest) == 64 for f in releases.FEATURES for digest in record.files(f).values()
         )

@@ -39,6 +39,9 @@ def metadata(requests: dict[str, int], hashes: dict[str, list[bytes]], finished=
         requests=requests,
         block_hashes={rid: Packed(b"".join(h), len(h[0])) for rid, h in hashes.items()},
         finished_requests=tuple(finished),
+        # 0.33.0's metadata fields (the planes here are 0.33's unless told): no events.
+        retained_block_hashes=None,
+        released_block_hashes=None,
     )
 
 

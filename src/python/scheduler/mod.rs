@@ -19,6 +19,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
+use super::layout::PyLayout;
 use crate::Layout;
 
 /// What the connector module provides (looked up at call time, as vLLM's code does).
@@ -124,7 +125,8 @@ fn emit_start(request: &Bound<'_, PyAny>, layout: Layout) -> PyResult<i64> {
 }
 
 /// `AuxOutputSchedulerConnector.build_connector_meta(scheduler_output, requests)` for the
-/// connector `this`, as the release whose record names `layout` computes it; `module` is
+/// connector `this`, as the release whose record names `layout` computes it (a `Layout` made
+/// once, when the connector class is made, not a name parsed each step); `module` is
 /// vLLM's connector module.
 #[pyfunction]
 pub(crate) fn build_connector_meta<'py>(
@@ -132,7 +134,7 @@ pub(crate) fn build_connector_meta<'py>(
     scheduler_output: &Bound<'py, PyAny>,
     requests: &Bound<'py, PyAny>,
     module: &Bound<'py, PyAny>,
-    layout: &str,
+    layout: PyRef<'py, PyLayout>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = this.py();
     let call = Call {
@@ -141,7 +143,7 @@ pub(crate) fn build_connector_meta<'py>(
         requests: requests.clone(),
         sent: this.getattr(intern!(py, "_sent_hash_counts"))?.cast_into::<PyDict>()?,
         by_request: PyDict::new(py),
-        layout: super::layout::layout(layout)?,
+        layout: layout.0,
     };
     match call.layout {
         Layout::V0_31 | Layout::V0_32 => run::<v0_32::Shape32>(&call, scheduler_output),

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from aostore._native import NativeWriter
+from aostore._native import Layout, NativeWriter
 from aostore.vllm.compat import releases
 
 WORKER_MODULE = "vllm.distributed.aux_output_connector.worker"
@@ -58,7 +58,8 @@ class Installed:
     connector against it (as ``type(connector)._aostore_installed``)."""
 
     release: str
-    layout: str
+    layout: Layout
+    """The record's layout, made once here: the connector asks it, never a release's name."""
     worker: Any
     """vLLM's worker module."""
     classes: Mapping[str, type]
@@ -94,16 +95,17 @@ def install(
     from .worker import subclasses
 
     record = releases.BY_NAME[release]
+    layout = Layout(record.layout)
     originals: dict[str, type] = {}
     replacements: dict[str, type] = {}
     if releases.WORKER in features:
         worker = importlib.import_module(WORKER_MODULE)
         routed = importlib.import_module(ROUTED_EXPERTS_MODULE)
         vllm_connector, vllm_buffer = getattr(worker, CONNECTOR), getattr(routed, BUFFER)
-        connector, buffer = subclasses(vllm_connector, vllm_buffer)
+        connector, buffer = subclasses(vllm_connector, vllm_buffer, layout)
         connector._aostore_installed = Installed(  # type: ignore[attr-defined]
             release=release,
-            layout=record.layout,
+            layout=layout,
             worker=worker,
             classes={**store_classes, BUFFER: buffer, CONNECTOR: connector},
             # vLLM's code as it stood at install: what the decision compares against.
@@ -119,7 +121,7 @@ def install(
         vllm_scheduler = getattr(module, SCHEDULER)
         originals[SCHEDULER] = vllm_scheduler
         replacements[SCHEDULER] = scheduler_subclass(
-            vllm_scheduler, module, layout=record.layout, report=report
+            vllm_scheduler, module, layout=layout, report=report
         )
     patched: list[str] = swap(originals, replacements, undo)
     worker = importlib.import_module(WORKER_MODULE)

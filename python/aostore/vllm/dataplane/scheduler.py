@@ -20,13 +20,15 @@ by whether the layout has KV-cache events (0.33.0 on; 0.32.0 not): while any is 
 
 
 def scheduler_subclass(
-    vllm_scheduler: Any, module: Any, *, layout: str, report: str | None = None
+    vllm_scheduler: Any, module: Any, *, layout: str | Layout, report: str | None = None
 ) -> type:
     """aostore's scheduler-side connector over vLLM's ``AuxOutputSchedulerConnector``:
     ``build_connector_meta`` in Rust over vLLM's own state (its other methods are vLLM's);
     ``module``: vLLM's connector module, ``layout``: the release record's. The helpers the native
     method stands in for (:data:`OWN_HELPERS`) are recorded now and compared on every call."""
-    kv_events = Layout(layout).kv_events
+    # Made once (install makes it): every step asks it, never parses a name again.
+    made = layout if isinstance(layout, Layout) else Layout(layout)
+    kv_events = made.kv_events
     return type(
         SCHEDULER,
         (DataPlaneSchedulerConnector, vllm_scheduler),
@@ -35,7 +37,7 @@ def scheduler_subclass(
             "__qualname__": SCHEDULER,
             "__doc__": DataPlaneSchedulerConnector.__doc__,
             "_aostore_module": module,
-            "_aostore_layout": layout,
+            "_aostore_layout": made,
             "_aostore_report": report,
             "_aostore_vllm_take_output": (vllm_scheduler, vllm_scheduler.take_output),
             "_aostore_own": tuple(
@@ -57,7 +59,7 @@ class DataPlaneSchedulerConnector:
     """
 
     _aostore_module: Any
-    _aostore_layout: str
+    _aostore_layout: Layout
     _aostore_report: str | None
     _aostore_own: tuple[tuple[str, Any], ...]
     _aostore_vllm_take_output: tuple[Any, Any]

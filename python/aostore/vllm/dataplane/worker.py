@@ -13,7 +13,7 @@ import atexit
 import logging
 from typing import Any
 
-from aostore._native import NativeDataPlane
+from aostore._native import Layout, NativeDataPlane
 
 from ..transport import StepRows, crosses_unpacked, why_not_packed
 from .install import BUFFER, CONNECTOR, NO_STORE, Installed, why_not
@@ -24,8 +24,9 @@ logger = logging.getLogger("vllm.plugins.aostore")
 NO_STORAGE_YET = "output storage not initialized (vLLM builds it after the KV cache)"
 
 
-def subclasses(vllm_connector: type, vllm_buffer: type) -> tuple[type, type]:
-    """aostore's connector and buffer classes over this vLLM's."""
+def subclasses(vllm_connector: type, vllm_buffer: type, layout: Layout) -> tuple[type, type]:
+    """aostore's connector and buffer classes over this vLLM's, in the shape ``layout`` (the
+    release record's) names."""
     buffer = type(
         BUFFER,
         (vllm_buffer,),
@@ -37,9 +38,9 @@ def subclasses(vllm_connector: type, vllm_buffer: type) -> tuple[type, type]:
             "off).",
         },
     )
-    # vLLM 0.34.0 builds its storage in a second phase; earlier releases in __init__.
-    two_phase = hasattr(vllm_connector, "initialize_output_storage")
-    bases = (TwoPhaseConnector,) if two_phase else (DataPlaneConnector,)
+    # vLLM 0.34.0 builds its storage in a second phase; earlier releases in __init__: the
+    # record's layout says which (the release is recognized by its files, not by probing).
+    bases = (TwoPhaseConnector,) if layout.builds_storage_in_two_phases else (DataPlaneConnector,)
     connector = type(
         CONNECTOR,
         (*bases, vllm_connector),
@@ -82,7 +83,7 @@ class DataPlaneConnector:
             packed = why_not_packed(config) if installed.transport else "transport off"
             plane = NativeDataPlane(
                 self._store._writer,
-                layout=installed.layout,
+                layout=installed.layout.name,
                 block_size=buffer.block_size,
                 shape_per_token=tuple(buffer.shape_per_token),
                 dtype=buffer.dtype,
