@@ -10,7 +10,7 @@ MATURIN_VERSION := 1.16.0
 ZIG_VERSION := 0.17.1
 
 .PHONY: venv test-venv build wheel-check install run test test-rust test-python test-vllm engine-venv \
-	engine-install test-engine engine-venv31 test-engine31 test-connector lint fmt bench bench-smoke bench-engine valgrind clean
+	engine-install test-engine engine-venv31 test-engine31 test-connector share-venvs lint fmt bench bench-smoke bench-engine valgrind clean
 
 # What building and running need.
 $(VENV)/.deps: pyproject.toml
@@ -149,6 +149,11 @@ test-connector: install engine-venv31
 # The drafting command's golden output on real trees (0.34.0 against 0.33.0, 0.31.0 against
 # 0.32.0): every environment exists by now, so a missing one fails.
 	cd tests && AOSTORE_REQUIRE_VLLM_TREES=1 ../$(PY) -m pytest -q -p no:cacheprovider plugin/test_draft.py
+
+# The environments' identical large files (torch, the NVIDIA libraries) as one file on disk,
+# hard-linked: several GB less per environment (.ci/share_venv_files.py says why it is safe).
+share-venvs:
+	$(PYTHON) .ci/share_venv_files.py $(VENV) .venv-vllm .venv-vllm34 $(ENGINE_VENV) $(ENGINE31_VENV)
 
 lint: install test-venv
 	cargo fmt --check
