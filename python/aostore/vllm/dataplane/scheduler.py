@@ -10,7 +10,7 @@ from aostore import _native
 from aostore._native import Layout
 
 from ..transport import StepRows
-from .install import SCHEDULER
+from .installed import SCHEDULER
 from .report import report_scheduler
 
 OWN_HELPERS = {True: ("_take_new_hashes", "_pack_hashes"), False: ("_pack_new_hashes",)}

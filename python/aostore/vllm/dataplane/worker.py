@@ -3,7 +3,7 @@
 It runs vLLM's constructor (and, from 0.34.0 on, vLLM's ``initialize_output_storage``, which
 builds the store and buffer once the KV cache is laid out); if that built aostore's installed
 store, Rust writer and buffer and nothing hooks what the plane stands in for
-(:func:`.install.why_not`), the connector hands each call to ``aostore._native.NativeDataPlane``,
+(:func:`.installed.why_not`), the connector hands each call to ``aostore._native.NativeDataPlane``,
 which keeps vLLM's behaviour exactly (docs/data-plane.md); otherwise vLLM's code runs.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from aostore._native import Layout, NativeDataPlane
 
 from ..transport import StepRows, crosses_unpacked, why_not_packed
-from .install import BUFFER, CONNECTOR, NO_STORE, Installed, why_not
+from .installed import BUFFER, CONNECTOR, NO_STORE, Installed, why_not
 from .report import report_once
 
 logger = logging.getLogger("vllm.plugins.aostore")
