@@ -25,8 +25,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from aostore import r3
-from aostore.r3 import _format as fmt
-from aostore.r3 import _reader
+from aostore.r3 import _reader, leases
+from aostore.r3 import format as fmt
 from aostore.r3.arena import Arena, sweep_stale
 
 ROW = (46, 8)
@@ -420,7 +420,6 @@ DELIVERING_FRONTEND = """
 import sys
 import numpy as np
 from aostore.r3.arena import Arena
-from aostore.r3 import _format as fmt
 import base64, io
 
 arena = Arena(1 << 20, ttl=60.0)
@@ -503,7 +502,7 @@ class CountingFcntl:
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(fmt.fcntl, "fcntl", counted)
+        monkeypatch.setattr(leases.fcntl, "fcntl", counted)
 
 
 @pytest.mark.parametrize("held", [100, 4000, 1 << 16])
@@ -612,17 +611,17 @@ def test_a_finish_never_waits_on_a_reader_holding_a_slots_lock() -> None:
     """Item 16: a reader stopped between taking a free slot's lock (with a stale reference) and
     looking at its generation stopped every later finish of the API server."""
     with Arena(4 * fmt.PAGE, ttl=60.0) as arena:
-        stale = fmt.reopen(arena._fd)  # another open: a reader's
+        stale = leases.reopen(arena._fd)  # another open: a reader's
         try:
             for slot in range(len(arena._slots)):
-                assert fmt.lock(stale, slot, fmt.READ)
+                assert leases.lock(stale, slot, leases.READ)
             result: list[object] = []
             finish = threading.Thread(target=lambda: result.append(arena.deliver(rows(8, 1))))
             finish.start()
             finish.join(10)
             assert not finish.is_alive(), "the finish waited on the reader's lock"
             assert result == [None] and arena.stats()["slots_busy"] >= 1
-            fmt.lock(stale, 0, fmt.UNLOCK)  # one free slot's lock let go: it is used
+            leases.lock(stale, 0, leases.UNLOCK)  # one free slot's lock let go: it is used
             assert arena.deliver(rows(8, 1)) is not None
         finally:
             os.close(stale)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 from aostore import r3
-from aostore.r3 import _format as fmt
+from aostore.r3 import format as fmt
 from aostore.r3.arena import Arena, sweep_stale
 
 ROW = (46, 8)
@@ -167,6 +167,39 @@ def test_bad_input_gets_a_clear_error_and_takes_no_lease(arena, reader) -> None:
         assert reader.stats.leases == 0 and reader.stats.fetches == 0
     finally:
         other.close()
+
+
+def later_format(reference: np.ndarray, version: int, fields: list[tuple[str, str]]) -> np.ndarray:
+    """``reference`` as a format of its ``version`` with ``fields`` added, the rest kept, as a
+    later aostore could write one."""
+    later = np.zeros((), np.dtype(fmt.REFERENCE.descr + fields))
+    for name in fmt.REFERENCE.names or ():
+        later[name] = reference[name]
+    later["version"] = version
+    return later
+
+
+def test_a_reference_of_a_newer_format_is_told_by_its_version(arena, reader) -> None:
+    """The version policy (``aostore.r3.format``): a reference of a newer format is refused
+    naming both versions, whatever fields that format added, as an array and as vLLM's string;
+    one of this format with other fields is not an aostore reference."""
+    reference = arena.deliver(rows(5))
+    newer = later_format(reference, fmt.REFERENCE_VERSION + 1, [("checksum", "<u8")])
+    assert fmt.REFERENCE_VERSION == 1  # the messages below name 2 and 1
+    for value in (newer, wire(newer)):
+        with pytest.raises(r3.ForeignReference, match=r"format 2; this aostore reads format 1"):
+            fmt.parse(value)
+        with pytest.raises(r3.ForeignReference, match="upgrade aostore on the reader's side"):
+            reader.fetch([value])
+    same = later_format(reference, fmt.REFERENCE_VERSION, [("checksum", "<u8")])
+    for value in (same, wire(same)):
+        with pytest.raises(r3.ForeignReference, match="not an aostore reference"):
+            fmt.parse(value)
+    none = later_format(reference, 0, [("checksum", "<u8")])
+    for value in (none, wire(none)):
+        with pytest.raises(r3.ForeignReference, match="malformed aostore reference"):
+            fmt.parse(value)
+    assert reader.stats.leases == 0 and reader.stats.fetches == 0
 
 
 def test_rows_the_arena_cannot_take_or_write_change_nothing(arena, reader) -> None:

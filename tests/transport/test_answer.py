@@ -68,7 +68,7 @@ def test_numpy2base64_of_routed_experts_and_odd_arrays() -> None:
 def test_numpy2base64_of_an_r3_reference_is_vllms() -> None:
     """A reference is encoded from its header as this numpy's ``np.save`` writes it: the same
     string as vLLM's, for any slot, generation, dtype and shape it names."""
-    from aostore.r3 import _format as fmt
+    from aostore.r3 import format as fmt
 
     arena = bytes(range(16))
     for slot, generation, dtype, shape, start in [

@@ -37,6 +37,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
 from aostore import r3
+from aostore.r3 import format as r3_format
 from aostore.vllm.install import swap, undo_swap
 from aostore.vllm.transport import StepRows, delivery, install
 from aostore.vllm.transport.frontend import RowChunks, request_state_subclass
@@ -191,7 +192,7 @@ def dereferenced(request_outputs: list[Any], reader: r3.Reader) -> list[Any]:
             if routed is None:
                 continue
             assert routed.dtype.names is not None, "rows where a reference was asked for"
-            dtype, shape = r3._format.rows_of(r3._format.parse(routed))
+            dtype, shape = r3_format.rows_of(r3_format.parse(routed))
             out = np.empty(shape, dtype)
             reader.fetch([routed], out=out)
             completion.routed_experts = out

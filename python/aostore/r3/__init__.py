@@ -26,14 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from ._format import (
+from ._reader import DEFAULT_RENEWAL, Fetched, Reader, ReaderStats
+from .errors import (
     ForeignReference,
     MixedArenas,
     OtherNode,
     R3Error,
     ReferenceGone,
 )
-from ._reader import DEFAULT_RENEWAL, Fetched, Reader, ReaderStats
 
 __all__ = [
     "DEFAULT_RENEWAL",

@@ -26,7 +26,8 @@ from typing import Any, overload
 import numpy as np
 
 from .._native import copy_pages
-from . import _format as fmt
+from . import errors, leases
+from . import format as fmt
 from .arena import remove_if_dead
 
 DEFAULT_RENEWAL = 600.0
@@ -80,7 +81,7 @@ class _OpenArena:
 
     def __init__(self, arena: bytes, owner: int) -> None:
         self.path = fmt.path(arena)
-        fd = fmt.open_arena_file(self.path, owner)
+        fd = leases.open_arena_file(self.path, owner)
         lock_fd = -1
         try:
             header = self._header(fd, arena)
@@ -94,7 +95,7 @@ class _OpenArena:
                 mmap.MAP_SHARED,
                 mmap.PROT_READ | mmap.PROT_WRITE,
             )
-            lock_fd = fmt.reopen(fd)
+            lock_fd = leases.reopen(fd)
         except BaseException:
             if lock_fd >= 0:
                 os.close(lock_fd)
@@ -118,19 +119,19 @@ class _OpenArena:
         the file's end (a mapping there would be a SIGBUS, not an error)."""
         raw = os.pread(fd, fmt.HEADER.itemsize, 0)
         if len(raw) < fmt.HEADER.itemsize:
-            raise fmt.ReferenceGone(f"{self.path} is cut short: not an R3 arena")
+            raise errors.ReferenceGone(f"{self.path} is cut short: not an R3 arena")
         header: np.ndarray = np.frombuffer(raw, fmt.HEADER)[0]
         if header["magic"] != fmt.MAGIC:
-            raise fmt.ReferenceGone(f"{self.path} is not an R3 arena")
+            raise errors.ReferenceGone(f"{self.path} is not an R3 arena")
         version = int(header["version"])
         if version != fmt.ARENA_VERSION:
-            raise fmt.ForeignReference(
+            raise errors.ForeignReference(
                 f"its R3 arena is of format {version}; this aostore reads format "
                 f"{fmt.ARENA_VERSION} (the frontend and the reader run different aostore "
                 "releases)"
             )
         if fmt.ident(header["arena"]) != arena:
-            raise fmt.ReferenceGone(f"{self.path} is not that reference's arena")
+            raise errors.ReferenceGone(f"{self.path} is not that reference's arena")
         slots, capacity = int(header["slots"]), int(header["log_capacity"])
         offsets = [int(header[name]) for name in ("slots_offset", "log_offset", "runs_offset")]
         data_offset, data_size = int(header["data_offset"]), int(header["data_size"])
@@ -151,12 +152,12 @@ class _OpenArena:
             and data_offset + data_size <= os.fstat(fd).st_size
         )
         if not well_formed:
-            raise fmt.ReferenceGone(f"{self.path}'s header does not describe an R3 arena")
+            raise errors.ReferenceGone(f"{self.path}'s header does not describe an R3 arena")
         return header
 
     def alive(self) -> bool:
         """Whether the arena's frontend holds its liveness lock."""
-        return fmt.held_by_another(self.lock_fd, fmt.LIVE)
+        return leases.held_by_another(self.lock_fd, leases.LIVE)
 
     def rows(self) -> memoryview:
         """Every slot's bytes, mapped once for ``out=`` copies (read-only; pages are mapped as
@@ -176,22 +177,22 @@ class _OpenArena:
     def take(self, slot: int, generation: int, nbytes: int) -> tuple[Run, ...]:
         """Lease ``slot`` if it still holds that generation's rows; their page runs."""
         if slot >= self.slots:
-            raise fmt.ForeignReference(f"a malformed aostore reference: slot {slot}")
-        if not fmt.lock(self.lock_fd, slot, fmt.READ):
+            raise errors.ForeignReference(f"a malformed aostore reference: slot {slot}")
+        if not leases.lock(self.lock_fd, slot, leases.READ):
             # The frontend holds it: it is giving these rows up, or writing others there.
-            raise fmt.ReferenceGone("its rows are gone: the frontend gave the slot up")
+            raise errors.ReferenceGone("its rows are gone: the frontend gave the slot up")
         record = self.records[slot]
         try:
             if int(record["generation"]) != generation:
-                raise fmt.ReferenceGone(
+                raise errors.ReferenceGone(
                     "its rows are gone: read and evicted for newer ones, or expired unread"
                 )
             if int(record["nbytes"]) != nbytes:
-                raise fmt.ForeignReference("a malformed aostore reference: its rows' size")
+                raise errors.ForeignReference("a malformed aostore reference: its rows' size")
             runs = self._runs_of(record, nbytes)
         except BaseException:
             if slot not in self.leased:
-                fmt.lock(self.lock_fd, slot, fmt.UNLOCK)
+                leases.lock(self.lock_fd, slot, leases.UNLOCK)
             raise
         self.leased[slot] = self.leased.get(slot, 0) + 1
         return runs
@@ -213,7 +214,7 @@ class _OpenArena:
             total += pages
             page = int(entry["next"])
         if total != want or len(runs) != count or page != fmt.NO_RUN:
-            raise fmt.ReferenceGone("its arena's slot table is not the frontend's")
+            raise errors.ReferenceGone("its arena's slot table is not the frontend's")
         return tuple(runs)
 
     def mark_read(self, taken: list[tuple[int, int]]) -> None:
@@ -230,7 +231,7 @@ class _OpenArena:
         if not first:
             return
         for _ in range(100):
-            if fmt.lock_byte(self.lock_fd, fmt.LOG, fmt.WRITE):
+            if leases.lock_byte(self.lock_fd, leases.LOG, leases.WRITE):
                 break
             time.sleep(0.0001)
         else:
@@ -245,14 +246,14 @@ class _OpenArena:
                 tail += 1
             self.log_tail[0] = tail
         finally:
-            fmt.lock_byte(self.lock_fd, fmt.LOG, fmt.UNLOCK)
+            leases.lock_byte(self.lock_fd, leases.LOG, leases.UNLOCK)
 
     def give_back(self, slot: int) -> None:
         count = self.leased.pop(slot) - 1
         if count:
             self.leased[slot] = count
         elif self.lock_fd >= 0:
-            fmt.lock(self.lock_fd, slot, fmt.UNLOCK)
+            leases.lock(self.lock_fd, slot, leases.UNLOCK)
         if self.closed and not self.leased:
             self._close_locks()
 
@@ -284,10 +285,10 @@ class _OpenArena:
     def before_fork(self) -> None:
         """In the parent, before a fork: an open for the child, leasing what this one does."""
         if self.leased and self.lock_fd >= 0:
-            self.child_fd = fmt.reopen(self.lock_fd)
+            self.child_fd = leases.reopen(self.lock_fd)
             for slot in self.leased:
                 # The parent's read lock stands on each: a read lock of the child's is granted.
-                fmt.lock(self.child_fd, slot, fmt.READ)
+                leases.lock(self.child_fd, slot, leases.READ)
 
     def after_fork_in_parent(self) -> None:
         if self.child_fd >= 0:
@@ -302,7 +303,7 @@ class _OpenArena:
             self.lock_fd, self.child_fd = self.child_fd, -1
         elif not self.closed:
             try:
-                self.lock_fd = fmt.reopen(self.fd)
+                self.lock_fd = leases.reopen(self.fd)
             except OSError:
                 self.closed = True  # unusable here: the reader opens it anew when asked
         if self.lock_fd < 0:
@@ -476,7 +477,7 @@ class Reader:
         plans = [self._plan(item, first) for item, first in zip(items, starts, strict=True)]
         arenas = {fmt.ident(item["arena"]) for item in items if item.dtype.names is not None}
         if len(arenas) > 1:
-            raise fmt.MixedArenas(
+            raise errors.MixedArenas(
                 f"a batch with references of {len(arenas)} arenas: fetch each arena's apart"
             )
         if out is not None:
@@ -498,9 +499,9 @@ class Reader:
                     slot, generation = int(item["slot"]), int(item["generation"])
                     try:
                         taken.append((slot, arena.take(slot, generation, nbytes)))
-                    except fmt.ReferenceGone as gone:
+                    except errors.ReferenceGone as gone:
                         self.stats.misses += 1
-                        raise fmt.ReferenceGone(str(gone), index) from None
+                        raise errors.ReferenceGone(str(gone), index) from None
                     read.append((slot, generation))
             except BaseException:
                 for slot, _ in taken:
@@ -534,20 +535,20 @@ class Reader:
                 arena = self._open(fmt.ident(item["arena"]))
                 slot = int(item["slot"])
                 if slot >= arena.slots:
-                    raise fmt.ForeignReference(f"a malformed aostore reference: slot {slot}")
-                if not fmt.lock(arena.lock_fd, slot, fmt.READ):
-                    raise fmt.ReferenceGone(
+                    raise errors.ForeignReference(f"a malformed aostore reference: slot {slot}")
+                if not leases.lock(arena.lock_fd, slot, leases.READ):
+                    raise errors.ReferenceGone(
                         "its rows are gone: the frontend gave the slot up", index
                     )
                 try:
                     record = arena.records[slot]
                     if int(record["generation"]) != int(item["generation"]):
                         self.stats.misses += 1
-                        raise fmt.ReferenceGone("its rows are gone: evicted or expired", index)
+                        raise errors.ReferenceGone("its rows are gone: evicted or expired", index)
                     record["deadline"] = max(float(record["deadline"]), fmt.now() + seconds)
                 finally:
                     if slot not in arena.leased:
-                        fmt.lock(arena.lock_fd, slot, fmt.UNLOCK)
+                        leases.lock(arena.lock_fd, slot, leases.UNLOCK)
 
     def close(self) -> None:
         """Close every arena this reader opened; fetching again is an error. Views still alive
@@ -566,7 +567,7 @@ class Reader:
             opened = self._arenas[arena] = _OpenArena(arena, self.owner)
         if not opened.alive():
             self._let_go(arena)
-            raise fmt.ReferenceGone(
+            raise errors.ReferenceGone(
                 "its R3 arena's frontend is gone (it exited or restarted): its rows went with it"
             )
         return opened
@@ -605,8 +606,8 @@ class Reader:
         if item.dtype.names is None:
             dtype, shape, token_start = item.dtype, item.shape, 0
         else:
-            if fmt.ident(item["boot"]) != fmt.boot_id():
-                raise fmt.OtherNode(
+            if fmt.ident(item["boot"]) != leases.boot_id():
+                raise errors.OtherNode(
                     "a reference from another node (or an earlier boot of this one): its rows "
                     "are in that node's shared memory"
                 )

@@ -6,7 +6,7 @@ reference that the response carries instead of them. The budget is reserved at s
 (``posix_fallocate``), so a full ``/dev/shm`` is an error at start, not a SIGBUS later.
 
 The file is made unnamed (``O_TMPFILE``) and linked under its name only once complete, with
-the frontend's liveness lock already held (:mod:`._format`): a sweep removes only arenas whose
+the frontend's liveness lock already held (:mod:`.leases`): a sweep removes only arenas whose
 lock it can take, i.e. whose frontend is gone, whatever PID namespace either runs in; a
 frontend killed while it starts leaves nothing.
 
@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _format as fmt
+from . import errors, leases
+from . import format as fmt
 from .placement import Placement, Run
 
 __all__ = ["Arena", "ArenaStats", "Reservation", "sweep_stale"]
@@ -122,8 +123,8 @@ class Arena:
             )
             # The liveness lock, on an open of its own that nothing maps (a mapping inherited
             # by a forked child would keep it, and the arena alive, after this process died).
-            live = fmt.reopen(fd)
-            if not fmt.lock_byte(live, fmt.LIVE, fmt.WRITE):
+            live = leases.reopen(fd)
+            if not leases.lock_byte(live, leases.LIVE, leases.WRITE):
                 raise OSError("the new R3 arena's liveness lock is taken")
             _name(fd, self.path)  # complete: now it has a name
         except BaseException:
@@ -254,7 +255,7 @@ class Arena:
             record = (generation, runs[0][0], nbytes, deadline or 0.0, 0, len(runs), (0, 0))
             self._slots[slot] = record
         finally:
-            fmt.lock(self._fd, slot, fmt.UNLOCK)
+            leases.lock(self._fd, slot, leases.UNLOCK)
         return slot, runs
 
     def _publish(self, reservation: Reservation, token_start: int) -> np.ndarray | None:
@@ -276,9 +277,9 @@ class Arena:
 
     def _usable(self) -> None:
         if self.closed:
-            raise fmt.R3Error("the R3 arena is closed")
+            raise errors.R3Error("the R3 arena is closed")
         if os.getpid() != self._pid:
-            raise fmt.R3Error(
+            raise errors.R3Error(
                 "this R3 arena belongs to the process that made it, not to a forked child"
             )
         self._release_withdrawn()
@@ -307,7 +308,7 @@ class Arena:
             if self.closed:
                 return 0
             held = self._books.held_slots()
-        return sum(1 for slot in held if not self.closed and fmt.leased(self._fd, slot))
+        return sum(1 for slot in held if not self.closed and leases.leased(self._fd, slot))
 
     def check(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant of the arena's books (its
@@ -396,13 +397,13 @@ class Arena:
         chosen: list[int] = []
         room, now = books.free_pages, fmt.now()
         for slot in books.candidates(TRIES):
-            if not fmt.lock(self._fd, slot, fmt.WRITE):
+            if not leases.lock(self._fd, slot, leases.WRITE):
                 self.counts.leased_when_wanted += 1
                 books.touch(slot)
                 continue
             record = self._slots[slot]
             if not record["read"] and float(record["deadline"]) > now:  # renewed meanwhile
-                fmt.lock(self._fd, slot, fmt.UNLOCK)
+                leases.lock(self._fd, slot, leases.UNLOCK)
                 books.postpone(slot, float(record["deadline"]))
                 continue
             chosen.append(slot)
@@ -411,7 +412,7 @@ class Arena:
                 break
         if room < need:
             for slot in chosen:
-                fmt.lock(self._fd, slot, fmt.UNLOCK)
+                leases.lock(self._fd, slot, leases.UNLOCK)
             return False
         for slot in chosen:
             record = self._slots[slot]
@@ -420,7 +421,7 @@ class Arena:
             else:
                 self.counts.expiries += 1
             record["generation"] = 0  # no reference matches it from here
-            fmt.lock(self._fd, slot, fmt.UNLOCK)
+            leases.lock(self._fd, slot, leases.UNLOCK)
             books.release(slot)
         return True
 
@@ -430,7 +431,7 @@ class Arena:
         stopped there, it must not stop this finish)."""
         books = self._books
         for _ in range(TRIES):
-            if fmt.lock(self._fd, books.free_slot(), fmt.WRITE):
+            if leases.lock(self._fd, books.free_slot(), leases.WRITE):
                 return True
             self.counts.slots_busy += 1
             books.skip_slot()
@@ -462,7 +463,7 @@ def _write_header(mapped: mmap.mmap, **fields: Any) -> None:
     header["magic"] = fmt.MAGIC
     header["version"] = fmt.ARENA_VERSION
     header["slot_size"] = fmt.SLOT.itemsize
-    header["boot"] = fmt.as_field(fmt.boot_id())
+    header["boot"] = fmt.as_field(leases.boot_id())
     header["log_capacity"] = fields["slots"]
     for name, value in fields.items():
         header[name] = fmt.as_field(value) if isinstance(value, bytes) else value
@@ -570,11 +571,11 @@ def sweep_stale() -> int:
 def remove_if_dead(path: str) -> bool:
     """Unlink the arena at ``path`` if it is this user's and its frontend is gone."""
     try:
-        fd = fmt.open_arena_file(path, os.getuid())
-    except (fmt.R3Error, OSError):
+        fd = leases.open_arena_file(path, os.getuid())
+    except (errors.R3Error, OSError):
         return False  # gone, not a file, or another user's: not ours to remove
     try:
-        if not fmt.lock_byte(fd, fmt.LIVE, fmt.WRITE):
+        if not leases.lock_byte(fd, leases.LIVE, leases.WRITE):
             return False  # its frontend lives (in whatever PID namespace)
         os.unlink(path)
         return True

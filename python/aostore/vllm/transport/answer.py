@@ -36,7 +36,7 @@ import numpy as np
 
 from ... import _npy as npy
 from ..._native import splice_json
-from ...r3 import _format as r3_format
+from ...r3 import format as r3_format
 from . import delivery as r3_delivery
 
 LONG = 64 * 1024

@@ -1,5 +1,6 @@
-"""What the frontend that writes R3 rows and the trainer that reads them share: the arena's file
-layout, the reference, the node's identity and the locks.
+"""What the frontend that writes R3 rows and the trainer that reads them both read: the arena's
+file layout and the reference, with their versions. Public: a reader of another release reads
+these to tell what it was handed.
 
 The arena is one file in ``/dev/shm`` per frontend process, readable by its user only, visible
 under its name only once complete (made unnamed with ``O_TMPFILE``, then linked):
@@ -14,45 +15,43 @@ under its name only once complete (made unnamed with ``O_TMPFILE``, then linked)
   the next run's first page (a slot's rows need not be contiguous: any free pages are room);
 - the data: the budget, reserved at start.
 
-Locks (open-file-description locks, ``F_OFD_SETLK``, on bytes past the file's end, where no
-data lives): the frontend holds a write lock on :data:`LIVE` for its life, on a descriptor of
-its own that nothing maps, so the kernel says whether it lives (whatever PID namespace asks); a
-reader leases slot ``i`` by a read lock on byte ``LOCKS + i``, which the frontend's write lock
-on that byte (taken to reuse a slot, never waited for) cannot pass; readers append to the read
-log under a write lock on :data:`LOG`.
+The locks on the file and the node's identity are :mod:`.leases`'s; the errors are
+:mod:`.errors`'s.
+
+Versions. A reference says what it is (its ``aostore_r3`` field is :data:`KIND`) and its
+format (``version``) before anything else, so a reader can tell a reference of a later aostore
+from something else. A reader reads every reference format version up to its own
+(:data:`REFERENCE_VERSION`). A reference of a newer version is refused
+(:class:`~.errors.ForeignReference`) with a message naming both versions, the reference's and
+the one this aostore reads, and saying to upgrade aostore on the reader's side: :func:`parse`
+tells a reference by its version before it looks at its fields, which a newer version may
+have changed. A change to :data:`REFERENCE`'s fields is a new version. The arena's file
+(:data:`ARENA_VERSION`) is read at its own version only: the frontend and its readers run on
+one node, and a reader refuses an arena of another format naming both.
 """
 
 from __future__ import annotations
 
 import base64
-import errno
-import fcntl
 import io
 import os
-import stat
-import struct
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 
 from .. import _npy as npy
+from . import leases
+from .errors import ForeignReference
 
 MAGIC = b"AOSTR3\x00\x01"
 ARENA_VERSION = 2
 """The arena file's format (1: the pid-checked arena of aostore 0.1.0's first R3 release)."""
 REFERENCE_VERSION = 1
-"""The reference's format."""
+"""The reference's format: this aostore reads references of this version and older."""
 PAGE = 4096
 DIRECTORY = "/dev/shm"
 PREFIX = "aostore-r3-"
-LOCKS = 1 << 40
-"""The lock bytes: slot ``i`` is leased by a lock on byte ``LOCKS + i`` (no data lives there)."""
-LIVE = LOCKS - 1
-"""The frontend's liveness lock: a write lock held while it lives."""
-LOG = LOCKS - 2
-"""Readers append to the read log under a write lock on this byte."""
 LOG_TAIL = 2048
 """The read log's tail (entries ever appended), a ``<u8`` in the header page."""
 NO_RUN = 0xFFFFFFFF
@@ -115,32 +114,6 @@ def now() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-class R3Error(Exception):
-    """A reference that gives no rows: the base of ``aostore.r3``'s own errors."""
-
-
-class ForeignReference(R3Error, ValueError):
-    """Not a reference aostore wrote (or of a format version this reader does not read)."""
-
-
-class OtherNode(R3Error):
-    """A reference from another node: its rows are in that node's shared memory."""
-
-
-class MixedArenas(R3Error, ValueError):
-    """One batch with references of several arenas: fetch each arena's apart."""
-
-
-class ReferenceGone(R3Error):
-    """The reference's rows are gone: expired unread, evicted after a read, or the arena is no
-    longer there (its frontend exited or restarted, or this process does not share its
-    ``/dev/shm``). Never other rows. :attr:`index` is the reference's place in its batch."""
-
-    def __init__(self, message: str, index: int | None = None) -> None:
-        super().__init__(message if index is None else f"reference {index} of the batch: {message}")
-        self.index = index
-
-
 def ident(field: Any) -> bytes:
     """An id field's 16 bytes (kept as ``u1`` so no trailing zero byte is dropped)."""
     return np.asarray(field, np.uint8).tobytes()
@@ -153,102 +126,6 @@ def as_field(ident: bytes) -> np.ndarray:
 def path(arena: bytes) -> str:
     """The arena's file: by its id, so a reference names it."""
     return os.path.join(DIRECTORY, f"{PREFIX}{arena.hex()}")
-
-
-_known: dict[str, bytes] = {}
-"""What is read once a process (not ``functools.cache``: stubtest cannot see through it)."""
-
-
-def boot_id() -> bytes:
-    """This node's boot id: a reference from another node (or boot) is refused."""
-    if "boot" not in _known:
-        with open("/proc/sys/kernel/random/boot_id") as file:
-            _known["boot"] = uuid.UUID(file.read().strip()).bytes
-    return _known["boot"]
-
-
-READ, WRITE, UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
-_FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64 and aarch64
-
-
-def lock_byte(fd: int, byte: int, kind: int) -> bool:
-    """Take (``F_RDLCK``, ``F_WRLCK``) or drop (``F_UNLCK``) the lock on ``byte`` for this open
-    file description, never waiting: False when another's lock stands in the way."""
-    request = _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
-    except OSError as error:
-        if error.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def lock(fd: int, slot: int, kind: int) -> bool:
-    """:func:`lock_byte` on ``slot``'s byte."""
-    return lock_byte(fd, LOCKS + slot, kind)
-
-
-def held_by_another(fd: int, byte: int) -> bool:
-    """Whether another open file description holds a lock on ``byte``."""
-    request = _FLOCK.pack(WRITE, os.SEEK_SET, byte, 1, 0)
-    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, request)
-    return bool(_FLOCK.unpack(answer)[0] != UNLOCK)
-
-
-def leased(fd: int, slot: int) -> bool:
-    """Whether another open file description (a reader) holds a lock on ``slot``'s byte."""
-    return held_by_another(fd, LOCKS + slot)
-
-
-def reopen(fd: int) -> int:
-    """A new open file description of ``fd``'s file (through ``/proc/self/fd``: the file may be
-    unnamed or unlinked): locks on it are its own."""
-    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-
-
-def open_arena_file(path: str, owner: int) -> int:
-    """``path`` opened for an arena's reader or sweep: no symlink followed, a regular file of
-    ``owner``'s, else ``ReferenceGone`` saying what is there instead (a stale reference's name
-    may be taken by anyone: ``/dev/shm`` is world-writable)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ReferenceGone(
-            "its R3 arena is not in this node's /dev/shm: its frontend exited or restarted, "
-            "or this process does not share the frontend's /dev/shm (same container, or "
-            "--ipc=host)"
-        ) from None
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise ReferenceGone(f"{path} is a symbolic link, not an R3 arena") from None
-        if error.errno in (errno.EACCES, errno.EPERM):
-            raise PermissionError(
-                f"the R3 arena {path} is readable by its user only (uid {_owner(path)}); this "
-                f"process runs as uid {os.getuid()}: read as the frontend's user"
-            ) from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ReferenceGone(f"{path} is not a regular file: not an R3 arena")
-        if info.st_uid != owner:
-            raise ReferenceGone(
-                f"{path} belongs to uid {info.st_uid}, not to the frontend's user (uid {owner}):"
-                " its arena is gone and another user took its name (a reader of another user "
-                "than the frontend's names the frontend's uid: Reader(owner=...))"
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _owner(path: str) -> int | str:
-    try:
-        return os.stat(path, follow_symlinks=False).st_uid
-    except OSError:
-        return "unknown"
 
 
 def make_reference(
@@ -266,7 +143,7 @@ def make_reference(
     reference = np.zeros((), REFERENCE)
     reference["aostore_r3"] = KIND
     reference["version"] = REFERENCE_VERSION
-    reference["boot"] = as_field(boot_id())
+    reference["boot"] = as_field(leases.boot_id())
     reference["arena"] = as_field(arena)
     reference["slot"] = slot
     reference["generation"] = generation
@@ -275,6 +152,10 @@ def make_reference(
     reference["shape"][: len(shape)] = shape
     reference["token_start"] = token_start
     return reference
+
+
+_known: dict[str, bytes] = {}
+"""What is made once a process (not ``functools.cache``: stubtest cannot see through it)."""
 
 
 def _npy_header() -> bytes:
@@ -299,7 +180,8 @@ def npy_of(reference: np.ndarray) -> bytes:
 def parse(value: Any) -> np.ndarray:
     """A reference as its 0-d array of :data:`REFERENCE`, or rows as vLLM sends them (a numeric
     array), from the array or vLLM's base64 ``.npy`` string. Raises :class:`ForeignReference`
-    or ``TypeError`` for anything else."""
+    or ``TypeError`` for anything else. A structure that says it is an aostore reference is
+    told by its version first (the module's version policy)."""
     if isinstance(value, str):
         try:
             raw = base64.b64decode(value, validate=True)
@@ -325,19 +207,45 @@ def parse(value: Any) -> np.ndarray:
         if value.dtype.kind not in "biuf" or value.ndim == 0:
             raise ForeignReference(f"not routed experts: an array of {value.dtype} {value.shape}")
         return value  # rows, as vLLM sends them
-    if value.dtype.names != REFERENCE.names or value.shape != ():
+    if value.shape != ():
+        raise ForeignReference(f"not an aostore reference: a {value.dtype} array {value.shape}")
+    told = _told_version(value)
+    if told is not None:
+        _check_version(told)
+    if value.dtype.names != REFERENCE.names:
         raise ForeignReference(f"not an aostore reference: a {value.dtype} array {value.shape}")
     reference = value.astype(REFERENCE)  # a byte order of its own: ours
     if reference["aostore_r3"].item() != KIND:
         raise ForeignReference("not an aostore reference: its kind field is not 'reference'")
-    if int(reference["version"]) != REFERENCE_VERSION:
-        raise ForeignReference(
-            f"an aostore reference of format {int(reference['version'])}; this aostore reads "
-            f"format {REFERENCE_VERSION} (upgrade aostore on the reader's side)"
-        )
+    _check_version(int(reference["version"]))  # told above unless its fields' types differ
     if not 0 < int(reference["ndim"]) <= MAX_DIMS:
         raise ForeignReference(f"a malformed aostore reference: {int(reference['ndim'])} dims")
     return reference
+
+
+def _told_version(value: np.ndarray) -> int | None:
+    """The version of a structured 0-d array that says it is an aostore reference (a bytes
+    field ``aostore_r3`` holding :data:`KIND`, an integer field ``version``), whatever its
+    other fields; None for any other."""
+    names = value.dtype.names or ()
+    if "aostore_r3" not in names or "version" not in names:
+        return None
+    if value.dtype["aostore_r3"].kind != "S" or value.dtype["version"].kind not in "iu":
+        return None  # subarrays (kind "V") included: not how a reference says what it is
+    if value["aostore_r3"].item() != KIND:
+        return None
+    return int(value["version"])
+
+
+def _check_version(version: int) -> None:
+    """Refuse a reference of a version this aostore does not read (the version policy)."""
+    if version > REFERENCE_VERSION:
+        raise ForeignReference(
+            f"an aostore reference of format {version}; this aostore reads format "
+            f"{REFERENCE_VERSION} and older (upgrade aostore on the reader's side)"
+        )
+    if version <= 0:
+        raise ForeignReference(f"a malformed aostore reference: its format version {version}")
 
 
 def rows_of(reference: np.ndarray) -> tuple[np.dtype[Any], tuple[int, ...]]:
