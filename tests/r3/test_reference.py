@@ -20,6 +20,7 @@ import pytest
 from aostore import r3
 from aostore.r3 import format as fmt
 from aostore.r3.arena import Arena, sweep_stale
+from aostore.vllm.transport.delivery import Delivery
 
 ROW = (46, 8)
 
@@ -211,9 +212,15 @@ def test_rows_the_arena_cannot_take_or_write_change_nothing(arena, reader) -> No
         (np.zeros(3, [("a", "u1")]), TypeError, "numeric array"),
         (np.uint8(3), TypeError, "numeric array"),
         (np.zeros((1,) * 9, np.uint8), ValueError, "at most 8"),
+        (np.zeros((4, 2), np.complex64), TypeError, "numeric array"),
+        (np.array(["ab", "cd"]), TypeError, "numeric array"),
     ]:
         with pytest.raises(error, match=message):
             arena.deliver(np.asarray(bad))
+        # The same rule at the frontend's delivery: such rows go as rows, whole, never an error.
+        delivery, array = Delivery("reference", 8 << 20, 60.0), np.asarray(bad)
+        assert delivery.deliver(array) is array
+        assert delivery.arena is None  # no arena made: nothing to write
 
     def half_then_fail(targets: list[np.ndarray]) -> None:
         targets[0][: len(targets[0]) // 2] = 7

@@ -510,12 +510,9 @@ class Reservation:
 def _checked(dtype: Any, shape: tuple[int, ...]) -> tuple[np.dtype[Any], int]:
     """The rows' dtype and bytes, or ``TypeError``/``ValueError`` for rows no arena takes."""
     dtype = np.dtype(dtype)
-    if dtype.hasobject or dtype.names is not None or not shape:
-        raise TypeError(f"rows are a numeric array, not {dtype} {shape}")
-    if len(shape) > fmt.MAX_DIMS:
-        raise ValueError(
-            f"rows of {len(shape)} dimensions: a reference holds at most {fmt.MAX_DIMS}"
-        )
+    refused = fmt.rows_refused(dtype, shape)
+    if refused is not None:
+        raise refused
     return dtype, dtype.itemsize * math.prod(shape)
 
 

@@ -128,6 +128,24 @@ def path(arena: bytes) -> str:
     return os.path.join(DIRECTORY, f"{PREFIX}{arena.hex()}")
 
 
+ROW_KINDS = "biuf"
+"""The dtype kinds of rows a reference names: bool, signed, unsigned, float (vLLM's routed
+experts are integers; readers refuse anything else as rows too)."""
+
+
+def rows_refused(dtype: Any, shape: tuple[int, ...]) -> TypeError | ValueError | None:
+    """Why rows of ``dtype`` and ``shape`` cannot go by reference, as the error to raise, or
+    ``None``: the one rule the arena, the finish and the answer apply (rows it refuses go as
+    rows, as vLLM sends them). Numeric rows (:data:`ROW_KINDS`) of 1 to :data:`MAX_DIMS`
+    dimensions."""
+    dtype = np.dtype(dtype)
+    if dtype.names is not None or dtype.kind not in ROW_KINDS or not shape:
+        return TypeError(f"rows are a numeric array, not {dtype} {shape}")
+    if len(shape) > MAX_DIMS:
+        return ValueError(f"rows of {len(shape)} dimensions: a reference holds at most {MAX_DIMS}")
+    return None
+
+
 def make_reference(
     arena: bytes,
     slot: int,
@@ -138,8 +156,9 @@ def make_reference(
 ) -> np.ndarray:
     """The reference to rows of ``dtype`` and ``shape`` written to ``slot`` under
     ``generation``."""
-    if len(shape) > MAX_DIMS:
-        raise ValueError(f"rows of {len(shape)} dimensions: a reference holds at most {MAX_DIMS}")
+    refused = rows_refused(dtype, shape)
+    if refused is not None:
+        raise refused
     reference = np.zeros((), REFERENCE)
     reference["aostore_r3"] = KIND
     reference["version"] = REFERENCE_VERSION
@@ -255,6 +274,6 @@ def rows_of(reference: np.ndarray) -> tuple[np.dtype[Any], tuple[int, ...]]:
     except (TypeError, ValueError, UnicodeDecodeError):
         raise ForeignReference("a malformed aostore reference: its dtype") from None
     shape = tuple(int(n) for n in reference["shape"][: int(reference["ndim"])])
-    if dtype.hasobject or dtype.names is not None or any(n < 0 for n in shape):
+    if rows_refused(dtype, shape) is not None or any(n < 0 for n in shape):
         raise ForeignReference("a malformed aostore reference: its dtype or shape")
     return dtype, shape

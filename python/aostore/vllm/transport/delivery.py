@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from aostore.r3 import format as r3_format
 from aostore.r3.arena import Arena, Reservation
 
 KEY = "aostore_r3_delivery"
@@ -120,7 +121,10 @@ class Delivery:
         return str(mode)
 
     def deliver(self, rows: np.ndarray) -> np.ndarray:
-        """A reference to ``rows`` kept in the arena, or ``rows`` when they do not fit."""
+        """A reference to ``rows`` kept in the arena, or ``rows`` when they do not fit or no
+        reference can name them (``aostore.r3.format.rows_refused``)."""
+        if r3_format.rows_refused(rows.dtype, rows.shape) is not None:
+            return rows
         reference = self.start().deliver(rows, token_start=0)
         if reference is not None:
             return reference
@@ -144,7 +148,7 @@ class Delivery:
             return chunks.finished()
         dtype = chunks.dtype
         if over_http:
-            if expected and chunks.paged and not dtype.hasobject and dtype.names is None:
+            if expected and chunks.paged and r3_format.rows_refused(dtype, chunks.shape) is None:
                 reserved = self.start().reserve(dtype, chunks.shape, chunks.stream_into)
                 if reserved is not None:
                     leave_for_answer(reserved[1], self, reserved[0])
@@ -153,7 +157,7 @@ class Delivery:
             if finished is not None:
                 leave_for_answer(finished, self)
             return finished
-        if not chunks.paged or dtype.hasobject or dtype.names is not None:
+        if not chunks.paged or r3_format.rows_refused(dtype, chunks.shape) is not None:
             rows = chunks.finished()  # vLLM's concatenation: any rows vLLM could send
             return None if rows is None else self.deliver(rows)
         reference = self.start().deliver_written(dtype, chunks.shape, chunks.stream_into)
@@ -210,8 +214,9 @@ def leave_for_answer(
     """Mark ``rows`` (an output's ``routed_experts``) as to be delivered by reference if, and
     when, an answer renders them (:func:`answered`). Rows nobody renders are never written to
     the arena: the mark goes with the array. Rows an arena cannot hold (a dtype of fields or
-    objects: vLLM never sends one) are not marked, and go as rows."""
-    if rows.dtype.hasobject or rows.dtype.names is not None or not rows.shape:
+    objects: vLLM never sends one; ``aostore.r3.format.rows_refused``) are not marked, and go
+    as rows."""
+    if r3_format.rows_refused(rows.dtype, rows.shape) is not None:
         return
     key = id(rows)
 
