@@ -20,8 +20,9 @@ response.model_dump())``) and the body's send over loopback TCP. The client rece
 for rows, ``aostore.r3.fetch`` for references (one batched call for a batch). CPU is
 whole-process (``getrusage``: every thread), server and client in lockstep (the client acks each
 body), so neither's figure holds the other's work; the collector as vLLM leaves it
-(``freeze_gc_heap`` in the server after set-up). Every request's rows are checked afterwards
-against what was produced. The client's peak memory to get the rows is the peak of traced
+(``freeze_gc_heap`` in the server after set-up; the client's set-up frozen the same way, so that
+no arm pays a full collection of the bench's own imports). Every request's rows are checked
+afterwards against what was produced. The client's peak memory to get the rows is the peak of traced
 allocations (``tracemalloc``; numpy's buffers are traced): a view maps the frontend's shared
 pages, which are counted on the node (the orchestrator table), not in the client's heap.
 
@@ -59,6 +60,7 @@ import argparse
 import base64
 import dataclasses
 import functools
+import gc
 import io
 import itertools
 import json
@@ -270,6 +272,11 @@ def client(arm: hops.Arm, job: Job, port: int) -> dict[str, Any]:
 
     from aostore import r3
 
+    # The bench's own imports (vLLM, torch: ~630k tracked objects) frozen, as the server's are:
+    # else the first arm to allocate after them pays a full collection of that heap (0.4 s,
+    # most of a batch's fetch), wherever the collector's count happens to fall.
+    gc.collect()
+    gc.freeze()
     sock = socket.create_connection(("127.0.0.1", port))
     by_reference = arm.name == "reference"
     passes: list[dict[str, Any]] = []
