@@ -15,6 +15,7 @@ Usage: python3 .ci/share_venv_files.py VENV [VENV ...]   (missing environments a
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -51,8 +52,8 @@ def share(venvs: list[Path]) -> tuple[int, int]:
         for dirpath, _dirs, files in os.walk(root):
             for name in files:
                 path = Path(dirpath, name)
-                st = path.lstat()
-                if not path.is_file() or path.is_symlink() or st.st_size < MIN_SIZE:
+                st = path.lstat()  # a symbolic link is no regular file here: left alone
+                if not stat.S_ISREG(st.st_mode) or st.st_size < MIN_SIZE:
                     continue
                 key = (str(path.relative_to(root)), st.st_size, st.st_mode)
                 for kept in first.setdefault(key, []):
