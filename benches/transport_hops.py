@@ -102,6 +102,12 @@ def _aostore(process: str) -> None:
     from aostore.vllm.transport import install
     from vllm.distributed.aux_output_connector import connector as aux
 
+    if process == "engine_core":
+        # This engine core's frontend reads packed frames: as if it had started this process
+        # (it set the variable to its version and pid), which the harness's parent stands in for.
+        from aostore.vllm.transport import wire
+
+        os.environ[wire.FRONTEND_VARIABLE] = f"{wire.VERSION}:{os.getppid()}"
     install(swap, [])
     if process == "engine_core":
         vllm_class = aux.AuxOutputSchedulerConnector
@@ -594,6 +600,9 @@ def frontend(
         for o in engine_outputs:
             if o.routed_experts is not None:
                 rows_held[o.request_id] += len(o.routed_experts)
+            elif arm.r3 and o.finish_reason is None:  # packed: the rows are in their pages
+                chunks = processor.request_states[o.request_id].routed_experts_chunks
+                rows_held[o.request_id] = chunks.nbytes // ROW_NBYTES
         finish_ns = int(meter.hop_ns["finish"][step])
         total_rows = sum(
             r.prompt_len + r.out_len - 1 for r in (by_id[o.request_id] for o in ending)

@@ -250,3 +250,77 @@ def copy_pages(pages: Sequence[_Buffer], nbytes: int, out: _Buffer, stream: bool
     """The first ``nbytes`` of ``pages``' bytes, in order, into ``out`` (writable, C-contiguous,
     exactly ``nbytes``), with streaming stores or plain ones; ``TypeError``/``ValueError``
     write nothing."""
+
+@final
+class RowPages:
+    """One request's routed-experts rows in the frontend, in pages that never move
+    (``aostore.vllm.transport.frontend.RowChunks`` keeps vLLM's list semantics over it)."""
+
+    def __new__(cls) -> RowPages: ...
+    def begin(self, dtype: Any, shape: list[int], row: int) -> None: ...
+    def append(self, chunk: Any) -> bool: ...
+    def push(self, data: _Buffer) -> None: ...
+    def replace_last(self, data: _Buffer) -> None: ...
+    def chunk(self, index: int) -> bytes: ...
+    def pages(self) -> list[tuple[bytearray, int]]: ...
+    def copy_into(self, out: _Buffer, stream: bool, start: int = 0) -> None: ...
+    @property
+    def ends(self) -> list[int]: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def allocated(self) -> int: ...
+    @property
+    def books(self) -> int: ...
+    @property
+    def dtype(self) -> Any:
+        """The rows' numpy dtype (None before the first chunk)."""
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def row(self) -> int: ...
+
+@final
+class PackedRows:
+    """A step's rows taken out of its outputs by :func:`pack_step_rows`."""
+
+    @property
+    def frame(self) -> bytes: ...
+    def restore(self) -> None: ...
+
+def pack_step_rows(outputs: list[Any], step_array: type, version: str) -> PackedRows | None:
+    """The rows of step buffers in ``outputs`` as one packed frame (the outputs' rows set to
+    None until :meth:`PackedRows.restore`); None when no output has such rows."""
+
+def is_packed_rows(frame: Any) -> bool:
+    """Whether ``frame`` is a packed step's frame."""
+
+def rows_arrived(outputs: list[Any], frame: Any, version: str) -> int:
+    """Keeps each output's rows from a packed frame until :func:`deliver_rows`."""
+
+def deliver_rows(outputs: Iterable[Any], request_states: dict[str, Any], row_chunks: type) -> int:
+    """Appends each output's packed rows to its request's ``routed_experts_chunks``."""
+
+def rows_delivered(output: Any) -> bool:
+    """Whether the current ``process_outputs`` call delivered ``output``'s rows."""
+
+def end_delivery() -> None:
+    """Ends a ``process_outputs`` call's deliveries."""
+
+def pending_step_rows() -> int:
+    """Outputs whose packed rows wait for :func:`deliver_rows`."""
+
+def take_step_rows(step_rows: Any, request: Any) -> Any:
+    """``StepRows.take``: vLLM's ``take_output`` checks and messages over a packed step."""
+
+@final
+class TakeOutput:
+    """The scheduler connector's ``take_output`` (set on the connector), one native call per
+    request: a packed step read by :func:`take_step_rows`, anything else by vLLM's method."""
+
+    def __new__(
+        cls, connector: Any, vllm_class: Any, vllm_take_output: Any, step_rows: type
+    ) -> TakeOutput: ...
+    def __call__(self, request: Any, output: Any) -> Any: ...

@@ -11,8 +11,10 @@ mod handle;
 mod layout;
 mod lock;
 mod object;
+mod packed_rows;
 mod pages;
 mod policy;
+mod row_pages;
 mod scheduler;
 mod step_rows;
 mod variable;
@@ -54,5 +56,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     layout::register(m)?;
     answer::register(m)?;
     pages::register(m)?;
+    row_pages::register(m)?;
+    packed_rows::register(m)?;
+    step_rows::register(m)?;
     Ok(())
 }

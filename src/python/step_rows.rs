@@ -5,8 +5,11 @@
 //! `FORMAT`); a change here is a change of that format. The buffer is a new `bytearray` each
 //! step: vLLM keeps the rows (views of it) past the step.
 
+use pyo3::exceptions::{PyAssertionError, PyRuntimeError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PySlice, PyTuple, PyType};
+use pyo3::{PyTraverseError, PyVisit};
 
 use crate::dataplane::{EmittedRows, Processed};
 
@@ -49,4 +52,117 @@ pub(crate) fn pack<'py>(
         Ok(())
     })?;
     step_rows.call1((PyTuple::new(py, ids)?, PyBytes::new(py, &index), data, dtype, shape))
+}
+
+/// `StepRows.take(request)`: vLLM's `AuxOutputSchedulerConnector.take_output` over a packed
+/// step, with vLLM's checks and messages (`AssertionError`, raised whatever `-O` says), without
+/// an `AuxRequestOutput` per request: the request's rows up to its last token, a view of the
+/// step's buffer, or None where the step has none for it yet.
+fn take<'py>(step: &Bound<'py, PyAny>, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = step.py();
+    let mut lookup = step.getattr(intern!(py, "_lookup"))?;
+    if lookup.is_none() {
+        lookup = step.call_method0(intern!(py, "_spans"))?;
+        step.setattr(intern!(py, "_lookup"), &lookup)?;
+    }
+    let request_id = request.getattr(intern!(py, "request_id"))?;
+    let Some(span) = lookup.cast::<PyDict>()?.get_item(&request_id)? else {
+        return Err(PyAssertionError::new_err(format!(
+            "auxiliary output worker output is missing {request_id}"
+        )));
+    };
+    let (token_start, begin, end): (i64, i64, i64) = span.extract()?;
+    let token_end = request.getattr(intern!(py, "num_tokens"))?.extract::<i64>()? - 1;
+    let local_end = token_end - token_start;
+    let range = |what: &str| {
+        format!(
+            "{what}: request={request_id}, token_end={token_end}, output_start={token_start}, \
+             output_end={}",
+            token_start + end - begin
+        )
+    };
+    if local_end < 0 {
+        if request.call_method0(intern!(py, "is_finished"))?.is_truthy()? {
+            return Err(PyAssertionError::new_err(range(
+                "finished auxiliary output output has no accepted token range",
+            )));
+        }
+        return Ok(py.None().into_bound(py));
+    }
+    if local_end > end - begin {
+        return Err(PyAssertionError::new_err(range(
+            "auxiliary output worker output has an invalid token range",
+        )));
+    }
+    let rows = step.getattr(intern!(py, "_rows"))?;
+    rows.get_item(PySlice::new(py, begin as isize, (begin + local_end) as isize, 1))
+}
+
+/// `take_step_rows(step_rows, request)`: `StepRows.take`, natively.
+#[pyfunction]
+fn take_step_rows<'py>(
+    step_rows: &Bound<'py, PyAny>,
+    request: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    take(step_rows, request)
+}
+
+/// The scheduler connector's `take_output`, one native call per request: a packed step
+/// (`step_rows`, while vLLM's class keeps its own `take_output`) read by `take`, anything else
+/// by vLLM's method. Set on the connector itself, where vLLM's scheduler looks it up.
+#[pyclass(module = "aostore._native")]
+pub(crate) struct TakeOutput {
+    connector: Option<Py<PyAny>>,
+    vllm_class: Py<PyAny>,
+    vllm_take_output: Py<PyAny>,
+    step_rows: Py<PyType>,
+}
+
+#[pymethods]
+impl TakeOutput {
+    #[new]
+    fn new(
+        connector: Py<PyAny>,
+        vllm_class: Py<PyAny>,
+        vllm_take_output: Py<PyAny>,
+        step_rows: Py<PyType>,
+    ) -> Self {
+        Self { connector: Some(connector), vllm_class, vllm_take_output, step_rows }
+    }
+
+    fn __call__<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        output: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = request.py();
+        let vllms = self.vllm_class.bind(py).getattr(intern!(py, "take_output"))?;
+        if output.get_type().is(self.step_rows.bind(py)) && vllms.is(self.vllm_take_output.bind(py))
+        {
+            return take(output, request);
+        }
+        let Some(connector) = &self.connector else {
+            return Err(PyRuntimeError::new_err("take_output: its connector is gone"));
+        };
+        vllms.call1((connector, request, output))
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(connector) = &self.connector {
+            visit.call(connector)?;
+        }
+        visit.call(&self.vllm_class)?;
+        visit.call(&self.vllm_take_output)?;
+        visit.call(&self.step_rows)
+    }
+
+    fn __clear__(&mut self) {
+        // The connector holds this object: the cycle the collector breaks here.
+        self.connector = None;
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<TakeOutput>()?;
+    m.add_function(wrap_pyfunction!(take_step_rows, m)?)
 }

@@ -13,7 +13,11 @@ word-level fast tokenizer built here, offline.
 
 aostore's arm is what its processes do: the rows are views of a step's ``StepRows`` buffer,
 encoded by the engine core's ``MsgpackEncoder`` with aostore's method (inline) and decoded by
-vLLM's decoder, and the frontend's ``RequestState`` is aostore's (``RowChunks``). vLLM's arm:
+vLLM's decoder, and the frontend's ``RequestState`` is aostore's (``RowChunks``). The packed
+arm is the packed hop (``aostore.vllm.transport.wire``): the engine core's ``encode_into``
+sends the step's rows as one trailing frame, the frontend's ``decode`` keeps it and
+``process_outputs`` delivers the rows into the pages natively before vLLM's loop (whose
+``_trim_surplus_tokens`` sees them for a stop string found mid-step). vLLM's arm:
 fresh arrays, vLLM's encoder (a frame per row), vLLM's ``RequestState``. Compared: every
 ``RequestOutput`` of every step (each field, arrays by type, dtype, shape, values and
 writability) and what each abort returns. Nothing differs between two runs of stock vLLM in
@@ -37,10 +41,12 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not importable here", allow_module_level=True)
 
 from aostore import r3
+from aostore._native import pending_step_rows
 from aostore.r3 import format as r3_format
 from aostore.vllm.install import swap, undo_swap
 from aostore.vllm.transport import StepRows, delivery, install
 from aostore.vllm.transport.frontend import RowChunks, request_state_subclass
+from aostore.vllm.transport.wire import encode_into_method
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -218,6 +224,12 @@ def run(seed: int, ours_state: type, reference: bool = False) -> int:
             ours_state,
             serial_utils.MsgpackEncoder(),
         ),
+        Arm(
+            "packed",
+            op_module.OutputProcessor(tokenizer(), log_stats=False),
+            ours_state,
+            serial_utils.MsgpackEncoder(),
+        ),
     ]
     if reference:
         arms.append(
@@ -298,8 +310,14 @@ def run(seed: int, ours_state: type, reference: bool = False) -> int:
                     )
                 )
             message = v1_engine.EngineCoreOutputs(outputs=made, engine_index=0)
-            frames = arm.encoder.encode(message)
-            if arm.name != "vllm":
+            if arm.name in ("packed", "reference"):
+                frames = packed_encode(arm.encoder, message, bytearray())
+                # vLLM's frames, then the rows'; the message keeps its rows after.
+                assert len(frames) == 2
+                assert all(out.routed_experts is not None for out in made)
+            else:
+                frames = arm.encoder.encode(message)
+            if arm.name == "aostore":
                 assert len(frames) == 1  # every row inline
             outputs_by_arm.append(decoder.decode([bytes(f) for f in frames]).outputs)
         results = []
@@ -321,10 +339,20 @@ def run(seed: int, ours_state: type, reference: bool = False) -> int:
         for rid in [r for r, req in live.items() if req.stopped_at is not None]:
             if step > live[rid].stopped_at + 1:  # type: ignore[operator]
                 del live[rid]
-    # The aostore arm held its rows in RowChunks, never a list.
-    for state in arms[1].processor.request_states.values():
-        assert type(state.routed_experts_chunks) is RowChunks
+    # The aostore arms held their rows in RowChunks, never a list; no packed rows were left.
+    for arm in arms[1:]:
+        for state in arm.processor.request_states.values():
+            assert type(state.routed_experts_chunks) is RowChunks
+            assert state.routed_experts_chunks.paged
+    assert pending_step_rows() == 0
     return compared
+
+
+packed_encode = encode_into_method(
+    vars(serial_utils.MsgpackEncoder)["encode_into"], v1_engine.EngineCoreOutputs
+)
+"""What an engine core whose frontend reads packed frames sends (installed there by the rule;
+built here over vLLM's method whatever the fixture installed)."""
 
 
 def pack(rows_by_request: dict[str, np.ndarray]) -> StepRows:

@@ -218,7 +218,8 @@ def test_streamed_into_a_slot_the_rows_are_the_finished_ones(n: int) -> None:
     ours.stream_into([runs[4096 + cut :], runs[:cut]])
     assert runs[4096 + cut :].tobytes() + runs[:cut].tobytes() == finished.tobytes()
     plain = np.zeros(ours.nbytes, np.uint8)
-    copy_pages(ours._pages, ours.nbytes, plain, stream=False)  # out= of a small batch
+    pages = [page for page, _ in ours._pages.pages()]
+    copy_pages(pages, ours.nbytes, plain, stream=False)  # out= of a small batch
     assert plain.tobytes() == finished.tobytes()
     target = np.zeros(ours.nbytes + 1, np.uint8)
     with pytest.raises(ValueError, match="not the"):
@@ -291,7 +292,7 @@ def test_rows_are_held_at_their_size() -> None:
     for i in range(len(decode)):
         ours.append(decode[i : i + 1])
         theirs.append(decode[i : i + 1])
-    held = ours.allocated + sys.getsizeof(ours._ends) + sys.getsizeof(ours._pages)
+    held = ours.allocated + ours._pages.books + sys.getsizeof(ours)
     assert ours.nbytes == (700 + 16_384) * 368
     assert held <= 1.1 * ours.nbytes, (held, ours.nbytes)
     per_row_view = sys.getsizeof(theirs) / len(theirs) + sys.getsizeof(decode[:1])

@@ -634,6 +634,8 @@ def test_aostores_transport_ran_in_every_process(answers: dict[str, Any]) -> Non
     assert len(processes) >= 3, processes  # the API server, the engine core, the worker
     assert all(TRANSPORT_ON in line for line in processes), processes
     assert PACKED in log, "the worker did not pack its steps"
+    # The API server started the engine core: its steps' rows came as one frame (wire.py).
+    assert "aostore transport: rows to the frontend (pid " in log, "the engine core did not pack"
     assert "aostore vLLM plugin" not in answers["vllm.log"]
     for arm in ("vllm", "aostore", "reference"):
         assert "Traceback" not in answers[f"{arm}.log"], answers[f"{arm}.log"][-3000:]

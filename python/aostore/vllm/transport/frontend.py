@@ -12,128 +12,89 @@ to replace the last chunk, possibly with an empty one; truth; the finish's
 
 from __future__ import annotations
 
-import array
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ... import _npy as npy
-from ..._native import copy_pages
+from ..._native import RowPages, deliver_rows, end_delivery, pending_step_rows, rows_delivered
 from . import delivery
-
-PAGE = 64 * 1024
-"""The largest page: a request's rows live in pages of at most this many bytes (whole rows),
-so a page is never moved or regrown, and at most one page per request is part full."""
-FIRST_PAGE = 4 * 1024
 
 
 class RowChunks:
     """``list[np.ndarray]`` of one request's routed-experts chunks, stored in pages.
 
-    Chunks of one dtype and row shape (what vLLM sends) are copied into ``bytearray`` pages
-    (whole rows; the first 4 KiB, each next one as large as all before it up to 64 KiB, or as
-    large as the chunk that opens it), with each chunk's end (8 bytes): the rows are held at
-    about their size, not as views of the messages they came in, and a page never moves. Reads
-    see vLLM's list, chunk for chunk (``len``, truth, indexing and iteration give copies of the
-    chunks); :meth:`joined` gives every row as a few arrays, the pages. Anything the pages cannot
-    hold (a chunk of another dtype or shape, a subclass, a write other than to the last chunk)
-    turns it into the plain list vLLM would have, so every operation stays the list's.
+    Chunks of one dtype and row shape (what vLLM sends) are copied into the pages of a native
+    :class:`~aostore._native.RowPages` (``bytearray`` pages of whole rows; the first 4 KiB, each
+    next one as large as all before it up to 64 KiB, or as large as the chunk that opens it),
+    with each chunk's end (8 bytes): the rows are held at about their size, not as views of the
+    messages they came in, and a page never moves. With the packed hop (:mod:`.wire`) a step's
+    rows reach the pages from its message in one native call per ``process_outputs``, never
+    through :meth:`append`. Reads see vLLM's list, chunk for chunk (``len``, truth, indexing
+    and iteration give copies of the chunks); :meth:`joined` gives every row as a few arrays,
+    the pages. Anything the pages cannot hold (a chunk of another dtype or shape, a subclass, a
+    write other than to the last chunk) turns it into the plain list vLLM would have, so every
+    operation stays the list's.
     """
 
-    __slots__ = (
-        "_dtype",
-        "_ends",
-        "_last",
-        "_last_start",
-        "_list",
-        "_ndim",
-        "_pages",
-        "_room_end",
-        "_row",
-        "_shape",
-        "_size",
-        "_starts",
-    )
+    __slots__ = ("_list", "_pages")
 
     def __init__(self) -> None:
-        self._pages: list[bytearray] = []
-        # The last page (its first byte is _starts[-1]): the page itself, not a memoryview of
-        # it, which the collector would track and, one per page, promote.
-        self._last = bytearray()
-        self._last_start = 0  # the last page's first byte, over all pages
-        self._room_end = 0  # the last page's end, over all pages
-        self._starts = array.array("q")  # each page's first byte, over all pages
-        self._size = 0  # bytes held
-        self._ends = array.array("q")  # each chunk's end, in bytes
-        self._dtype: Any = None
-        self._shape: tuple[int, ...] = ()
-        self._ndim = 0
-        self._row = 0
+        # The pages until anything they cannot hold arrives; then None and the list.
+        self._pages: RowPages | None = RowPages()
         self._list: list[Any] | None = None
 
     def append(self, chunk: Any) -> None:
-        # The common case first, cheaply: a chunk like the last that fits the last page (the
-        # bytearray copies a strided chunk's bytes in C order, as np.ascontiguousarray would).
-        if type(chunk) is np.ndarray and chunk.dtype is self._dtype and self._list is None:
-            shape = chunk.shape
-            size = self._size
-            end = size + chunk.nbytes
-            if end <= self._room_end and shape[1:] == self._shape and len(shape) == self._ndim:
-                at = size - self._last_start
-                try:
-                    self._last[at : at + end - size] = chunk.data
-                except (TypeError, ValueError, BufferError):  # no buffer for this dtype
-                    pass
-                else:
-                    self._size = end
-                    self._ends.append(end)
-                    return
-        if self._list is None and self._fits(chunk):
-            self._write(chunk)
-            self._ends.append(self._size)
-        else:
-            self._to_list().append(chunk)
+        pages = self._pages
+        if pages is not None:
+            # The common case in one native call: an ndarray like the last, C-contiguous.
+            if pages.append(chunk):
+                return
+            if self._fits(pages, chunk):
+                pages.push(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+                return
+        self._to_list().append(chunk)
 
     def __setitem__(self, position: Any, chunk: Any) -> None:
-        last = len(self._ends) - 1
-        if self._list is None and last >= 0 and position in (-1, last) and self._fits(chunk):
-            self._truncate(self._ends[-2] if last else 0)
-            self._write(chunk)
-            self._ends[-1] = self._size
+        pages = self._pages
+        last = len(self) - 1
+        if pages is not None and last >= 0 and position in (-1, last) and self._fits(pages, chunk):
+            pages.replace_last(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
         else:
             self._to_list()[position] = chunk
 
     def __getitem__(self, position: Any) -> Any:
-        if self._list is not None:
-            return self._list[position]
+        pages = self._pages
+        if pages is None:
+            return cast(list[Any], self._list)[position]
         if isinstance(position, slice):
-            return self._chunks()[position]
-        ends = self._ends
-        index = range(len(ends))[position]  # the list's IndexError and TypeError
-        return self._rows(ends[index - 1] if index else 0, ends[index])
+            return self._chunks(pages)[position]
+        index = range(pages.count)[position]  # the list's IndexError and TypeError
+        return self._rows(pages, pages.chunk(index))
 
     def __len__(self) -> int:
-        return len(self._list) if self._list is not None else len(self._ends)
+        pages = self._pages
+        return pages.count if pages is not None else len(cast(list[Any], self._list))
 
     def __bool__(self) -> bool:
         return len(self) > 0
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._list if self._list is not None else self._chunks())
+        pages = self._pages
+        return iter(self._chunks(pages) if pages is not None else cast(list[Any], self._list))
 
     def joined(self) -> list[Any]:
         """What ``np.concatenate`` joins to give every row: the pages' rows (views: the
         concatenation copies them), or nothing when no chunk came; once a plain list, the list
         itself."""
-        if self._list is not None:
-            return self._list
-        if not self._ends:
+        pages = self._pages
+        if pages is None:
+            return cast(list[Any], self._list)
+        if not pages.count:
             return []
-        views = [self._view(bytearray(), 0)]  # the dtype and shape, when every chunk is empty
-        for page, start in zip(self._pages, self._starts, strict=True):
-            used = min(len(page), self._size - start)
-            views.append(self._view(page, used))
+        views = [self._view(pages, bytearray(), 0)]  # the dtype and shape, when all are empty
+        views += [self._view(pages, page, used) for page, used in pages.pages()]
         return views
 
     def finished(self) -> np.ndarray | None:
@@ -142,147 +103,107 @@ class RowChunks:
         bytes follow its ``.npy`` header in one buffer (:class:`aostore._npy.LaidOut`), so that
         the API server's ``numpy2base64`` encodes that buffer as it is instead of copying the
         rows again."""
-        if self._list is not None:
-            return np.concatenate(self._list, axis=0) if self._list else None
-        if not self._ends:
+        pages = self._pages
+        if pages is None:
+            listed = cast(list[Any], self._list)
+            return np.concatenate(listed, axis=0) if listed else None
+        if not pages.count:
             return None
-        shape = self.shape
-        if npy.plain(self._dtype):
-            rows = npy.lay_out(self._dtype, shape)
+        shape, dtype = self.shape, pages.dtype
+        if npy.plain(dtype):
+            rows = npy.lay_out(dtype, shape)
         else:  # rows vLLM's numpy2base64 writes itself: no header to lay them out after
             # Not a bytearray: that would zero every byte before they are copied.
-            rows = np.empty(self._size, np.uint8).view(self._dtype).reshape(shape)
+            rows = np.empty(pages.nbytes, np.uint8).view(dtype).reshape(shape)
         self.copy_into(rows.reshape(-1).view(np.uint8))
         return rows
 
     @property
     def paged(self) -> bool:
         """Whether the pages hold every row (else it has turned into a plain list)."""
-        return self._list is None
+        return self._pages is not None
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of every row together (pages only: not once a plain list)."""
-        return (self._size // self._row, *self._shape)
+        pages = cast(RowPages, self._pages)
+        return (pages.nbytes // pages.row, *pages.shape)
 
     @property
     def dtype(self) -> Any:
-        """The rows' dtype (pages only: not once a plain list; None before a chunk)."""
-        return self._dtype
+        """The rows' dtype (None before a chunk, and once a plain list)."""
+        return self._pages.dtype if self._pages is not None else None
 
     def copy_into(self, target: np.ndarray) -> None:
         """Copy every row's bytes, in order, into ``target`` (``uint8``, :attr:`nbytes` long):
         the one copy a finish makes, into the answer's buffer, which is read at once."""
-        copy_pages(self._pages, self._size, target, stream=False)
+        pages = cast(RowPages, self._pages)
+        if len(target) != pages.nbytes:
+            raise ValueError(f"out holds {len(target)} bytes, not the {pages.nbytes} held")
+        pages.copy_into(target, stream=False)
 
     def stream_into(self, targets: list[np.ndarray]) -> None:
         """:meth:`copy_into` with streaming stores, for an R3 arena's slot (its page runs, in
         order: one target unless the arena's free pages were scattered): read later by another
         process, its lines are not worth loading, nor the answer's working set worth evicting
         for them (measured: a 16k sample's copy 0.8 ms plainly; see the CHANGELOG)."""
-        if len(targets) == 1:
-            copy_pages(self._pages, self._size, targets[0], stream=True)
-            return
-        if sum(len(target) for target in targets) != self._size:
-            raise ValueError(f"the targets hold not the rows' {self._size} bytes: nothing written")
+        pages = cast(RowPages, self._pages)
+        if sum(len(target) for target in targets) != pages.nbytes:
+            raise ValueError(f"the targets hold not the rows' {pages.nbytes} bytes: none written")
         at = 0
         for target in targets:
-            copy_pages(self._slices(at, at + len(target)), len(target), target, stream=True)
+            pages.copy_into(target, stream=True, start=at)
             at += len(target)
 
     @property
     def nbytes(self) -> int:
         """The bytes of rows held."""
-        if self._list is not None:
-            return sum(int(getattr(chunk, "nbytes", 0)) for chunk in self._list)
-        return self._size
+        if self._pages is None:
+            listed = cast(list[Any], self._list)
+            return sum(int(getattr(chunk, "nbytes", 0)) for chunk in listed)
+        return self._pages.nbytes
 
     @property
     def allocated(self) -> int:
         """The bytes of the pages that hold them."""
-        return sum(len(page) for page in self._pages)
+        return self._pages.allocated if self._pages is not None else 0
 
-    def _fits(self, chunk: Any) -> bool:
+    @staticmethod
+    def _fits(pages: RowPages, chunk: Any) -> bool:
+        """Whether the pages hold ``chunk`` (setting the rows' dtype and shape from the first)."""
         if type(chunk) is not np.ndarray:
             return False
         dtype = chunk.dtype
-        if dtype is self._dtype or (self._dtype is not None and dtype == self._dtype):
-            return chunk.shape[1:] == self._shape and chunk.ndim == self._ndim
-        if self._dtype is not None or chunk.ndim < 1 or dtype.hasobject:
+        held = pages.dtype
+        if held is not None:
+            return bool(dtype == held) and chunk.shape[1:] == pages.shape
+        if chunk.ndim < 1 or dtype.hasobject:
             return False
         row = chunk.itemsize * int(np.prod(chunk.shape[1:], dtype=np.int64))
         if row == 0:  # rows of no bytes: their count is not in the pages' size
             return False
-        self._dtype, self._shape, self._ndim, self._row = dtype, chunk.shape[1:], chunk.ndim, row
+        pages.begin(dtype, list(chunk.shape[1:]), row)
         return True
 
-    def _write(self, chunk: np.ndarray) -> None:
-        if not chunk.flags.c_contiguous:
-            chunk = np.ascontiguousarray(chunk)
-        data = chunk.reshape(-1).view(np.uint8).data
-        n, done = len(data), 0
-        while done < n:
-            page = self._room(n - done)
-            at = self._size - self._last_start
-            take = min(len(page) - at, n - done)
-            page[at : at + take] = data[done : done + take]
-            done += take
-            self._size += take
+    @staticmethod
+    def _view(pages: RowPages, page: bytearray, used: int) -> np.ndarray:
+        rows: np.ndarray = np.frombuffer(page, np.uint8, used).view(pages.dtype)
+        return rows.reshape(-1, *pages.shape)
 
-    def _room(self, wanted: int) -> bytearray:
-        """The last page if it has room, else a new one."""
-        if self._size < self._room_end:
-            return self._pages[-1]
-        row = self._row
-        size = min(PAGE, max(FIRST_PAGE, self._size))
-        size = max(size, wanted)  # a large chunk gets a page of its own size
-        page = bytearray(max(row, size // row * row))
-        self._pages.append(page)
-        self._starts.append(self._size)
-        self._last = page
-        self._last_start = self._size
-        self._room_end = self._size + len(page)
-        return page
+    @staticmethod
+    def _rows(pages: RowPages, data: bytes) -> np.ndarray:
+        """A chunk's bytes (a copy) as rows: writable, as vLLM's chunks may be."""
+        rows: np.ndarray = np.frombuffer(bytearray(data), np.uint8).view(pages.dtype)
+        return rows.reshape(-1, *pages.shape)
 
-    def _truncate(self, size: int) -> None:
-        while self._pages and self._starts[-1] >= size and self._starts[-1] > 0:
-            self._pages.pop()
-            self._starts.pop()
-        if self._pages:
-            self._last = self._pages[-1]
-            self._last_start = self._starts[-1]
-            self._room_end = self._starts[-1] + len(self._pages[-1])
-        self._size = size
-
-    def _view(self, page: bytearray, used: int) -> np.ndarray:
-        rows: np.ndarray = np.frombuffer(page, np.uint8, used).view(self._dtype)
-        return rows.reshape(-1, *self._shape)
-
-    def _slices(self, start: int, end: int) -> list[memoryview]:
-        """The bytes ``start:end``, as slices of the pages."""
-        parts = []
-        for page, first in zip(self._pages, self._starts, strict=True):
-            a, b = max(start, first), min(end, first + len(page))
-            if a < b:
-                parts.append(memoryview(page)[a - first : b - first])
-        return parts
-
-    def _rows(self, start: int, end: int) -> np.ndarray:
-        """A copy of the bytes ``start:end`` as rows."""
-        data = bytearray(b"".join(self._slices(start, end)))
-        rows: np.ndarray = np.frombuffer(data, np.uint8).view(self._dtype)
-        return rows.reshape(-1, *self._shape)
-
-    def _chunks(self) -> list[Any]:
-        starts = [0, *self._ends[:-1]][: len(self._ends)]
-        return [self._rows(a, b) for a, b in zip(starts, self._ends, strict=True)]
+    def _chunks(self, pages: RowPages) -> list[Any]:
+        return [self._rows(pages, pages.chunk(index)) for index in range(pages.count)]
 
     def _to_list(self) -> list[Any]:
         if self._list is None:
-            self._list = self._chunks()
-            self._pages, self._starts, self._ends = [], array.array("q"), array.array("q")
-            self._size = self._room_end = self._last_start = 0
-            self._last = bytearray()
+            pages = cast(RowPages, self._pages)
+            self._list = self._chunks(pages) if pages.dtype is not None else []
+            self._pages = None
         return self._list
 
 
@@ -365,3 +286,42 @@ def request_state_subclass(vllm_request_state: Any, r3: delivery.Delivery | None
             "(aostore.vllm.transport.frontend.RowChunks).",
         },
     )
+
+
+def process_outputs_method(vllm_method: Any) -> Any:
+    """aostore's ``OutputProcessor.process_outputs`` over vLLM's: the rows of packed steps
+    (:mod:`.wire`) reach their requests' pages in one native call before vLLM's loop, where
+    that loop would have appended them; then vLLM's loop, which finds no rows on those
+    outputs."""
+
+    def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not pending_step_rows():
+            return vllm_method(self, engine_core_outputs, *args, **kwargs)
+        deliver_rows(engine_core_outputs, self.request_states, RowChunks)
+        try:
+            return vllm_method(self, engine_core_outputs, *args, **kwargs)
+        finally:
+            end_delivery()
+
+    process_outputs.__wrapped__ = vllm_method  # type: ignore[attr-defined]
+    process_outputs.__qualname__ = "OutputProcessor.process_outputs"
+    return process_outputs
+
+
+def trim_method(vllm_function: Any) -> Any:
+    """aostore's ``OutputProcessor._trim_surplus_tokens`` (a static method, vLLM 0.32 on) over
+    vLLM's: for an output whose rows came packed, vLLM's code sees them (a copy of the last
+    chunk, which they are) for the call, so it trims the chunk as it would have."""
+
+    def _trim_surplus_tokens(req_state: Any, output: Any, num_prev_tokens: int) -> None:
+        if output.routed_experts is not None or not rows_delivered(output):
+            return vllm_function(req_state, output, num_prev_tokens)  # type: ignore[no-any-return]
+        output.routed_experts = req_state.routed_experts_chunks[-1]
+        try:
+            vllm_function(req_state, output, num_prev_tokens)
+        finally:
+            output.routed_experts = None
+
+    _trim_surplus_tokens.__wrapped__ = vllm_function  # type: ignore[attr-defined]
+    _trim_surplus_tokens.__qualname__ = "OutputProcessor._trim_surplus_tokens"
+    return staticmethod(_trim_surplus_tokens)

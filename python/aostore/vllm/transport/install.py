@@ -21,14 +21,29 @@ What goes in wherever the plugin loads and the release record recognizes the tra
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from . import delivery as r3_delivery
 from .answer import numpy2base64_over, render_over
-from .frontend import request_state_subclass
-from .wire import DECODER_HOOK, HOOK, METHOD, decoder_hook, encoder_hook, encoder_method
+from .frontend import process_outputs_method, request_state_subclass, trim_method
+from .wire import (
+    DECODE,
+    DECODER_HOOK,
+    ENCODE_INTO,
+    FRONTEND_VARIABLE,
+    HOOK,
+    METHOD,
+    decode_method,
+    decoder_hook,
+    encode_into_method,
+    encoder_hook,
+    encoder_method,
+    frontend_mark,
+    packs_for_frontend,
+)
 
 SERIAL_MODULE = "vllm.v1.serial_utils"
 UTILS_MODULE = "vllm.utils.serial_utils"
@@ -36,6 +51,11 @@ NUMPY2BASE64 = "numpy2base64"
 STARLETTE_RESPONSES = "starlette.responses"
 STARLETTE_APPLICATIONS = "starlette.applications"
 OUTPUT_PROCESSOR_MODULE = r3_delivery.OUTPUT_PROCESSOR_MODULE
+ENGINE_MODULE = "vllm.v1.engine"
+PROCESS_OUTPUTS = "process_outputs"
+TRIM = "_trim_surplus_tokens"
+PACKING_LINE = "aostore transport: rows to the frontend (pid %d) as one frame a step"
+"""What an engine core that packs its steps for its frontend logs once (:mod:`.wire`)."""
 REQUEST_STATE = "RequestState"
 _MARK = "__aostore_over_http__"
 """Set on aostore's ``Starlette.__call__``: installed once a process."""
@@ -69,6 +89,17 @@ def install(
         vllm_function = vars(cls)[name]
         undo.append((ClassAttributes(cls), name, vllm_function))
         setattr(cls, name, make(vllm_function, serial_utils))
+    # The packed hop: every process reads a packed frame; an engine core whose frontend reads
+    # them (the rule, computed here from what that frontend set before starting it) sends them.
+    vllm_decode = vars(decoder)[DECODE]
+    undo.append((ClassAttributes(decoder), DECODE, vllm_decode))
+    decoder.decode = decode_method(vllm_decode)
+    if packs_for_frontend():
+        outputs_type = importlib.import_module(ENGINE_MODULE).EngineCoreOutputs
+        vllm_encode_into = vars(encoder)[ENCODE_INTO]
+        undo.append((ClassAttributes(encoder), ENCODE_INTO, vllm_encode_into))
+        encoder.encode_into = encode_into_method(vllm_encode_into, outputs_type)
+        r3_delivery.log.info(PACKING_LINE, os.getppid())
     processor = importlib.import_module(OUTPUT_PROCESSOR_MODULE)
     vllm_state = getattr(processor, REQUEST_STATE)
     replaced = r3_delivery.installed()
@@ -81,11 +112,16 @@ def install(
     if replaced is not None and replaced is not delivery:
         _Closing(replaced)["arena"] = None
     undo.append((_Closing(delivery), "arena", None))
-    if delivery is not None:
-        output_processor = processor.OutputProcessor
-        vllm_init = vars(output_processor)["__init__"]
-        undo.append((ClassAttributes(output_processor), "__init__", vllm_init))
-        output_processor.__init__ = _starting_arena(vllm_init, delivery, undo)
+    output_processor = processor.OutputProcessor
+    members = vars(output_processor)
+    vllm_init = members["__init__"]
+    undo.append((ClassAttributes(output_processor), "__init__", vllm_init))
+    output_processor.__init__ = _starting(vllm_init, delivery, undo)
+    undo.append((ClassAttributes(output_processor), PROCESS_OUTPUTS, members[PROCESS_OUTPUTS]))
+    output_processor.process_outputs = process_outputs_method(members[PROCESS_OUTPUTS])
+    if TRIM in members:  # vLLM 0.32 on
+        undo.append((ClassAttributes(output_processor), TRIM, members[TRIM]))
+        setattr(output_processor, TRIM, trim_method(members[TRIM].__func__))
     # The API server's answer: numpy2base64 where vLLM's serving modules will import it (and
     # where they already did), and Starlette's JSON rendering in a process that serves HTTP
     # (vLLM's API server imports Starlette before it loads plugins; other processes never
@@ -151,14 +187,18 @@ class _Closing:
             self.delivery.arena.close()
 
 
-def _starting_arena(
-    vllm_init: Callable[..., None], delivery: r3_delivery.Delivery, undo: list[Any]
+def _starting(
+    vllm_init: Callable[..., None], delivery: r3_delivery.Delivery | None, undo: list[Any]
 ) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         vllm_init(self, *args, **kwargs)
-        # The frontend starts here: its arena's budget is reserved now, or start-up stops;
-        # unless the engine making it runs without routed experts (no rows ever come: a later
-        # one would start the arena then).
+        # A frontend starts here, and vLLM starts its engine cores after this: they learn
+        # from their environment that their client reads packed frames (wire.packs_for_frontend).
+        os.environ[FRONTEND_VARIABLE] = frontend_mark()
+        if delivery is None:
+            return
+        # The arena's budget is reserved now, or start-up stops; unless the engine making it
+        # runs without routed experts (no rows ever come: a later one would start the arena).
         if _routed_experts(sys._getframe(1)) is not False:
             delivery.start()
         # A process that imported Starlette after the plugin loaded serves HTTP from here on.

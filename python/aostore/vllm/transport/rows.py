@@ -40,6 +40,8 @@ from typing import Any, cast
 
 import numpy as np
 
+from ..._native import take_step_rows
+
 FORMAT = 1
 """The layout's version (the module's docstring specifies it); a reader that does not know it
 raises (:func:`_rebuild`)."""
@@ -142,33 +144,10 @@ class StepRows(Mapping[str, Any]):
 
     def take(self, request: Any) -> np.ndarray | None:
         """vLLM's ``AuxOutputSchedulerConnector.take_output(request, self)``: the same checks,
-        messages and result, without the per-request ``AuxRequestOutput``."""
-        lookup = self._lookup
-        if lookup is None:
-            lookup = self._lookup = self._spans()
-        request_id = request.request_id
-        span = lookup.get(request_id)
-        assert span is not None, f"auxiliary output worker output is missing {request_id}"
-        token_start, begin, end = span
-        token_end = request.num_tokens - 1
-        local_end = token_end - token_start
-        if local_end < 0:
-            assert not request.is_finished(), (
-                "finished auxiliary output output has no accepted token range: "
-                f"request={request_id}, token_end={token_end}, "
-                f"output_start={token_start}, "
-                "output_end="
-                f"{token_start + end - begin}"
-            )
-            return None
-        assert local_end <= end - begin, (
-            "auxiliary output worker output has an invalid token range: "
-            f"request={request_id}, token_end={token_end}, "
-            f"output_start={token_start}, "
-            f"output_end={token_start + end - begin}"
-        )
-        rows: np.ndarray = self._rows[begin : begin + local_end]
-        return rows
+        messages and result, without the per-request ``AuxRequestOutput`` (native:
+        ``aostore._native.take_step_rows``; the scheduler connector calls it through
+        ``aostore._native.TakeOutput``, with no Python frame per request)."""
+        return take_step_rows(self, request)
 
     def _spans(self) -> dict[str, tuple[int, int, int]]:
         """Request id -> (token start, first row, row end), read once a step."""

@@ -1,4 +1,4 @@
-"""Engine core to frontend: vLLM's wire, with routed-experts rows inline.
+"""Engine core to frontend: vLLM's wire, with routed-experts rows inline or packed.
 
 vLLM's ``MsgpackEncoder`` sends every array of at least ``VLLM_MSGPACK_ZERO_COPY_THRESHOLD``
 bytes (256 by default) as a ZMQ frame of its own, so each 368-byte decode row of a GLM-4.5-Air
@@ -15,19 +15,71 @@ aostore's ``dec_hook`` makes such an array over a copy of its bytes (over ``byte
 message was read-only, an array owning its copy where it was writable: the same ``writeable``
 flag, and no tracked ``memoryview`` as a base), so the ``memoryview`` dies at once and the array
 no longer pins the message; values, dtype, shape and flags are vLLM's.
+
+**The packed hop.** Inline rows still cost a Python call per row on each side (the encoder's
+hook, the decoder's hook, ``RowChunks.append`` in vLLM's loop). Where the engine core knows its
+client is a frontend running this aostore with the transport on (:func:`packs_for_frontend`:
+the frontend made its ``OutputProcessor``, which set :data:`FRONTEND_VARIABLE` to this aostore's
+version and its pid, then started this engine core as its child), its ``encode_into`` takes a
+step's rows out of the message (each output's ``routed_experts`` is None on the wire) and sends
+them as one more frame after vLLM's frames; the frontend's ``decode`` keeps that frame for the
+outputs it decoded, and one native call before vLLM's ``process_outputs`` loop writes each
+output's rows into its request's pages (:mod:`.frontend`). Anywhere else (a headless or
+separately started engine core, an API server of several, vLLM's Rust frontend, another
+aostore version) the rows stay inline: a frontend that cannot read the frame never gets one.
+
+The packed frame, format :data:`PACKED_FORMAT` 1 (specified here once; the native code,
+``src/python/packed_rows.rs``, writes and reads it and cites this), little-endian:
+
+- 16 bytes of magic, ``\\x93aostore-r3rows\\x00`` (no frame of vLLM's starts so: its frames
+  are msgpack or an array's bytes, and this frame is always the last);
+- ``u32`` format; ``u16`` length and UTF-8 of the writer's aostore version; ``u16`` length and
+  ASCII of the rows' numpy dtype (``dtype.str``); ``u8`` row dimensions, then ``u64`` each
+  (one token's row shape);
+- ``u64`` count, then per output that has rows, ``u64`` its position in the message's
+  ``outputs`` (strictly increasing) and ``u64`` the end of its rows, counted in rows from the
+  data's start (each output's rows start where the previous one's end);
+- the data: every output's rows back to back, in C order.
+
+A frame of another format or aostore version raises ``RuntimeError`` at once; one that does
+not fit its message raises ``ValueError``: never wrong rows.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
-from .rows import StepArray, is_step_rows
+from ..._native import is_packed_rows, pack_step_rows, rows_arrived
+from .rows import VERSION, StepArray, is_step_rows
 
 METHOD = "_encode_ndarray"
 HOOK = "enc_hook"
 DECODER_HOOK = "dec_hook"
+ENCODE_INTO = "encode_into"
+DECODE = "decode"
+PACKED_FORMAT = 1
+"""The packed frame's layout (this module's docstring specifies it)."""
+FRONTEND_VARIABLE = "AOSTORE_VLLM_TRANSPORT_FRONTEND"
+"""Set by a frontend that reads packed frames, as ``"<aostore version>:<its pid>"``, when it
+makes its ``OutputProcessor`` (vLLM starts the engine cores after that): what an engine core
+reads to know its client (:func:`packs_for_frontend`)."""
+
+
+def frontend_mark() -> str:
+    """What this process sets :data:`FRONTEND_VARIABLE` to when it reads packed frames."""
+    return f"{VERSION}:{os.getpid()}"
+
+
+def packs_for_frontend(environ: Any = os.environ) -> bool:
+    """The rule both ends compute: an engine core packs its steps' rows for its frontend only
+    when its parent is a process that reads packed frames of this aostore's version (the
+    parent set :data:`FRONTEND_VARIABLE` to its version and pid before starting it). An engine
+    core started any other way (headless, by a launcher, by the main process of several API
+    servers, by vLLM's Rust frontend) sees another pid or none."""
+    return bool(environ.get(FRONTEND_VARIABLE) == f"{VERSION}:{os.getppid()}")
 
 
 INLINE = "vLLM's, with routed-experts rows of a step buffer inline."
@@ -97,4 +149,50 @@ def decoder_hook(vllm_hook: Any, serial_utils: Any) -> Any:
         vllm_hook,
         f"MsgpackDecoder.{DECODER_HOOK}",
         "vLLM's, with an inline array over a copy of its bytes.",
+    )
+
+
+def encode_into_method(vllm_method: Any, outputs_type: Any) -> Any:
+    """aostore's ``MsgpackEncoder.encode_into`` over vLLM's, for an engine core that packs
+    (:func:`packs_for_frontend`): an ``EngineCoreOutputs`` (``outputs_type``) goes with its
+    step rows in one trailing frame; everything else as vLLM sends it."""
+
+    def encode_into(self: Any, obj: Any, buf: Any) -> Any:
+        if type(obj) is outputs_type and obj.outputs:
+            packed = pack_step_rows(obj.outputs, StepArray, VERSION)
+            if packed is not None:
+                try:
+                    frames = vllm_method(self, obj, buf)
+                finally:
+                    packed.restore()
+                frames.append(packed.frame)
+                return frames
+        return vllm_method(self, obj, buf)
+
+    return _over(
+        encode_into,
+        vllm_method,
+        f"MsgpackEncoder.{ENCODE_INTO}",
+        "vLLM's, with a step's routed-experts rows in one trailing frame.",
+    )
+
+
+def decode_method(vllm_method: Any) -> Any:
+    """aostore's ``MsgpackDecoder.decode`` over vLLM's: a message whose last frame is packed
+    rows is decoded without it, and the frame kept for its outputs until ``process_outputs``
+    (:func:`aostore._native.rows_arrived`)."""
+
+    def decode(self: Any, bufs: Any) -> Any:
+        if type(bufs) is list and len(bufs) > 1 and is_packed_rows(bufs[-1]):
+            frame = bufs[-1]
+            decoded = vllm_method(self, bufs[:-1])
+            rows_arrived(decoded.outputs, frame, VERSION)
+            return decoded
+        return vllm_method(self, bufs)
+
+    return _over(
+        decode,
+        vllm_method,
+        f"MsgpackDecoder.{DECODE}",
+        "vLLM's, keeping a trailing frame of packed step rows for the outputs it decodes.",
     )

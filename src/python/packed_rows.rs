@@ -1,0 +1,424 @@
+//! The packed hop, engine core to frontend, for `aostore.vllm.transport.wire`: a step's
+//! routed-experts rows as one trailing frame of the message, delivered into each request's
+//! `RowPages` by one call per `process_outputs`, with no Python object per row.
+//!
+//! The frame's layout is specified once, in `python/aostore/vllm/transport/wire.py` (its
+//! `PACKED_FORMAT`); a change here is a change of that format.
+//!
+//! The engine core (`pack_step_rows`) takes each output's rows out of the message (its
+//! `routed_experts` set to None while vLLM's encoder runs, then put back) and writes them into
+//! the frame. The frontend's decoder hands the frame and the decoded outputs to `rows_arrived`,
+//! which keeps each output's rows until `deliver_rows`, called before vLLM's
+//! `OutputProcessor.process_outputs` loop, writes them where vLLM's loop would have appended
+//! them: the request's `RowChunks`.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyType};
+
+use super::row_pages::RowPages;
+use super::{holds_objects, type_name};
+
+/// The frame's first bytes: what tells it from any frame of vLLM's (an array's raw bytes).
+pub(crate) const MAGIC: &[u8; 16] = b"\x93aostore-r3rows\x00";
+/// The layout's version (`wire.PACKED_FORMAT`).
+const FORMAT: u32 = 1;
+
+/// A step's frame, shared by the outputs whose rows it holds.
+struct Step {
+    _frame: Py<PyAny>,
+    buffer: PyUntypedBuffer,
+    dtype: Py<PyAny>,
+    shape: Vec<usize>,
+    row: usize,
+    data: usize,
+}
+
+/// One output's rows, waiting for `deliver_rows`.
+struct Pending {
+    _output: Py<PyAny>,
+    step: Arc<Step>,
+    rows: std::ops::Range<usize>,
+}
+
+/// Outputs decoded and not yet processed, by the address of their (alive) object.
+static PENDING: Mutex<Option<HashMap<usize, Pending>>> = Mutex::new(None);
+/// Outputs whose rows the current `process_outputs` call delivered (its `_trim_surplus_tokens`
+/// asks), by address; emptied by `end_delivery` when the call returns.
+static DELIVERED: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+fn lock<T: Default>(books: &Mutex<Option<T>>) -> MutexGuard<'_, Option<T>> {
+    // Only ever taken under the GIL with no call into Python while held: never contended,
+    // never poisoned by a panic that leaves the books half written.
+    let mut guard = books.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    guard.get_or_insert_with(T::default);
+    guard
+}
+
+fn bytes_of(buffer: &PyUntypedBuffer) -> &[u8] {
+    // SAFETY: a C-contiguous export of `len_bytes` bytes, held while the slice is used.
+    unsafe { std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes()) }
+}
+
+/// What `pack_step_rows` took out of the outputs: the frame, and the rows to put back.
+#[pyclass(module = "aostore._native")]
+pub(crate) struct PackedRows {
+    frame: Py<PyBytes>,
+    taken: Vec<(Py<PyAny>, Py<PyAny>)>,
+}
+
+#[pymethods]
+impl PackedRows {
+    /// The frame to send after vLLM's frames.
+    #[getter]
+    fn frame(&self, py: Python<'_>) -> Py<PyBytes> {
+        self.frame.clone_ref(py)
+    }
+
+    /// Puts each output's rows back (once; later calls do nothing).
+    fn restore(&mut self, py: Python<'_>) -> PyResult<()> {
+        for (output, rows) in self.taken.drain(..) {
+            output.bind(py).setattr(intern!(py, "routed_experts"), rows)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `rows` is a plain `ndarray` over a step buffer (its base, or its base's base, is of
+/// `step_array`): routed experts from aostore's worker, nothing else.
+fn is_step_rows(
+    rows: &Bound<'_, PyAny>,
+    ndarray: &Bound<'_, PyType>,
+    step_array: &Bound<'_, PyType>,
+) -> PyResult<bool> {
+    if !rows.get_type().is(ndarray) {
+        return Ok(false);
+    }
+    let py = rows.py();
+    let base = rows.getattr(intern!(py, "base"))?;
+    if base.get_type().is(step_array) {
+        return Ok(true);
+    }
+    Ok(base.get_type().is(ndarray) && base.getattr(intern!(py, "base"))?.get_type().is(step_array))
+}
+
+/// `pack_step_rows(outputs, step_array, version)`: the rows of step buffers in `outputs` (vLLM's
+/// `EngineCoreOutput`s) as one frame, each taken output's `routed_experts` set to None; None
+/// when no output has such rows. Rows of another dtype or row shape than the first's stay in
+/// their output (vLLM's wire carries them).
+#[pyfunction]
+fn pack_step_rows(
+    outputs: &Bound<'_, PyList>,
+    step_array: &Bound<'_, PyType>,
+    version: &str,
+) -> PyResult<Option<PackedRows>> {
+    let py = outputs.py();
+    let ndarray = py.import(intern!(py, "numpy"))?.getattr(intern!(py, "ndarray"))?;
+    let ndarray = ndarray.cast::<PyType>()?;
+    let name = intern!(py, "routed_experts");
+    let mut taken: Vec<(usize, Bound<'_, PyAny>, Bound<'_, PyAny>, PyUntypedBuffer)> = Vec::new();
+    let mut first: Option<(Bound<'_, PyAny>, Vec<usize>)> = None;
+    for (position, output) in outputs.iter().enumerate() {
+        let rows = output.getattr(name)?;
+        if rows.is_none() || !is_step_rows(&rows, ndarray, step_array)? {
+            continue;
+        }
+        let Ok(buffer) = PyUntypedBuffer::get(&rows) else { continue };
+        if !buffer.is_c_contiguous() || holds_objects(&buffer) || buffer.shape().is_empty() {
+            continue;
+        }
+        let dtype = rows.getattr(intern!(py, "dtype"))?;
+        match &first {
+            None => first = Some((dtype, buffer.shape()[1..].to_vec())),
+            Some((held, shape)) => {
+                if !held.is(&dtype) || buffer.shape()[1..] != shape[..] {
+                    continue;
+                }
+            }
+        }
+        taken.push((position, output, rows, buffer));
+    }
+    let Some((dtype, shape)) = first else { return Ok(None) };
+    let dtype_str: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+    let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+    let row = itemsize * shape.iter().product::<usize>();
+    let mut head = Vec::with_capacity(64 + 16 * taken.len());
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(&FORMAT.to_le_bytes());
+    for text in [version.as_bytes(), dtype_str.as_bytes()] {
+        head.extend_from_slice(&(text.len() as u16).to_le_bytes());
+        head.extend_from_slice(text);
+    }
+    head.push(shape.len() as u8);
+    for &dim in &shape {
+        head.extend_from_slice(&(dim as u64).to_le_bytes());
+    }
+    head.extend_from_slice(&(taken.len() as u64).to_le_bytes());
+    let mut end = 0u64;
+    for (position, _, _, buffer) in &taken {
+        end += (buffer.len_bytes() / row.max(1)) as u64;
+        head.extend_from_slice(&(*position as u64).to_le_bytes());
+        head.extend_from_slice(&end.to_le_bytes());
+    }
+    let data: usize = taken.iter().map(|(_, _, _, buffer)| buffer.len_bytes()).sum();
+    let frame = PyBytes::new_with(py, head.len() + data, |out| {
+        out[..head.len()].copy_from_slice(&head);
+        let mut at = head.len();
+        for (_, _, _, buffer) in &taken {
+            let bytes = bytes_of(buffer);
+            out[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
+        }
+        Ok(())
+    })?;
+    let mut put_back = Vec::with_capacity(taken.len());
+    for (_, output, rows, _) in taken {
+        output.setattr(name, py.None())?;
+        put_back.push((output.unbind(), rows.unbind()));
+    }
+    Ok(Some(PackedRows { frame: frame.unbind(), taken: put_back }))
+}
+
+/// A frame's bytes: its own buffer, or a `memoryview`'s of it (pyzmq's `Frame` exports only
+/// simple requests, which a memoryview makes for it).
+fn frame_buffer(frame: &Bound<'_, PyAny>) -> PyResult<PyUntypedBuffer> {
+    let buffer = match PyUntypedBuffer::get(frame) {
+        Ok(buffer) => buffer,
+        Err(_) => PyUntypedBuffer::get(PyMemoryView::from(frame)?.as_any())?,
+    };
+    if !buffer.is_c_contiguous() {
+        return Err(PyValueError::new_err("a packed frame is C-contiguous"));
+    }
+    Ok(buffer)
+}
+
+/// Whether `frame` (any buffer) is a packed step's frame.
+#[pyfunction]
+fn is_packed_rows(frame: &Bound<'_, PyAny>) -> bool {
+    frame_buffer(frame).is_ok_and(|buffer| bytes_of(&buffer).starts_with(MAGIC))
+}
+
+/// Reads the frame's header: (format's fields, where the data starts, the index).
+struct Header {
+    version: String,
+    dtype: String,
+    shape: Vec<usize>,
+    index: Vec<(usize, usize)>,
+    data: usize,
+}
+
+fn read_header(bytes: &[u8]) -> Result<Header, String> {
+    let mut at = MAGIC.len();
+    let mut take = |n: usize| -> Result<&[u8], String> {
+        let part = bytes.get(at..at + n).ok_or("the frame ends inside its header")?;
+        at += n;
+        Ok(part)
+    };
+    let format = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes"));
+    if format != FORMAT {
+        return Err(format!("format {format}"));
+    }
+    let mut text = || -> Result<String, String> {
+        let n = u16::from_le_bytes(take(2)?.try_into().expect("2 bytes")) as usize;
+        String::from_utf8(take(n)?.to_vec()).map_err(|_| "a header field is not UTF-8".to_owned())
+    };
+    let version = text()?;
+    let dtype = text()?;
+    let ndim = take(1)?[0] as usize;
+    let mut word = || -> Result<usize, String> {
+        Ok(u64::from_le_bytes(take(8)?.try_into().expect("8 bytes")) as usize)
+    };
+    let shape = (0..ndim).map(|_| word()).collect::<Result<Vec<_>, _>>()?;
+    let count = word()?;
+    if count > bytes.len() / 16 {
+        return Err(format!("an index of {count} outputs in {} bytes", bytes.len()));
+    }
+    let index = (0..count).map(|_| Ok((word()?, word()?))).collect::<Result<Vec<_>, String>>()?;
+    Ok(Header { version, dtype, shape, index, data: at })
+}
+
+/// `rows_arrived(outputs, frame, version)`: keeps each output's rows from a packed step's
+/// frame until `deliver_rows`; returns how many outputs have rows. `RuntimeError` for a frame
+/// of another format or aostore version (both ends must run the same aostore), `ValueError`
+/// for one that does not fit `outputs`: nothing is kept then.
+#[pyfunction]
+fn rows_arrived(
+    outputs: &Bound<'_, PyList>,
+    frame: &Bound<'_, PyAny>,
+    version: &str,
+) -> PyResult<usize> {
+    let py = outputs.py();
+    let buffer = frame_buffer(frame).map_err(|_| {
+        PyValueError::new_err(format!("a packed frame is a buffer, not {}", type_name(frame)))
+    })?;
+    let bytes = bytes_of(&buffer);
+    let header = read_header(bytes).map_err(|why| {
+        if why.starts_with("format") {
+            PyRuntimeError::new_err(format!(
+                "aostore transport: this frontend reads packed step rows of format {FORMAT}, got {why}: \
+                 the engine core and the frontend must run the same aostore \
+                 (AOSTORE_VLLM_TRANSPORT=0 on both uses vLLM's own transport)"
+            ))
+        } else {
+            PyValueError::new_err(format!("aostore transport: a corrupt packed frame ({why})"))
+        }
+    })?;
+    if header.version != version {
+        return Err(PyRuntimeError::new_err(format!(
+            "aostore transport: this frontend runs aostore {version}, the engine core packed its \
+             rows with aostore {}: both must run the same aostore \
+             (AOSTORE_VLLM_TRANSPORT=0 on both uses vLLM's own transport)",
+            header.version
+        )));
+    }
+    let dtype =
+        py.import(intern!(py, "numpy"))?.call_method1(intern!(py, "dtype"), (&header.dtype,))?;
+    let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+    let row = itemsize * header.shape.iter().product::<usize>();
+    let corrupt = |why: String| {
+        PyValueError::new_err(format!("aostore transport: a corrupt packed frame ({why})"))
+    };
+    let (mut last_position, mut last_end) = (None, 0usize);
+    for &(position, end) in &header.index {
+        if position >= outputs.len()
+            || last_position.is_some_and(|last| position <= last)
+            || end < last_end
+        {
+            return Err(corrupt(format!("output {position} of {}, rows to {end}", outputs.len())));
+        }
+        last_position = Some(position);
+        last_end = end;
+    }
+    if row == 0 || header.data + last_end * row != bytes.len() {
+        return Err(corrupt(format!(
+            "{} bytes of rows for {last_end} rows of {row} bytes",
+            bytes.len() - header.data
+        )));
+    }
+    let step = Arc::new(Step {
+        _frame: frame.clone().unbind(),
+        buffer,
+        dtype: dtype.unbind(),
+        shape: header.shape,
+        row,
+        data: header.data,
+    });
+    let mut arrived = Vec::with_capacity(header.index.len());
+    let mut start = 0;
+    for &(position, end) in &header.index {
+        let output = outputs.get_item(position)?;
+        arrived.push((output.as_ptr() as usize, output.unbind(), start..end));
+        start = end;
+    }
+    let mut replaced = Vec::new(); // dropped once the books are let go
+    {
+        let mut pending = lock(&PENDING);
+        let pending = pending.as_mut().expect("made by lock");
+        for (key, output, rows) in arrived {
+            let step = Arc::clone(&step);
+            replaced.extend(pending.insert(key, Pending { _output: output, step, rows }));
+        }
+    }
+    drop(replaced);
+    Ok(header.index.len())
+}
+
+/// `deliver_rows(outputs, request_states, row_chunks)`: before vLLM's `process_outputs` loop
+/// over `outputs`, appends each output's packed rows where that loop would have (the request's
+/// `routed_experts_chunks`; a `row_chunks` in pages natively, anything else an array over a
+/// copy of the rows); an output of a request no longer in `request_states` is dropped, as
+/// vLLM ignores it. Returns how many outputs' rows were appended.
+#[pyfunction]
+fn deliver_rows(
+    outputs: &Bound<'_, PyAny>,
+    request_states: &Bound<'_, PyDict>,
+    row_chunks: &Bound<'_, PyType>,
+) -> PyResult<usize> {
+    let py = outputs.py();
+    let mut arrived = Vec::new();
+    {
+        let mut pending = lock(&PENDING);
+        let pending = pending.as_mut().expect("made by lock");
+        if pending.is_empty() {
+            return Ok(0);
+        }
+        for output in outputs.try_iter()? {
+            let output = output?;
+            if let Some(rows) = pending.remove(&(output.as_ptr() as usize)) {
+                arrived.push((output, rows));
+            }
+        }
+    }
+    let mut delivered = Vec::with_capacity(arrived.len());
+    for (output, rows) in arrived {
+        let Some(state) = request_states.get_item(output.getattr(intern!(py, "request_id"))?)?
+        else {
+            continue; // a late output: vLLM ignores it
+        };
+        // vLLM 0.33's loop skips a rejected request's output before it appends rows.
+        if let Ok(error) = output.getattr(intern!(py, "error")) {
+            if !error.is_none() && !state.getattr(intern!(py, "queue"))?.is_none() {
+                continue;
+            }
+        }
+        let step = &rows.step;
+        let bytes = &bytes_of(&step.buffer)
+            [step.data + rows.rows.start * step.row..step.data + rows.rows.end * step.row];
+        let chunks = state.getattr(intern!(py, "routed_experts_chunks"))?;
+        let dtype = step.dtype.bind(py);
+        let mut paged = false;
+        if chunks.get_type().is(row_chunks) {
+            if let Ok(pages) = chunks.getattr(intern!(py, "_pages"))?.cast::<RowPages>() {
+                paged = pages.borrow_mut().push_step_rows(dtype, &step.shape, step.row, bytes)?;
+            }
+        }
+        if !paged {
+            // What vLLM's decoder gives for an inline array of a read-only message.
+            let numpy = py.import(intern!(py, "numpy"))?;
+            let mut shape = vec![rows.rows.len()];
+            shape.extend_from_slice(&step.shape);
+            let array = numpy
+                .call_method1(intern!(py, "frombuffer"), (PyBytes::new(py, bytes), dtype))?
+                .call_method1(intern!(py, "reshape"), (shape,))?;
+            chunks.call_method1(intern!(py, "append"), (array,))?;
+        }
+        delivered.push(output.as_ptr() as usize);
+    }
+    let count = delivered.len();
+    lock(&DELIVERED).as_mut().expect("made by lock").extend(delivered);
+    Ok(count)
+}
+
+/// Whether the current `process_outputs` call delivered `output`'s rows from a packed frame.
+#[pyfunction]
+fn rows_delivered(output: &Bound<'_, PyAny>) -> bool {
+    lock(&DELIVERED).as_ref().expect("made by lock").contains(&(output.as_ptr() as usize))
+}
+
+/// Ends a `process_outputs` call: `rows_delivered` answers no for its outputs.
+#[pyfunction]
+fn end_delivery() {
+    lock(&DELIVERED).as_mut().expect("made by lock").clear();
+}
+
+/// Outputs whose packed rows wait for `deliver_rows`.
+#[pyfunction]
+fn pending_step_rows() -> usize {
+    lock(&PENDING).as_ref().expect("made by lock").len()
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PackedRows>()?;
+    m.add_function(wrap_pyfunction!(pack_step_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(is_packed_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(rows_arrived, m)?)?;
+    m.add_function(wrap_pyfunction!(deliver_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(rows_delivered, m)?)?;
+    m.add_function(wrap_pyfunction!(end_delivery, m)?)?;
+    m.add_function(wrap_pyfunction!(pending_step_rows, m)?)
+}

@@ -1,0 +1,209 @@
+"""The packed hop (``aostore.vllm.transport.wire``): an engine core whose frontend reads packed
+frames sends a step's rows as one trailing frame; the frontend's decoder keeps it, and one
+native call before vLLM's ``process_outputs`` loop writes each output's rows where that loop
+would have appended them. What users see is vLLM's outputs (the frontend differential's packed
+arm); here: the rule both ends compute, real ZMQ frames, and every frame or state that must
+not give rows (another version, a corrupt frame, a late output, vLLM's own list)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not importable here", allow_module_level=True)
+
+import zmq
+from aostore._native import deliver_rows, end_delivery, pending_step_rows, rows_arrived
+from aostore.vllm.transport import StepRows, wire
+from aostore.vllm.transport.frontend import RowChunks
+from vllm.v1 import engine as v1_engine
+from vllm.v1 import serial_utils
+
+SHAPE = (46, 8)
+
+
+@dataclass
+class _Output:
+    token_start: int
+    rows: np.ndarray
+
+
+@dataclass
+class State:
+    """What ``deliver_rows`` reads of vLLM's ``RequestState``."""
+
+    routed_experts_chunks: Any
+    queue: Any = None
+
+
+def packed_encode() -> Any:
+    return wire.encode_into_method(
+        vars(serial_utils.MsgpackEncoder)["encode_into"], v1_engine.EngineCoreOutputs
+    )
+
+
+def decoder() -> Any:
+    decoder = serial_utils.MsgpackDecoder(v1_engine.EngineCoreOutputs)
+    decoder.decode = wire.decode_method(serial_utils.MsgpackDecoder.decode).__get__(decoder)
+    return decoder
+
+
+@pytest.fixture
+def sockets() -> Iterator[tuple[Any, Any]]:
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    push.bind("inproc://packed-hop")
+    pull.connect("inproc://packed-hop")
+    try:
+        yield push, pull
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+        assert pending_step_rows() == 0
+
+
+def step(rows: dict[str, np.ndarray]) -> Any:
+    """A step's ``EngineCoreOutputs`` with each request's rows a view of one step buffer, as
+    aostore's scheduler connector hands them on."""
+    packed = StepRows.pack({rid: _Output(0, r) for rid, r in rows.items()})
+    made = [
+        v1_engine.EngineCoreOutput(
+            request_id=rid, new_token_ids=[1], routed_experts=packed[rid].rows
+        )
+        for rid in rows
+    ]
+    return v1_engine.EngineCoreOutputs(outputs=made)
+
+
+def test_the_rule_holds_only_for_the_frontends_own_child() -> None:
+    """An engine core packs only when its parent set the variable to this aostore's version
+    and its own pid; a grandchild, another version or no variable: rows stay inline."""
+    mine = wire.frontend_mark()
+    assert mine == f"{wire.VERSION}:{os.getpid()}"
+    assert not wire.packs_for_frontend({})
+    assert not wire.packs_for_frontend({wire.FRONTEND_VARIABLE: mine})  # not its parent
+    parent = f"{wire.VERSION}:{os.getppid()}"
+    assert wire.packs_for_frontend({wire.FRONTEND_VARIABLE: parent})
+    assert not wire.packs_for_frontend({wire.FRONTEND_VARIABLE: f"0.0.0:{os.getppid()}"})
+    ask = "from aostore.vllm.transport import wire; print(wire.packs_for_frontend())"
+    env = {**os.environ, wire.FRONTEND_VARIABLE: mine}
+    child = subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True, text=True)
+    assert child.stdout.strip().splitlines()[-1] == "True", child.stderr
+    nested = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {ask!r}])"
+    grandchild = subprocess.run(
+        [sys.executable, "-c", nested], env=env, capture_output=True, text=True
+    )
+    assert grandchild.stdout.strip().splitlines()[-1] == "False", grandchild.stderr
+
+
+def test_rows_cross_real_frames_and_reach_the_pages(sockets: tuple[Any, Any]) -> None:
+    """Over ZMQ with ``copy=False`` (vLLM's frontend receives so): the step's rows reach each
+    request's pages as its chunk; the engine core's message keeps its rows after encoding;
+    a request with rows of another shape keeps vLLM's wire for them."""
+    push, pull = sockets
+    rng = np.random.default_rng(0)
+    rows = {f"r{i}": rng.integers(0, 128, (i + 1, *SHAPE), np.uint8) for i in range(5)}
+    message = step(rows)
+    odd = rng.integers(0, 128, (3, 4, 2), np.uint8)
+    message.outputs.append(
+        v1_engine.EngineCoreOutput(request_id="odd", new_token_ids=[1], routed_experts=odd)
+    )
+    frames = packed_encode()(serial_utils.MsgpackEncoder(), message, bytearray())
+    assert wire.is_packed_rows(frames[-1])
+    assert all(out.routed_experts is not None for out in message.outputs)  # put back
+    push.send_multipart(frames, copy=False)
+    decoded = decoder().decode(pull.recv_multipart(copy=False))
+    assert [out.routed_experts is None for out in decoded.outputs] == [True] * 5 + [False]
+    np.testing.assert_array_equal(decoded.outputs[-1].routed_experts, odd)
+    states = {rid: State(RowChunks()) for rid in [*rows, "odd"]}
+    assert pending_step_rows() == 5
+    assert deliver_rows(decoded.outputs, states, RowChunks) == 5
+    end_delivery()
+    assert pending_step_rows() == 0
+    for rid, want in rows.items():
+        got = states[rid].routed_experts_chunks
+        assert len(got) == 1 and got.paged
+        np.testing.assert_array_equal(got.finished(), want)
+
+
+def test_vllms_list_gets_what_vllms_decoder_gives(sockets: tuple[Any, Any]) -> None:
+    """A request whose chunks are vLLM's list (its own ``RequestState``) gets an array per
+    step, of the rows' dtype and shape and read-only, as an inline array of a received
+    message decodes; an output of a request already gone is dropped, as vLLM ignores it."""
+    push, pull = sockets
+    rows = {
+        "listed": np.arange(2 * 368, dtype=np.uint8).reshape(2, *SHAPE),
+        "gone": np.ones((1, *SHAPE), np.uint8),
+    }
+    push.send_multipart(
+        packed_encode()(serial_utils.MsgpackEncoder(), step(rows), bytearray()), copy=False
+    )
+    decoded = decoder().decode(pull.recv_multipart(copy=False))
+    listed: list[Any] = []
+    assert deliver_rows(decoded.outputs, {"listed": State(listed)}, RowChunks) == 1
+    end_delivery()
+    assert len(listed) == 1 and type(listed[0]) is np.ndarray
+    assert listed[0].dtype == np.uint8 and not listed[0].flags.writeable
+    np.testing.assert_array_equal(listed[0], rows["listed"])
+
+
+def frame_for(rows: dict[str, np.ndarray]) -> tuple[Any, bytes]:
+    message = step(rows)
+    frames = packed_encode()(serial_utils.MsgpackEncoder(), message, bytearray())
+    return message, bytes(frames[-1])
+
+
+def test_another_format_or_version_is_refused_and_keeps_nothing() -> None:
+    message, frame = frame_for({"a": np.zeros((2, *SHAPE), np.uint8)})
+    with pytest.raises(RuntimeError, match=r"runs aostore 9\.9\.9.*the same aostore"):
+        rows_arrived(message.outputs, frame, "9.9.9")
+    other = bytearray(frame)
+    other[16:20] = (2).to_bytes(4, "little")
+    with pytest.raises(RuntimeError, match="of format 1, got format 2"):
+        rows_arrived(message.outputs, bytes(other), wire.VERSION)
+    assert pending_step_rows() == 0
+
+
+@pytest.mark.parametrize("cut", ["short", "long", "outputs", "header"])
+def test_a_frame_that_does_not_fit_its_message_is_refused(cut: str) -> None:
+    message, frame = frame_for(
+        {"a": np.zeros((2, *SHAPE), np.uint8), "b": np.ones((1, *SHAPE), np.uint8)}
+    )
+    outputs = message.outputs
+    if cut == "short":
+        frame = frame[:-1]
+    elif cut == "long":
+        frame += b"\0"
+    elif cut == "outputs":
+        outputs = outputs[:1]  # the index names output 1
+    else:
+        frame = frame[:24]
+    with pytest.raises(ValueError, match="corrupt packed frame"):
+        rows_arrived(outputs, frame, wire.VERSION)
+    assert pending_step_rows() == 0
+
+
+def test_a_message_without_step_rows_goes_as_vllm_sends_it() -> None:
+    """Rows that are no step buffer's (vLLM's own arrays) and outputs without rows: no
+    packed frame, vLLM's frames exactly."""
+    plain = v1_engine.EngineCoreOutputs(
+        outputs=[
+            v1_engine.EngineCoreOutput(
+                request_id="a", new_token_ids=[1], routed_experts=np.ones((4, *SHAPE), np.uint8)
+            ),
+            v1_engine.EngineCoreOutput(request_id="b", new_token_ids=[1]),
+        ]
+    )
+    ours = packed_encode()(serial_utils.MsgpackEncoder(), plain, bytearray())
+    theirs = serial_utils.MsgpackEncoder().encode_into(plain, bytearray())
+    assert [bytes(f) for f in ours] == [bytes(f) for f in theirs]
