@@ -319,7 +319,7 @@ def test_bad_input_is_named_changes_nothing_and_keeps_no_lease(arena, reader) ->
         (
             dict(samples=[a, [(ref_b, 1, 4)]], length=6),
             r3.BadLayout,
-            r"sample 1: a segment \[1:4\] of rows of 3 tokens",
+            r"sample 1: a segment \[1:4\] of rows 0 to 3",
         ),
         (dict(samples=[a, [(ref_b, 0)]], length=6), r3.BadLayout, "sample 1: a sample's segm"),
         (dict(samples=[a, ref_b], length=6, dtype=np.float32), r3.BadLayout, "a dtype of"),
@@ -454,3 +454,18 @@ def test_cuda_is_copied_once_from_pinned_memory(arena, reader) -> None:
     got = r3.padded([a, arena.deliver(b)], 5, into="cuda", reader=reader)
     assert got.routes.device.type == "cuda"
     assert torch.equal(got.wait().cpu(), pinned.routes)
+
+
+def test_segments_count_rows_as_vllm_sent_them(arena, reader) -> None:
+    """A later turn's reference holds its rows from its ``token_start`` on; a segment's start
+    and stop count as ``fetch``'s ``start`` does, so the turns stitch by token."""
+    want = small(60, 7)
+    first_turn = arena.deliver(want[:25])
+    later_turn = arena.deliver(want[20:], token_start=20)  # the prefix cache hit 20 tokens
+    sample = [(first_turn, None, None), (later_turn, 25, None)]
+    got = r3.packed([sample], reader=reader).routes
+    assert np.array_equal(got, want.astype(np.int16))
+    got = r3.packed([[(later_turn, 30, 40)]], reader=reader).routes
+    assert np.array_equal(got, want[30:40].astype(np.int16))
+    with pytest.raises(r3.BadLayout, match=r"sample 0: a segment \[19:60\] of rows 20 to 60"):
+        r3.packed([[(later_turn, 19, None)]], reader=reader)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
@@ -61,8 +63,9 @@ class _Segment:
 
     sample: int
     source: np.ndarray  # the parsed item: a reference's 0-d array, or rows
-    start: int
+    start: int  # rows of the source's array (a reference's first row is row 0 here)
     stop: int
+    first: int = 0  # the source's first row as vLLM counts them (a reference's token_start)
     at: int = 0  # its first row's place in its sample's stitched rows
     rows: np.ndarray | None = None  # the rows once read (a view)
 
@@ -92,8 +95,10 @@ def padded(
 
     - ``samples``: each a reference (the HTTP string or the in-process array), vLLM's rows (an
       array ``[tokens, layers, top_k]`` or its base64 ``.npy`` string), or a list of segments
-      ``(reference or rows, start, stop)`` stitched in order (a partial rollout resumed:
-      ``stop`` ``None`` for the end). Mixed, of any arenas of this node.
+      ``(reference or rows, start, stop)`` stitched in order (a partial rollout resumed; a
+      later turn's delta). ``start`` and ``stop`` count rows as :func:`fetch`'s ``start``
+      does, as vLLM sent them (``None``: from the first, to the last). Mixed, of any arenas of
+      this node.
     - ``offsets``: where each sample's first token goes (a left-padded prompt's
       ``prompt_width - len(prompt)``), one for all or one each.
     - ``valid_lengths``: tokens of each sample that have routes (default: its rows). Rows past
@@ -243,8 +248,10 @@ class _Plan:
                     segment.sample,
                 )
             if not 0 <= segment.start <= segment.stop <= shape[0]:
+                first = segment.first
                 raise errors.BadLayout(
-                    f"a segment [{segment.start}:{segment.stop}] of rows of {shape[0]} tokens",
+                    f"a segment [{first + segment.start}:{first + segment.stop}] of rows "
+                    f"{first} to {first + shape[0]}",
                     segment.sample,
                 )
         self.rows = [0] * self.n
@@ -302,9 +309,11 @@ def _segments_of(i: int, sample: Any) -> list[_Segment]:
                     "a sample's segments are (reference or rows, start, stop) tuples", i
                 )
             source, start, stop = part
-            parts.append((source, int(start), None if stop is None else int(stop)))
+            parts.append(
+                (source, None if start is None else int(start), None if stop is None else int(stop))
+            )
     else:
-        parts = [(sample, 0, None)]
+        parts = [(sample, None, None)]
     segments = []
     for source, start, stop in parts:
         try:
@@ -316,8 +325,13 @@ def _segments_of(i: int, sample: Any) -> list[_Segment]:
                 f"sample {i}: a reference from another node (or an earlier boot of this one): "
                 "its rows are in that node's shared memory"
             )
+        # start and stop count rows as fetch's start does: as vLLM sent them (a later turn's
+        # reference holds its rows from its token_start on).
+        first = int(item["token_start"]) if item.dtype.names is not None else 0
         count = _rows_of(item)[1][0]
-        segments.append(_Segment(i, item, start, count if stop is None else stop))
+        low = 0 if start is None else start - first
+        high = count if stop is None else stop - first
+        segments.append(_Segment(i, item, low, high, first))
     return segments
 
 
@@ -622,9 +636,11 @@ class _Destination:
     def host(self) -> np.ndarray:
         """The host array the layout is written into."""
         if self.into == "numpy":
-            self.array = self.out if self.out is not None else np.empty(self.shape, self.dtype)
+            self.array = self.out if self.out is not None else _allocate(self.shape, self.dtype)
             return self.array
-        if self.into == "torch" and self.out is not None:
+        if self.into == "torch":
+            if self.out is None:
+                self.out = self.torch.from_numpy(_allocate(self.shape, self.dtype))
             self.tensor = self.out
         else:
             self.tensor = self.torch.empty(
@@ -655,6 +671,22 @@ class _Destination:
     def like(self, array: np.ndarray) -> Any:
         """``array`` (``cu_seqlens``) in the routes' kind: numpy, or a CPU torch tensor."""
         return array if self.into == "numpy" else self.torch.from_numpy(array)
+
+
+HUGE_FROM = 8 << 20
+"""Outputs of at least this many bytes are mapped on their own, asking for huge pages: faulting
+in 4 KiB pages of a fresh 1.7 GB batch costs more than writing it (the kernel zeroes either)."""
+
+
+def _allocate(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """An uninitialised array for a layout (every byte of it is written once)."""
+    nbytes = dtype.itemsize * math.prod(shape)
+    if nbytes < HUGE_FROM:
+        return np.empty(shape, dtype)
+    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):  # no THP here: ordinary pages
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mapped, dtype).reshape(shape)  # the array keeps the mapping
 
 
 def _torch() -> Any:
