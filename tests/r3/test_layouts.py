@@ -408,6 +408,13 @@ def test_a_big_sample_reads_the_same(arena, reader) -> None:
     got = r3.padded([arena.deliver(big), big], 17_100, offsets=[17, 0], reader=reader).routes
     assert np.array_equal(got[0, 17:], big.astype(np.int16)) and not got[0, :17].any()
     assert np.array_equal(got[1, :17_083], big) and not got[1, 17_083:].any()
+    # An output this large is a fresh mapping the kernel zeroed: a zero pad is left as it is,
+    # any other is written.
+    got = r3.padded(
+        [big], 17_100, offsets=[7], valid_lengths=[17_090], pad="arange", missing_route=5
+    ).routes
+    assert (got[0, :7] == np.arange(8)).all() and (got[0, 17_097:] == np.arange(8)).all()
+    assert (got[0, 17_090:17_097] == 5).all() and np.array_equal(got[0, 7:17_090], big)
 
 
 torch = pytest.importorskip("torch", reason="torch is the optional extra aostore[torch]")

@@ -475,7 +475,16 @@ def _make(
             cu_seqlens = np.zeros(plan.n + 1, np.int32)
             np.cumsum(plan.region, out=cu_seqlens[1:])
             plan.first = [int(c) for c in cu_seqlens[:-1]]
-        _write(plan, routes, chosen, layer_major, packed_layout, pad_fill, no_row_fill)
+        _write(
+            plan,
+            routes,
+            chosen,
+            layer_major,
+            packed_layout,
+            pad_fill,
+            no_row_fill,
+            destination.zeroed,
+        )
     finally:
         for segment in plan.segments:
             segment.rows = None  # the views go before their leases end
@@ -544,8 +553,10 @@ def _write(
     packed_layout: bool,
     pad: np.ndarray,
     no_row: np.ndarray,
+    zeroed: bool,
 ) -> None:
-    """Each sample's rows widened into place and its other tokens filled: every byte once."""
+    """Each sample's rows widened into place and its other tokens filled: every byte once (a
+    zero fill of an array the kernel zeroed is left as it is)."""
 
     def tokens(sample: int, begin: int, end: int) -> np.ndarray:
         """The output's tokens ``begin:end`` of ``sample``'s region as ``[tokens, layers,
@@ -561,16 +572,20 @@ def _write(
 
     pad_rows = pad if pad.ndim == 0 else pad[None, None, :]
     no_rows = no_row if no_row.ndim == 0 else no_row[None, None, :]
+    skip_pad = zeroed and not pad.any()
+    skip_no_row = zeroed and not no_row.any()
     for i in range(plan.n):
         first, valid, region = plan.first[i], plan.valid[i], plan.region[i]
         # Padded: the region is the whole length, the sample's tokens start at first; packed:
         # the region is the sample's own tokens, from 0.
         begin = 0 if packed_layout else first
         have = 0 if i in plan.missing else min(valid, plan.rows[i])
-        if not packed_layout and begin:
+        if not skip_pad and not packed_layout and begin:
             tokens(i, 0, begin)[...] = pad_rows
-        tokens(i, begin + have, begin + valid)[...] = no_rows
-        tokens(i, begin + valid, region)[...] = pad_rows
+        if not skip_no_row:
+            tokens(i, begin + have, begin + valid)[...] = no_rows
+        if not skip_pad:
+            tokens(i, begin + valid, region)[...] = pad_rows
     for segment in plan.segments:
         if segment.sample in plan.missing:
             continue
@@ -605,6 +620,7 @@ class _Destination:
         self.torch: Any = None
         self.tensor: Any = None  # the torch tensor written on the host, if any
         self.array: np.ndarray | None = None  # the numpy array written, if numpy
+        self.zeroed = False  # whether host() gave an array of zeros
         if out is None:
             if into != "numpy":
                 self.torch = _torch()
@@ -636,11 +652,15 @@ class _Destination:
     def host(self) -> np.ndarray:
         """The host array the layout is written into."""
         if self.into == "numpy":
-            self.array = self.out if self.out is not None else _allocate(self.shape, self.dtype)
+            if self.out is None:
+                self.array, self.zeroed = _allocate(self.shape, self.dtype)
+            else:
+                self.array = self.out
             return self.array
         if self.into == "torch":
             if self.out is None:
-                self.out = self.torch.from_numpy(_allocate(self.shape, self.dtype))
+                fresh, self.zeroed = _allocate(self.shape, self.dtype)
+                self.out = self.torch.from_numpy(fresh)
             self.tensor = self.out
         else:
             self.tensor = self.torch.empty(
@@ -678,15 +698,16 @@ HUGE_FROM = 8 << 20
 in 4 KiB pages of a fresh 1.7 GB batch costs more than writing it (the kernel zeroes either)."""
 
 
-def _allocate(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-    """An uninitialised array for a layout (every byte of it is written once)."""
+def _allocate(shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndarray, bool]:
+    """An array for a layout, and whether it is all zeros already (a fresh mapping is: the
+    kernel zeroed its pages, so a zero padding need not be written again)."""
     nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_FROM:
-        return np.empty(shape, dtype)
+        return np.empty(shape, dtype), False
     mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError, AttributeError):  # no THP here: ordinary pages
         mapped.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(mapped, dtype).reshape(shape)  # the array keeps the mapping
+    return np.frombuffer(mapped, dtype).reshape(shape), True  # the array keeps the mapping
 
 
 def _torch() -> Any:
