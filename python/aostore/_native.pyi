@@ -250,3 +250,8 @@ def copy_pages(pages: Sequence[_Buffer], nbytes: int, out: _Buffer, stream: bool
     """The first ``nbytes`` of ``pages``' bytes, in order, into ``out`` (writable, C-contiguous,
     exactly ``nbytes``), with streaming stores or plain ones; ``TypeError``/``ValueError``
     write nothing."""
+
+def widen_routes(routes: _Buffer, out: _Buffer, stream: bool) -> None:
+    """``routes`` (C-contiguous uint8, their range checked) zero-extended into ``out`` (writable,
+    C-contiguous, 1-, 2-, 4- or 8-byte little-endian integers, one per route), with streaming
+    stores or plain ones; ``TypeError``/``ValueError`` write nothing."""

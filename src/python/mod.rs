@@ -16,6 +16,7 @@ mod policy;
 mod scheduler;
 mod step_rows;
 mod variable;
+mod widen;
 mod writer;
 
 use pyo3::intern;
@@ -54,5 +55,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     layout::register(m)?;
     answer::register(m)?;
     pages::register(m)?;
+    widen::register(m)?;
     Ok(())
 }

@@ -405,9 +405,16 @@ def test_rows_are_read_without_a_second_copy_and_nothing_per_sample(arena, reade
 
 def test_a_big_sample_reads_the_same(arena, reader) -> None:
     big = rows(17_083, 5)  # a 16k-token GLM-4.5-Air sample, 46 x 8
-    got = r3.padded([arena.deliver(big), big], 17_100, offsets=[17, 0], reader=reader).routes
+    # 37.7 MB of int16: past STREAM_FROM, so the native copy streams its stores.
+    sent = [arena.deliver(big), big, big[1:]]
+    got = r3.padded(sent, 17_100, offsets=[17, 0, 3], reader=reader).routes
+    assert got.nbytes >= r3._reader.STREAM_FROM
     assert np.array_equal(got[0, 17:], big.astype(np.int16)) and not got[0, :17].any()
     assert np.array_equal(got[1, :17_083], big) and not got[1, 17_083:].any()
+    assert np.array_equal(got[2, 3:17_085], big[1:]) and not got[2, :3].any()
+    for dtype in ("int8", "uint16", "int32", "int64"):
+        wide = r3.packed(sent, dtype=dtype, reader=reader).routes
+        assert np.array_equal(wide, np.concatenate([big, big, big[1:]]).astype(dtype))
     # An output this large is a fresh mapping the kernel zeroed: a zero pad is left as it is,
     # any other is written.
     got = r3.padded(

@@ -17,15 +17,17 @@ import contextlib
 import importlib
 import math
 import mmap
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
+from .._native import widen_routes
 from . import errors, leases
 from . import format as fmt
-from ._reader import Reader
+from ._reader import STREAM_FROM, Reader
 
 DTYPES = ("uint8", "uint16", "int8", "int16", "int32", "int64")
 """The dtypes a trainer may ask for."""
@@ -598,10 +600,28 @@ def _write(
         into = tokens(segment.sample, at, at + stop - start)
         rows = segment.rows[start:stop]
         if isinstance(layers, slice):
-            np.copyto(into, rows[:, layers], casting="unsafe")  # widened as it is placed
+            kept = rows[:, layers]
+            if _native_widens(kept, into):
+                widen_routes(kept, into, out.nbytes >= STREAM_FROM)
+            else:
+                np.copyto(into, kept, casting="unsafe")  # widened as it is placed
         else:
             for j, layer in enumerate(layers):
                 np.copyto(into[:, j], rows[:, layer], casting="unsafe")
+
+
+def _native_widens(rows: np.ndarray, into: np.ndarray) -> bool:
+    """Whether ``rows`` go into ``into`` by the native widening copy: vLLM's uint8 routes, both
+    contiguous, into little-endian integers (numpy's cast writes about half as fast as a
+    memcpy: it neither streams nor uses the CPU's widening loads)."""
+    return (
+        rows.dtype == np.uint8
+        and into.dtype.kind in "iu"
+        and into.dtype.byteorder in "=|<"
+        and sys.byteorder == "little"
+        and rows.flags.c_contiguous
+        and into.flags.c_contiguous
+    )
 
 
 class _Destination:
