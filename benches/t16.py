@@ -12,8 +12,8 @@ into the packed layout (``[tokens, 46, 8]`` int16 with ``cu_seqlens``), in one p
 - **aostore**: ``r3.padded`` / ``r3.packed`` from vLLM's rows (the arrays ``AsyncLLM`` hands out)
   and from references (an arena on this node, one ``fetch``), into a torch tensor;
 - **memcpy floor**: one ``np.copyto`` of the output's bytes into a fresh buffer (mapped as
-  aostore maps a large layout, asking for huge pages: its pages faulted in as the layouts'
-  are) and into a warm one (compare aostore with a warm ``out=`` to it).
+  aostore maps a large layout: its pages faulted in as the layouts' are) and into a warm one
+  (compare aostore with a warm ``out=`` to it).
 
 Arms alternate, ``--reps`` rounds (the median is reported). CPU is the process's
 (``time.process_time``); memory is measured in a pass of its own: the traced peak
@@ -119,11 +119,10 @@ def output_bytes(result: Any) -> int:
     return int(tensor.nbytes)
 
 
-def huge_pages(nbytes: int) -> np.ndarray:
-    """A fresh buffer mapped as aostore maps a large layout (asking for huge pages), so the
-    fresh floor faults its pages in as the layouts do."""
+def fresh_mapping(nbytes: int) -> np.ndarray:
+    """A fresh buffer mapped as aostore maps a large layout, so the fresh floor faults its
+    pages in as the layouts do."""
     mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapped.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(mapped, np.uint8)
 
 
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def floor(nbytes: int, fresh: bool) -> Callable[[], Any]:
         def copy() -> np.ndarray:
-            into = huge_pages(nbytes) if fresh else warm[:nbytes]
+            into = fresh_mapping(nbytes) if fresh else warm[:nbytes]
             np.copyto(into, source[:nbytes])
             return into
 

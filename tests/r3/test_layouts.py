@@ -483,3 +483,49 @@ def test_segments_count_rows_as_vllm_sent_them(arena, reader) -> None:
     assert np.array_equal(got, want[30:40].astype(np.int16))
     with pytest.raises(r3.BadLayout, match=r"sample 0: a segment \[19:60\] of rows 20 to 60"):
         r3.packed([[(later_turn, 19, None)]], reader=reader)
+
+
+def test_the_native_widening_copy_lets_other_threads_run() -> None:
+    """``widen_routes`` copies with the GIL released (a trainer's other threads, its data
+    loader, run meanwhile): a thread stamping the time stamps inside the copy, away from its
+    ends (where the interpreter may hand the GIL over between bytecodes either way)."""
+    import sys
+    import threading
+    import time
+
+    from aostore._native import widen_routes
+
+    routes = np.ones(96 << 20, np.uint8)
+    out = np.empty(routes.size, np.int16)
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def stamp() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    thread = threading.Thread(target=stamp)
+    thread.start()
+    try:
+        inside = 0
+        for _ in range(5):
+            begin = time.perf_counter()
+            widen_routes(routes, out, True)
+            end = time.perf_counter()
+            margin = 0.005
+            inside = sum(begin + margin < t < end - margin for t in stamps)
+            if end - begin > 4 * margin and inside > 100:
+                break
+            stamps.clear()
+        assert inside > 100, "no other thread ran during the copy: the GIL was held"
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert (out == 1).all()
+    with pytest.raises(ValueError, match="not 10 routes widened"):
+        widen_routes(routes[:10], out[:11], True)
+    with pytest.raises(TypeError, match="uint8"):
+        widen_routes(out[:10], routes[:20], True)

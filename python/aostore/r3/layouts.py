@@ -4,7 +4,9 @@ the tensor a trainer replays (SPEC 19; docs/r3-trainer.md).
 :func:`padded` makes ``[batch, length, layers, top_k]`` (verl, NeMo-RL, SkyRL's padded batch),
 :func:`packed` makes ``[tokens, layers, top_k]`` with ``cu_seqlens`` (SkyRL's packed batch).
 Each output byte is written once: rows are widened to the dtype asked for while they are copied
-into place (``np.copyto``, one pass), and only the tokens without rows are filled. References
+into place (one pass: vLLM's uint8 rows by ``src/widen.rs``, streaming into a large layout; any
+other by ``np.copyto``), and only the tokens without rows are filled (a zero fill of a fresh
+layout the kernel zeroed not even that). References
 are leased for the call alone (one fetch per arena) and read through their mappings, vLLM's rows
 where they lie: neither is copied twice. Everything that can be checked before a byte is
 written is (shapes, lengths, offsets, ``out``, every route's range), so bad input raises and
@@ -713,20 +715,19 @@ class _Destination:
         return array if self.into == "numpy" else self.torch.from_numpy(array)
 
 
-HUGE_FROM = 8 << 20
-"""Outputs of at least this many bytes are mapped on their own, asking for huge pages: faulting
-in 4 KiB pages of a fresh 1.7 GB batch costs more than writing it (the kernel zeroes either)."""
+MAP_FROM = 8 << 20
+"""Outputs of at least this many bytes are a mapping of their own: fresh pages the kernel
+zeroed, so a zero padding is never written (nor faulted in until the trainer reads it). Not
+asked for huge pages: where the kernel compacts memory for them on a fault (THP ``defrag`` of
+``madvise``), a fresh 1.7 GB batch stalled for seconds."""
 
 
 def _allocate(shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndarray, bool]:
-    """An array for a layout, and whether it is all zeros already (a fresh mapping is: the
-    kernel zeroed its pages, so a zero padding need not be written again)."""
+    """An array for a layout, and whether it is all zeros already."""
     nbytes = dtype.itemsize * math.prod(shape)
-    if nbytes < HUGE_FROM:
+    if nbytes < MAP_FROM:
         return np.empty(shape, dtype), False
     mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError, AttributeError):  # no THP here: ordinary pages
-        mapped.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(mapped, dtype).reshape(shape), True  # the array keeps the mapping
 
 
