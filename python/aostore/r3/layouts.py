@@ -4,8 +4,8 @@ the tensor a trainer replays (SPEC 19; docs/r3-trainer.md).
 :func:`padded` makes ``[batch, length, layers, top_k]`` (verl, NeMo-RL, SkyRL's padded batch),
 :func:`packed` makes ``[tokens, layers, top_k]`` with ``cu_seqlens`` (SkyRL's packed batch).
 Each output byte is written once: rows are widened to the dtype asked for while they are copied
-into place (one pass: vLLM's uint8 rows by ``src/widen.rs``, streaming into a large layout; any
-other by ``np.copyto``), and only the tokens without rows are filled (a zero fill of a fresh
+into place (one pass: vLLM's uint8 rows by ``src/widen.rs``, streaming into a large ``out=``;
+any other by ``np.copyto``), and only the tokens without rows are filled (a zero fill of a fresh
 layout the kernel zeroed not even that). References
 are leased for the call alone (one fetch per arena) and read through their mappings, vLLM's rows
 where they lie: neither is copied twice. Everything that can be checked before a byte is
@@ -604,7 +604,10 @@ def _write(
         if isinstance(layers, slice):
             kept = rows[:, layers]
             if _native_widens(kept, into):
-                widen_routes(kept, into, out.nbytes >= STREAM_FROM)
+                # Streaming stores into a large buffer already in memory (the caller's out=,
+                # pinned memory); plain ones into fresh pages, which the kernel has just zeroed
+                # through the cache (streamed, a fresh 0.84 GB layout took twice as long).
+                widen_routes(kept, into, not zeroed and out.nbytes >= STREAM_FROM)
             else:
                 np.copyto(into, kept, casting="unsafe")  # widened as it is placed
         else:
