@@ -16,6 +16,7 @@ mod sched;
 #[doc(hidden)]
 pub mod slab;
 mod store;
+pub mod widen;
 
 #[cfg(feature = "python")]
 mod python;

@@ -324,3 +324,8 @@ class TakeOutput:
         cls, connector: Any, vllm_class: Any, vllm_take_output: Any, step_rows: type
     ) -> TakeOutput: ...
     def __call__(self, request: Any, output: Any) -> Any: ...
+
+def widen_routes(routes: _Buffer, out: _Buffer, stream: bool) -> None:
+    """``routes`` (C-contiguous uint8, their range checked) zero-extended into ``out`` (writable,
+    C-contiguous, 1-, 2-, 4- or 8-byte little-endian integers, one per route), with streaming
+    stores or plain ones; ``TypeError``/``ValueError`` write nothing."""

@@ -18,6 +18,7 @@ mod row_pages;
 mod scheduler;
 mod step_rows;
 mod variable;
+mod widen;
 mod writer;
 
 use pyo3::intern;
@@ -59,5 +60,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     row_pages::register(m)?;
     packed_rows::register(m)?;
     step_rows::register(m)?;
+    widen::register(m)?;
     Ok(())
 }

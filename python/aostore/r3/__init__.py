@@ -17,8 +17,9 @@ frontend keeps the rows in shared memory on its node; :func:`fetch` reads them::
     out = np.empty((total_rows, layers, top_k), np.uint8)
     r3.fetch(references, out=out)  # copied into your buffer, no lease: keep as long as you like
 
-vLLM's rows (either form) are accepted too, so one code path reads both. docs/r3-reference.md
-has the rules: how long rows are kept, leases, forks, restarts, errors.
+vLLM's rows (either form) are accepted too, so one code path reads both. :func:`padded` and
+:func:`packed` read a batch straight into a trainer's layout (docs/r3-trainer.md).
+docs/r3-reference.md has the rules: how long rows are kept, leases, forks, restarts, errors.
 """
 
 from collections.abc import Sequence
@@ -28,15 +29,19 @@ import numpy as np
 
 from ._reader import DEFAULT_RENEWAL, Fetched, Reader, ReaderStats
 from .errors import (
+    BadLayout,
     ForeignReference,
     MixedArenas,
     OtherNode,
     R3Error,
     ReferenceGone,
+    RouteOutOfRange,
 )
+from .layouts import Routes, packed, padded
 
 __all__ = [
     "DEFAULT_RENEWAL",
+    "BadLayout",
     "Fetched",
     "ForeignReference",
     "MixedArenas",
@@ -45,7 +50,11 @@ __all__ = [
     "Reader",
     "ReaderStats",
     "ReferenceGone",
+    "RouteOutOfRange",
+    "Routes",
     "fetch",
+    "packed",
+    "padded",
     "reader",
     "renew",
 ]

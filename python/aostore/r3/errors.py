@@ -28,3 +28,25 @@ class ReferenceGone(R3Error):
     def __init__(self, message: str, index: int | None = None) -> None:
         super().__init__(message if index is None else f"reference {index} of the batch: {message}")
         self.index = index
+
+
+class BadLayout(ValueError):
+    """Input a trainer's layout cannot be made from (``aostore.r3.padded`` / ``packed``): rows
+    of another shape, lengths or offsets that do not fit, an ``out`` of the wrong shape or
+    dtype. Raised before any byte is written. :attr:`sample` is the sample's place in its batch
+    (``None`` when the error is the batch's)."""
+
+    def __init__(self, message: str, sample: int | None = None) -> None:
+        super().__init__(message if sample is None else f"sample {sample}: {message}")
+        self.sample = sample
+
+
+class RouteOutOfRange(BadLayout):
+    """A route the dtype asked for cannot hold, or at least ``num_experts``: never wrapped.
+    :attr:`token` is the token's place in its sample's rows (segments stitched), :attr:`route`
+    the value."""
+
+    def __init__(self, message: str, sample: int, token: int, route: int) -> None:
+        super().__init__(f"token {token}: {message}", sample)
+        self.token = token
+        self.route = route
