@@ -40,7 +40,11 @@ The schedule is W3's (``benches/worker.py``'s ``schedule``: 64 prompts x 8 sampl
 step) with the KV cache unbounded, so all 512 requests are admitted in the first steps and about
 500 run; a request is prefilled in its admission step (emitting its whole prompt's rows: the
 worker reads a prefix hit back from its store), decodes one token a step and finishes on
-``max_tokens``. Rows: GLM-4.5-Air's, 46 layers x top-8, uint8 (368 B a token).
+``max_tokens``. The hard shape (the default; ``--finishing 0`` leaves W3 as it is): 64 of
+those requests become 16k samples (16,384 rows at their finish, prompts of their own, one
+admitted a step from step 0) that all finish in the window's last step, when the frontend holds
+about 400 MB of their rows beside the ~450 others' (``finishing_together``). Rows:
+GLM-4.5-Air's, 46 layers x top-8, uint8 (368 B a token).
 
 Then one long sample's finish (``--sample-tokens``, default 16,384 output tokens after a
 700-token prompt: 17,083 rows, GLM-4.5-Air's 16k sample), per arm in a forked child:
@@ -590,11 +594,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="output tokens of the one long sample whose finish is measured (default 16,384, "
         "with a 700-token prompt: 17,083 rows; --quick: 1,000; 0: none)",
     )
+    parser.add_argument(
+        "--finishing",
+        type=int,
+        default=None,
+        help="the hard shape: this many of W3's requests replaced by long samples that finish "
+        "together in the window's last step (default 64; --quick: 4; 0: W3 as it is)",
+    )
+    parser.add_argument(
+        "--finishing-rows",
+        type=int,
+        default=16_384,
+        help="rows of each such sample at its finish (default 16,384: a 16k sample)",
+    )
     parser.add_argument("--sample-prompt", type=int, default=700)
     parser.add_argument("--sample-reps", type=int, default=3, help="repetitions a run")
     args = parser.parse_args(argv)
     if args.sample_tokens is None:
         args.sample_tokens = 1000 if args.quick else 16_384
+    if args.finishing is None:
+        args.finishing = 4 if args.quick else 64
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     if "off" not in args.arms:
@@ -616,12 +635,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def finishing_together(requests: list[Any], steps: int, count: int, rows: int) -> list[Any]:
+    """The hard shape: the first ``count`` of W3's requests become long samples, admitted one
+    a step from step 0 (a prefill of at most ``rows`` tokens a step, as vLLM's token budget
+    would allow), each ``rows`` rows long at its finish and all finishing in the window's last
+    step; their prompts are their own (no prefix hit). The frontend then holds ``count`` x
+    ``rows`` rows (64 x 16k: about 400 MB) when they finish together."""
+    if count > len(requests) or count >= steps:
+        raise SystemExit(f"--finishing {count}: more than the window's requests or steps")
+    long = []
+    for i, request in enumerate(requests[:count]):
+        out_len = steps - i  # its last token sampled in step steps - 1
+        prompt_len = rows - out_len + 1
+        if prompt_len < 1:
+            raise SystemExit(f"--finishing-rows {rows}: fewer than the window's {steps} steps")
+        blocks = -(-(prompt_len + out_len) // hops.BLOCK)
+        bases = [worker._mix(-(10_000_019 + i) * 1_000_003 - k) for k in range(blocks)]
+        long.append(
+            dataclasses.replace(
+                request,
+                prompt=-(i + 1),
+                prompt_len=prompt_len,
+                out_len=out_len,
+                keys=[],
+                prompt_blocks=prompt_len // hops.BLOCK,
+                start=i,
+                cached=0,
+                bases=np.array(bases, dtype=np.int64),
+            )
+        )
+    return long + requests[count:]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shape = args.shape
     requests = worker.schedule(shape)
     schedule_steps = max(hops.last_step(r) for r in requests) + 1
     steps = min(args.steps, schedule_steps) if args.steps else schedule_steps
+    if args.finishing:
+        requests = finishing_together(requests, steps, args.finishing, args.finishing_rows)
     plan = hops.Plan(requests, steps, args.seed)
     admitted = sum(r.start < steps for r in requests)
     finished = sum(hops.last_step(r) < steps for r in requests)
@@ -629,7 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         f"transport.py: W3 {shape.prompts} prompts x {shape.samples} samples, {len(requests)} "
         f"requests, {schedule_steps} steps; the first {steps} run: {admitted} admitted, "
         f"{finished} finish, {sum(r.cached > 0 for r in requests)} prefix-cache hits; rows "
-        f"{hops.LAYERS} x {hops.TOP_K} uint8",
+        f"{hops.LAYERS} x {hops.TOP_K} uint8; {args.finishing} samples of "
+        f"{args.finishing_rows:,} rows finish together in the last step",
         flush=True,
     )
     started = time.perf_counter()
