@@ -254,13 +254,11 @@ fn hashes<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult<V
     Ok(out)
 }
 
-/// Python objects kept alive (and unmoved) while Rust borrows from them.
-struct Held<'py> {
-    objects: arena::Arena<'py>,
-}
+use held::Held;
 
-mod arena {
-    //! An append-only arena of Python objects: a borrow of an item lives as long as the arena.
+mod held {
+    //! Python objects kept alive (and unmoved) while Rust borrows from them: append-only, so a
+    //! borrow of an item lives as long as the `Held`.
     use pyo3::prelude::*;
     use std::cell::RefCell;
 
@@ -268,13 +266,13 @@ mod arena {
     const FIRST_CHUNK: usize = 64;
     const MAX_CHUNK: usize = 4096;
 
-    pub(super) struct Arena<'py> {
+    pub(super) struct Held<'py> {
         // Chunks that never grow past their capacity: a borrow of an item survives later
         // pushes (a new chunk is started instead), and one allocation serves many items.
         chunks: RefCell<Vec<Vec<Bound<'py, PyAny>>>>,
     }
 
-    impl<'py> Arena<'py> {
+    impl<'py> Held<'py> {
         pub(super) fn new() -> Self {
             Self { chunks: RefCell::new(Vec::new()) }
         }
@@ -294,19 +292,9 @@ mod arena {
             let at: *const Bound<'py, PyAny> = chunk.last().expect("just pushed");
             // SAFETY: a chunk is pushed to only below its capacity, so its items never move
             // (moving the outer vector moves no chunk's buffer), and no item is dropped or
-            // moved out before the arena.
+            // moved out before the `Held`.
             unsafe { &*at }
         }
-    }
-}
-
-impl<'py> Held<'py> {
-    fn new() -> Self {
-        Self { objects: arena::Arena::new() }
-    }
-
-    fn keep<'a>(&'a self, object: Bound<'py, PyAny>) -> &'a Bound<'py, PyAny> {
-        self.objects.keep(object)
     }
 }
 
