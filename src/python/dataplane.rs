@@ -11,9 +11,11 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::ffi;
+use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple, PyType};
+use pyo3::PyTraverseError;
 
 use super::writer::{NativeWriter, Refusal};
 use crate::dataplane::{
@@ -514,6 +516,25 @@ impl NativeDataPlane {
             let plane = self.lock();
             (plane.num_requests(), plane.steps_in_flight(), plane.free_slots())
         }))
+    }
+
+    // The fields never change (the cursor's type is set once), so the collector breaks a
+    // cycle through the plane (the connector holds it; `step_rows` is a bound method of an
+    // object that may hold the connector) by clearing the other objects of it.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.writer)?;
+        visit.call(&self.output_class)?;
+        visit.call(&self.dtype)?;
+        visit.call(&self.shape)?;
+        visit.call(&self.step_rows)?;
+        visit.call(&self.numpy)?;
+        // Skipped while this thread sets it (traversal must not block), for this pass only.
+        if let Ok(cursor) = self.cursor.try_lock() {
+            if let Some(cursor) = cursor.as_ref() {
+                visit.call(&cursor.kind)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -9,8 +9,10 @@ the store calls, and bad input that raises vLLM's class and changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import queue
 import threading
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -155,6 +157,23 @@ def _plan(**fields: Any) -> plan.Plan:
     for name, value in fields.items():
         setattr(result, name, value)
     return result
+
+
+def test_a_cycle_through_the_plane_is_collected() -> None:
+    """The plane takes part in GC: a cycle through it (its output class holding it) goes at
+    the next collection, not with the process."""
+
+    @dataclasses.dataclass
+    class Held:
+        token_start: int
+        rows: Any
+
+    plane = Plane(output_class=Held)
+    Held.plane = plane.plane  # type: ignore[attr-defined]
+    gone = weakref.ref(Held)
+    del Held, plane
+    gc.collect()
+    assert gone() is None
 
 
 def test_the_plugin_says_why_the_data_plane_is_off() -> None:
