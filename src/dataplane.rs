@@ -293,6 +293,56 @@ struct RequestState {
     tail: Option<Tail>,
 }
 
+/// Rows of staged slots, in order: a slot and the rows of it to read.
+type Pieces = Vec<(Slot, Range<usize>)>;
+
+impl RequestState {
+    /// 0.32.0 and 0.33.0: rows `[from, to)` of the request's tail.
+    fn tail_rows<E>(&self, rows: Range<i64>) -> Result<Pieces, PlaneError<E>> {
+        let Some(tail) = self.tail else {
+            return assertion("auxiliary output buffer is missing the request");
+        };
+        let (local_start, local_end) = (rows.start - tail.block_start, rows.end - tail.block_start);
+        if !(0 <= local_start && local_start < local_end && local_end <= tail.length as i64) {
+            return assertion("auxiliary output range is unavailable");
+        }
+        Ok(vec![(tail.slot, local_start as usize..local_end as usize)])
+    }
+
+    /// 0.34.0: the request's unkeyed full blocks (of `block` rows), then its tail, taken as one
+    /// run of rows from the first block's start (vLLM concatenates them and assumes they are
+    /// contiguous), and rows `[from, to)` of it, sliced as Python slices it. No staged row:
+    /// vLLM's `np.concatenate([])`, a `ValueError`.
+    fn staged_rows<E>(&self, rows: Range<i64>, block: usize) -> Result<Pieces, PlaneError<E>> {
+        let Range { start: from, end: to } = rows;
+        let parts: Vec<(i64, Slot, usize)> = self
+            .pending_blocks
+            .iter()
+            .map(|&(start, slot)| (start, slot, block))
+            .chain(self.tail.map(|tail| (tail.block_start, tail.slot, tail.length)))
+            .collect();
+        let first = parts.first().map_or(from, |part| part.0);
+        let available: usize = parts.iter().map(|part| part.2).sum();
+        if !(first <= from && to <= first + available as i64) {
+            return assertion("auxiliary output range is unavailable");
+        }
+        if parts.is_empty() {
+            return Err(PlaneError::Value("need at least one array to concatenate".to_owned()));
+        }
+        let wanted = python_slice(available, from - first, to - first);
+        let mut at = 0;
+        let mut pieces = Vec::with_capacity(parts.len());
+        for (_, slot, length) in parts {
+            let (lo, hi) = (wanted.start.max(at), wanted.end.min(at + length));
+            if lo < hi {
+                pieces.push((slot, lo - at..hi - at));
+            }
+            at += length;
+        }
+        Ok(pieces)
+    }
+}
+
 struct InFlight {
     token: u64,
     requests: Vec<u32>,
@@ -679,10 +729,10 @@ impl DataPlane {
                 let have = (stored.len() / row).saturating_sub(local).min(wanted);
                 processed.owned.extend_from_slice(&stored[local * row..(local + have) * row]);
                 if stored_end < token_end {
-                    self.read(index, stored_end, token_end, &mut processed.owned)?;
+                    self.read(index, stored_end..token_end, &mut processed.owned)?;
                 }
             } else {
-                self.read(index, emit_start, token_end, &mut processed.owned)?;
+                self.read(index, emit_start..token_end, &mut processed.owned)?;
             }
             let last = processed.owned.len() / row;
             let state = self.state_mut(index);
@@ -766,84 +816,24 @@ impl DataPlane {
         Ok(completed)
     }
 
-    /// `RoutedExpertsBuffer.read(request_id, from, to, ...)`, appended to `out`, as the
-    /// layout's vLLM reads.
+    /// `RoutedExpertsBuffer.read(request_id, from, to, ...)` for the request at `index`, rows
+    /// `from..to`, appended to `out`, as the layout's vLLM reads.
     fn read<E>(
         &self,
         index: u32,
-        from: i64,
-        to: i64,
-        out: &mut Vec<u8>,
-    ) -> Result<(), PlaneError<E>> {
-        if self.config.layout.reads_pending_blocks() {
-            self.read_staged(index, from, to, out)
-        } else {
-            self.read_tail(index, from, to, out)
-        }
-    }
-
-    /// 0.32.0 and 0.33.0: rows `[from, to)` of the request's tail.
-    fn read_tail<E>(
-        &self,
-        index: u32,
-        from: i64,
-        to: i64,
-        out: &mut Vec<u8>,
-    ) -> Result<(), PlaneError<E>> {
-        let Some(tail) = self.state(index).tail else {
-            return assertion("auxiliary output buffer is missing the request");
-        };
-        let (local_start, local_end) = (from - tail.block_start, to - tail.block_start);
-        if !(0 <= local_start && local_start < local_end && local_end <= tail.length as i64) {
-            return assertion("auxiliary output range is unavailable");
-        }
-        let (n, row) = (self.config.block_nbytes(), self.config.row_nbytes);
-        let at = tail.slot as usize * n;
-        out.extend_from_slice(
-            &self.staging[at + local_start as usize * row..at + local_end as usize * row],
-        );
-        Ok(())
-    }
-
-    /// 0.34.0: the request's unkeyed full blocks, then its tail, taken as one run of rows from
-    /// the first block's start (vLLM concatenates them and assumes they are contiguous), and
-    /// rows `[from, to)` of it, sliced as Python slices it. No staged row: vLLM's
-    /// `np.concatenate([])`, a `ValueError`.
-    fn read_staged<E>(
-        &self,
-        index: u32,
-        from: i64,
-        to: i64,
+        rows: Range<i64>,
         out: &mut Vec<u8>,
     ) -> Result<(), PlaneError<E>> {
         let state = self.state(index);
-        let (block, n, row) =
-            (self.config.block_size, self.config.block_nbytes(), self.config.row_nbytes);
-        let parts: Vec<(i64, Slot, usize)> = state
-            .pending_blocks
-            .iter()
-            .map(|&(start, slot)| (start, slot, block))
-            .chain(state.tail.map(|tail| (tail.block_start, tail.slot, tail.length)))
-            .collect();
-        let first = parts.first().map_or(from, |part| part.0);
-        let available: usize = parts.iter().map(|part| part.2).sum();
-        if !(first <= from && to <= first + available as i64) {
-            return assertion("auxiliary output range is unavailable");
-        }
-        if parts.is_empty() {
-            return Err(PlaneError::Value("need at least one array to concatenate".to_owned()));
-        }
-        let wanted = python_slice(available, from - first, to - first);
-        let mut at = 0;
-        for (_, slot, length) in parts {
-            let (lo, hi) = (wanted.start.max(at), wanted.end.min(at + length));
-            if lo < hi {
-                let base = slot as usize * n;
-                out.extend_from_slice(
-                    &self.staging[base + (lo - at) * row..base + (hi - at) * row],
-                );
-            }
-            at += length;
+        let pieces = if self.config.layout.reads_pending_blocks() {
+            state.staged_rows(rows, self.config.block_size)?
+        } else {
+            state.tail_rows(rows)?
+        };
+        let (n, row) = (self.config.block_nbytes(), self.config.row_nbytes);
+        for (slot, rows) in pieces {
+            let base = slot as usize * n;
+            out.extend_from_slice(&self.staging[base + rows.start * row..base + rows.end * row]);
         }
         Ok(())
     }

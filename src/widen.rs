@@ -93,7 +93,7 @@ mod tests {
     #[test]
     fn every_width_and_offset_is_the_model() {
         let src: Vec<u8> =
-            (0..5_100u32).map(|i| (i * 37 % 251) as u8 | 0x80 * (i % 2) as u8).collect();
+            (0..5_100u32).map(|i| (i * 37 % 251) as u8 | (0x80 * (i % 2) as u8)).collect();
         for width in WIDTHS {
             for streaming in [false, true] {
                 // Every alignment of the destination and length of the routes, near the lanes.

@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension module (kept by hand; checked by mypy.stubtest)."""
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Literal, Self, TypeAlias, final
+from typing import Any, Literal, Self, TypeAlias, final, overload
 
 from typing_extensions import disjoint_base
 
@@ -75,6 +75,7 @@ class NativeStore:
         retain_keys: Iterable[str] | None = None,
         release_keys: Iterable[str] | None = None,
     ) -> None: ...
+    @overload
     def put_blocks(
         self,
         keys: Iterable[str],
@@ -82,18 +83,21 @@ class NativeStore:
         *,
         retain_keys: Iterable[str] | None = None,
         release_keys: Iterable[str] | None = None,
+        report: Literal[False] = False,
     ) -> None: ...
-    def put_reporting(
-        self,
-        objects: Iterable[Any],
-        *,
-        retain_keys: Iterable[str] | None = None,
-        release_keys: Iterable[str] | None = None,
-    ) -> list[str]: ...
-    def put_blocks_reporting(
+    @overload
+    def put_blocks(
         self,
         keys: Iterable[str],
         blocks: _Buffer,
+        *,
+        retain_keys: Iterable[str] | None = None,
+        release_keys: Iterable[str] | None = None,
+        report: Literal[True],
+    ) -> list[str]: ...
+    def put_reporting(
+        self,
+        objects: Iterable[Any],
         *,
         retain_keys: Iterable[str] | None = None,
         release_keys: Iterable[str] | None = None,

@@ -115,7 +115,7 @@ class BlockObjectStore(BufferReads, NativeStore):
         if self.closed:
             raise RuntimeError("auxiliary output store is closed")
 
-    def put_blocks(
+    def put_blocks(  # type: ignore[override]  # the native `report` is put_blocks_reporting
         self,
         keys: Iterable[str],
         blocks: Any,
@@ -147,8 +147,8 @@ class BlockObjectStore(BufferReads, NativeStore):
         self._ensure_open()
         keys = list(keys)
         data = _buffers.host_rows(blocks, len(keys), self.object_nbytes)
-        return super().put_blocks_reporting(
-            keys, data, retain_keys=retain_keys, release_keys=release_keys
+        return super().put_blocks(
+            keys, data, retain_keys=retain_keys, release_keys=release_keys, report=True
         )
 
     def _check_readable(self) -> None:

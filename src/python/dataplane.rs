@@ -11,9 +11,11 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::ffi;
+use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple, PyType};
+use pyo3::PyTraverseError;
 
 use super::writer::{NativeWriter, Refusal};
 use crate::dataplane::{
@@ -254,13 +256,11 @@ fn hashes<'a, 'py>(value: &Bound<'py, PyAny>, held: &'a Held<'py>) -> PyResult<V
     Ok(out)
 }
 
-/// Python objects kept alive (and unmoved) while Rust borrows from them.
-struct Held<'py> {
-    objects: arena::Arena<'py>,
-}
+use held::Held;
 
-mod arena {
-    //! An append-only arena of Python objects: a borrow of an item lives as long as the arena.
+mod held {
+    //! Python objects kept alive (and unmoved) while Rust borrows from them: append-only, so a
+    //! borrow of an item lives as long as the `Held`.
     use pyo3::prelude::*;
     use std::cell::RefCell;
 
@@ -268,13 +268,13 @@ mod arena {
     const FIRST_CHUNK: usize = 64;
     const MAX_CHUNK: usize = 4096;
 
-    pub(super) struct Arena<'py> {
+    pub(super) struct Held<'py> {
         // Chunks that never grow past their capacity: a borrow of an item survives later
         // pushes (a new chunk is started instead), and one allocation serves many items.
         chunks: RefCell<Vec<Vec<Bound<'py, PyAny>>>>,
     }
 
-    impl<'py> Arena<'py> {
+    impl<'py> Held<'py> {
         pub(super) fn new() -> Self {
             Self { chunks: RefCell::new(Vec::new()) }
         }
@@ -294,19 +294,9 @@ mod arena {
             let at: *const Bound<'py, PyAny> = chunk.last().expect("just pushed");
             // SAFETY: a chunk is pushed to only below its capacity, so its items never move
             // (moving the outer vector moves no chunk's buffer), and no item is dropped or
-            // moved out before the arena.
+            // moved out before the `Held`.
             unsafe { &*at }
         }
-    }
-}
-
-impl<'py> Held<'py> {
-    fn new() -> Self {
-        Self { objects: arena::Arena::new() }
-    }
-
-    fn keep<'a>(&'a self, object: Bound<'py, PyAny>) -> &'a Bound<'py, PyAny> {
-        self.objects.keep(object)
     }
 }
 
@@ -526,6 +516,25 @@ impl NativeDataPlane {
             let plane = self.lock();
             (plane.num_requests(), plane.steps_in_flight(), plane.free_slots())
         }))
+    }
+
+    // The fields never change (the cursor's type is set once), so the collector breaks a
+    // cycle through the plane (the connector holds it; `step_rows` is a bound method of an
+    // object that may hold the connector) by clearing the other objects of it.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.writer)?;
+        visit.call(&self.output_class)?;
+        visit.call(&self.dtype)?;
+        visit.call(&self.shape)?;
+        visit.call(&self.step_rows)?;
+        visit.call(&self.numpy)?;
+        // Skipped while this thread sets it (traversal must not block), for this pass only.
+        if let Ok(cursor) = self.cursor.try_lock() {
+            if let Some(cursor) = cursor.as_ref() {
+                visit.call(&cursor.kind)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -5,7 +5,6 @@ use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use super::handle::References;
 use super::*;
 use crate::arena::Prefault;
 use crate::error::StoreError;
@@ -72,7 +71,9 @@ handle::store_methods!(NativeStore {
 
     /// Stores `blocks[i]` under `keys[i]` from one C-contiguous buffer of `len(keys) *
     /// object_nbytes` bytes, with `put`'s semantics, one copy per block straight into its slot.
-    #[pyo3(signature = (keys, blocks, *, retain_keys = None, release_keys = None))]
+    /// With `report` (the façade's `put_blocks_reporting`), returns the distinct keys whose
+    /// payload it stored, as `put_reporting`; else `None`.
+    #[pyo3(signature = (keys, blocks, *, retain_keys = None, release_keys = None, report = false))]
     fn put_blocks(
         &self,
         py: Python<'_>,
@@ -80,22 +81,14 @@ handle::store_methods!(NativeStore {
         blocks: &Bound<'_, PyAny>,
         retain_keys: Option<&Bound<'_, PyAny>>,
         release_keys: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        self.put_rows(py, (keys, blocks), (retain_keys, release_keys), None)
-    }
-
-    /// `put_blocks`, returning the distinct keys whose payload it stored, as `put_reporting`.
-    #[pyo3(signature = (keys, blocks, *, retain_keys = None, release_keys = None))]
-    fn put_blocks_reporting(
-        &self,
-        py: Python<'_>,
-        keys: &Bound<'_, PyAny>,
-        blocks: &Bound<'_, PyAny>,
-        retain_keys: Option<&Bound<'_, PyAny>>,
-        release_keys: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<String>> {
-        let mut written = Vec::new();
-        self.put_rows(py, (keys, blocks), (retain_keys, release_keys), Some(&mut written))?;
+        report: bool,
+    ) -> PyResult<Option<Vec<String>>> {
+        self.handle.ensure_open()?;
+        let mut batch = Gathered::default();
+        batch.rows_of(keys, blocks, self.object_nbytes)?;
+        batch.references(retain_keys, release_keys)?;
+        let mut written = report.then(Vec::new);
+        self.handle.put_gathered_reporting(py, &batch, written.as_mut())?;
         Ok(written)
     }
 
@@ -206,25 +199,7 @@ handle::store_methods!(NativeStore {
 
 });
 
-/// Keys and the buffer of their rows.
-type Rows<'a, 'py> = (&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>);
-
 impl NativeStore {
-    /// `put_blocks` and `put_blocks_reporting`.
-    fn put_rows(
-        &self,
-        py: Python<'_>,
-        (keys, blocks): Rows<'_, '_>,
-        (retain_keys, release_keys): References<'_, '_>,
-        written: Option<&mut Vec<String>>,
-    ) -> PyResult<()> {
-        self.handle.ensure_open()?;
-        let mut batch = Gathered::default();
-        batch.rows_of(keys, blocks, self.object_nbytes)?;
-        batch.references(retain_keys, release_keys)?;
-        self.handle.put_gathered_reporting(py, &batch, written)
-    }
-
     /// `get_concatenated` after its checks: one copy per key, straight into the new `bytes`.
     fn concatenated<'py>(&self, py: Python<'py>, texts: &[&str]) -> PyResult<Bound<'py, PyBytes>> {
         let object_nbytes = self.object_nbytes;

@@ -9,8 +9,10 @@ the store calls, and bad input that raises vLLM's class and changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import queue
 import threading
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -157,6 +159,23 @@ def _plan(**fields: Any) -> plan.Plan:
     return result
 
 
+def test_a_cycle_through_the_plane_is_collected() -> None:
+    """The plane takes part in GC: a cycle through it (its output class holding it) goes at
+    the next collection, not with the process."""
+
+    @dataclasses.dataclass
+    class Held:
+        token_start: int
+        rows: Any
+
+    plane = Plane(output_class=Held)
+    Held.plane = plane.plane  # type: ignore[attr-defined]
+    gone = weakref.ref(Held)
+    del Held, plane
+    gc.collect()
+    assert gone() is None
+
+
 def test_the_plugin_says_why_the_data_plane_is_off() -> None:
     off = Settings.from_env({ENV_DATA_PLANE: "off"})
     assert not off.data_plane and Settings.from_env({}).data_plane
@@ -202,46 +221,41 @@ def _record_of(root: Path, name: str = "vLLM 9.0.0", layout: str = "0.34") -> re
 
 
 def _installed_tree(root: Path, monkeypatch: pytest.MonkeyPatch) -> releases.Release:
-    """A vLLM tree under ``root`` whose files are a record's for every feature, that record
-    known, and the tree taken for the installed vLLM."""
+    """A vLLM tree under ``root`` whose files are a record's for every feature (returned), and
+    the tree taken for the installed vLLM."""
     for feature in releases.FEATURES:
         _tree(root, releases.RELEASES[0], feature)
     record = _record_of(root)
-    monkeypatch.setitem(releases.BY_NAME, record.name, record)
     monkeypatch.setattr(releases, "vllm_root", lambda: root)
     return record
 
 
-def test_a_release_is_recognized_per_feature(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_release_is_recognized_per_feature(tmp_path: Path) -> None:
     for feature in releases.FEATURES:
         _tree(tmp_path, releases.RELEASES[0], feature)
     record = _record_of(tmp_path)
-    monkeypatch.setitem(releases.BY_NAME, record.name, record)
     for feature in releases.FEATURES:
-        assert releases.recognized(record.name, feature, tmp_path) is None
+        assert releases.recognized(record, feature, tmp_path) is None
     # A patched model runner: the worker plane is not recognized, the scheduler side still is.
     (tmp_path / "v1/worker/gpu/model_runner.py").write_text("# patched\n")
-    why = releases.recognized(record.name, releases.WORKER, tmp_path)
+    why = releases.recognized(record, releases.WORKER, tmp_path)
     assert why == "vllm/v1/worker/gpu/model_runner.py differs from vLLM 9.0.0's record"
-    assert releases.recognized(record.name, releases.SCHEDULER, tmp_path) is None
+    assert releases.recognized(record, releases.SCHEDULER, tmp_path) is None
     # A file the package gains is not the record's either; a missing one is named.
     (tmp_path / releases.PACKAGE_DIR / "extra.py").write_text("")
-    store = releases.recognized(record.name, releases.STORE, tmp_path)
+    store = releases.recognized(record, releases.STORE, tmp_path)
     assert store is not None and "extra.py is not in vLLM 9.0.0's record" in store
     (tmp_path / "v1/request.py").unlink()
-    scheduler = releases.recognized(record.name, releases.SCHEDULER, tmp_path)
+    scheduler = releases.recognized(record, releases.SCHEDULER, tmp_path)
     assert scheduler is not None and "vllm/v1/request.py is missing" in scheduler
     # The transport: its own files (a patched output processor), and a record without them.
     (tmp_path / releases.PACKAGE_DIR / "extra.py").unlink()
-    assert releases.recognized(record.name, releases.TRANSPORT, tmp_path) is None
+    assert releases.recognized(record, releases.TRANSPORT, tmp_path) is None
     (tmp_path / "v1/engine/output_processor.py").write_text("# patched\n")
-    transport = releases.recognized(record.name, releases.TRANSPORT, tmp_path)
+    transport = releases.recognized(record, releases.TRANSPORT, tmp_path)
     assert transport == "vllm/v1/engine/output_processor.py differs from vLLM 9.0.0's record"
     bare = dataclasses.replace(record, name="vLLM 9.0.1", transport=None)
-    monkeypatch.setitem(releases.BY_NAME, bare.name, bare)
-    assert releases.recognized(bare.name, releases.TRANSPORT, tmp_path) == (
+    assert releases.recognized(bare, releases.TRANSPORT, tmp_path) == (
         "vLLM 9.0.1's record has no transport files"
     )
     assert releases.installed(releases.TRANSPORT, tmp_path) is None
@@ -251,7 +265,7 @@ def test_the_transport_goes_in_where_recognized_and_switched_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     record = _installed_tree(tmp_path, monkeypatch)
-    decision = _plan(release=record.name)
+    decision = _plan(release=record.name, record=record)
     decision.data_plane = (releases.WORKER, releases.SCHEDULER)
     assert plan._transport(decision, Settings()) == (
         True,
@@ -275,18 +289,18 @@ def test_the_plugin_installs_the_features_a_release_is_recognized_for(
 ) -> None:
     record = _installed_tree(tmp_path, monkeypatch)
     on = Settings()
-    features, said = plan._data_plane(_plan(release=record.name), on)
+    features, said = plan._data_plane(_plan(release=record.name, record=record), on)
     assert features == (releases.WORKER, releases.SCHEDULER)
     assert said == "data plane on (vLLM 9.0.0's worker and scheduler files recognized)"
     (tmp_path / "v1/outputs.py").write_text("# patched\n")
-    features, said = plan._data_plane(_plan(release=record.name), on)
+    features, said = plan._data_plane(_plan(release=record.name, record=record), on)
     assert features == (releases.SCHEDULER,)
     assert said == (
         "data plane on for the scheduler side only (worker plane off: "
         "vllm/v1/outputs.py differs from vLLM 9.0.0's record)"
     )
     (tmp_path / "v1/core/sched/scheduler.py").write_text("# patched\n")
-    features, said = plan._data_plane(_plan(release=record.name), on)
+    features, said = plan._data_plane(_plan(release=record.name, record=record), on)
     assert features == ()
     assert said == "data plane off (vllm/v1/outputs.py differs from vLLM 9.0.0's record)"
 
@@ -316,16 +330,17 @@ def test_an_installed_vllm_is_recognized_or_told_why_not() -> None:
     """With vLLM installed (``make test-vllm`` runs this file in its environment): a release CI
     proves is its record's for every feature; another record's files are named as differing."""
     vllm = pytest.importorskip("vllm")
-    release = f"vLLM {vllm.__version__.split('+')[0]}"
-    if release not in releases.BY_NAME:
-        pytest.skip(f"{release} is not a release the data plane knows")
+    name = f"vLLM {vllm.__version__.split('+')[0]}"
+    if name not in releases.BY_NAME:
+        pytest.skip(f"{name} is not a release the data plane knows")
+    release = releases.BY_NAME[name]
     for feature in releases.FEATURES:
         assert releases.recognized(release, feature) is None, feature
-    other = next(record.name for record in releases.RELEASES if record.name != release)
+    other = next(record for record in releases.RELEASES if record.name != name)
     why = releases.recognized(other, releases.WORKER)
-    assert why is not None and f"differs from {other}'s record" in why
+    assert why is not None and f"differs from {other.name}'s record" in why
     lines, status = releases.describe(releases.vllm_root())
-    assert status == 0 and lines[-1].startswith(f"result: this tree is {release}'s"), lines
+    assert status == 0 and lines[-1].startswith(f"result: this tree is {name}'s"), lines
 
 
 def _decode(plane: Plane, steps: int, process: Any, room: Any = None) -> None:

@@ -121,10 +121,11 @@ def _register(settings: Settings) -> None:
         setattr(store_module, MARK, {name: originals[name] for name in decision.replace})
         if decision.data_plane:
             installed = {name: decision.replace[name] for name in (FIXED_STORE, WRAPPER)}
-            release = decision.release or ""
+            # The data plane goes in only where a record recognized its files.
+            assert decision.record is not None
             planes = dataplane.install(
                 installed,
-                release,
+                decision.record,
                 decision.data_plane,
                 swap,
                 undo,

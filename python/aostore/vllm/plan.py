@@ -92,6 +92,9 @@ class Plan:
     release: str | None = None
     """The release of :data:`KNOWN_RELEASES` the store module's package is; ``None``: checked
     class by class."""
+    record: releases.Release | None = None
+    """``release``'s record, taken once at recognition and carried to install; ``None`` where
+    there is none (a name known only for its store files, as tests' fake trees are)."""
     mooncake: MooncakeTier | None = None
     """The Mooncake tier that stores built through the plugin get (``AOSTORE_VLLM_MOONCAKE``);
     set by :func:`register`'s and :func:`dry_run`'s decision, not by :func:`plan`."""
@@ -283,7 +286,9 @@ def plan(module: Any, settings: Settings | None = None) -> Plan:
     """Decides which of ``module``'s classes aostore replaces (docs/vllm-plugin.md); ``settings``
     (an empty environment's unless given) choose the profile the differential runs."""
     settings = Settings() if settings is None else settings
-    result = Plan(_layout_classes(module), release=recognize(module))
+    release = recognize(module)
+    record = None if release is None else releases.BY_NAME.get(release)
+    result = Plan(_layout_classes(module), release=release, record=record)
     ours = aostore_classes(result.vllm)
     covered: dict[str, type] = {}
     strict = result.release is None
@@ -416,11 +421,19 @@ def _r3(decision: Plan, settings: Settings) -> tuple[str | None, str]:
     )
 
 
+def _unrecognized(decision: Plan, feature: str) -> str | None:
+    """``None`` when the installed vLLM's files for ``feature`` are the decision's record's;
+    else why not, in words."""
+    if decision.record is None and decision.release is not None:
+        return f"no record for {decision.release}"
+    return releases.recognized(decision.record, feature)
+
+
 def _transport(decision: Plan, settings: Settings) -> tuple[bool, str]:
     """Whether the transport goes in, and the start-up line's words for it."""
     if not settings.transport:
         return False, f"transport off ({ENV_TRANSPORT}={settings.raw.get(ENV_TRANSPORT, '')})"
-    why = releases.recognized(decision.release, releases.TRANSPORT)
+    why = _unrecognized(decision, releases.TRANSPORT)
     if why is not None:
         return False, f"transport off ({why})"
     packs = "" if releases.WORKER in decision.data_plane else ", rows unpacked: no data plane"
@@ -436,7 +449,7 @@ def _data_plane(decision: Plan, settings: Settings) -> tuple[tuple[str, ...], st
     if decision.mooncake is not None:
         return (), "data plane off (the Mooncake tier is on; its blocks go through the tier)"
     why = {
-        feature: releases.recognized(decision.release, feature)
+        feature: _unrecognized(decision, feature)
         for feature in (releases.WORKER, releases.SCHEDULER)
     }
     on = tuple(feature for feature, reason in why.items() if reason is None)

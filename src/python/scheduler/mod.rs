@@ -67,13 +67,17 @@ trait Shape<'py>: Sized {
     fn settle(&self, call: &Call<'py>, request_id: &Bound<'py, PyAny>) -> PyResult<()>;
 
     /// The metadata object (and what sending it resets).
-    fn metadata(
-        &self,
-        call: &Call<'py>,
-        generation: Bound<'py, PyAny>,
-        scheduled: Bound<'py, PyDict>,
-        finished: Bound<'py, PyTuple>,
-    ) -> PyResult<Bound<'py, PyAny>>;
+    fn metadata(&self, call: &Call<'py>, sent: Sent<'py>) -> PyResult<Bound<'py, PyAny>>;
+}
+
+/// What every layout's metadata carries ahead of the request's hashes, whatever the layout.
+struct Sent<'py> {
+    /// The connector's `_generation`.
+    generation: Bound<'py, PyAny>,
+    /// Request id -> emit start, for the requests scheduled this step.
+    scheduled: Bound<'py, PyDict>,
+    /// The ids of the requests whose finish this step sends.
+    finished: Bound<'py, PyTuple>,
 }
 
 /// `PackedBlockHashes(b"".join(hashes), len(hashes[0]))`, or `None` for no hashes.
@@ -185,7 +189,7 @@ fn run<'py, S: Shape<'py>>(
     }
     this.setattr(intern!(py, "_finished_requests"), PyDict::new(py))?;
     let generation = this.getattr(intern!(py, "_generation"))?;
-    shape.metadata(call, generation, scheduled, finished_ids)
+    shape.metadata(call, Sent { generation, scheduled, finished: finished_ids })
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -3,9 +3,9 @@
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySlice, PyTuple};
+use pyo3::types::PySlice;
 
-use super::{int, missing, pack, shrank, Call};
+use super::{int, missing, pack, shrank, Call, Sent};
 
 pub(super) struct Shape32;
 
@@ -63,13 +63,8 @@ impl<'py> super::Shape<'py> for Shape32 {
         Ok(())
     }
 
-    fn metadata(
-        &self,
-        call: &Call<'py>,
-        generation: Bound<'py, PyAny>,
-        scheduled: Bound<'py, PyDict>,
-        finished: Bound<'py, PyTuple>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    fn metadata(&self, call: &Call<'py>, sent: Sent<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let Sent { generation, scheduled, finished } = sent;
         call.classes.metadata.call1((generation, scheduled, &call.by_request, finished))
     }
 }

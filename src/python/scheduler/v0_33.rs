@@ -5,9 +5,9 @@
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice, PyTuple};
+use pyo3::types::{PyDict, PyList, PySlice};
 
-use super::{int, missing, pack, shrank, Call};
+use super::{int, missing, pack, shrank, Call, Sent};
 
 pub(super) struct Shape33<'py> {
     hash_block_size: i64,
@@ -84,13 +84,8 @@ impl<'py> super::Shape<'py> for Shape33<'py> {
         Ok(())
     }
 
-    fn metadata(
-        &self,
-        call: &Call<'py>,
-        generation: Bound<'py, PyAny>,
-        scheduled: Bound<'py, PyDict>,
-        finished: Bound<'py, PyTuple>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    fn metadata(&self, call: &Call<'py>, sent: Sent<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let Sent { generation, scheduled, finished } = sent;
         let (py, this) = (call.this.py(), &call.this);
         let retained = this.getattr(intern!(py, "_retained_hashes"))?;
         let released = this.getattr(intern!(py, "_released_hashes"))?;

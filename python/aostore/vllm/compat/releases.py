@@ -384,14 +384,11 @@ def differences(release: Release, feature: str, root: Path) -> list[str]:
     return found
 
 
-def recognized(release_name: str | None, feature: str, root: Path | None = None) -> str | None:
-    """``None`` when the installed vLLM's files for ``feature`` are ``release_name``'s (the
-    release its store package was recognized as); else why not, in words."""
-    if release_name is None:
-        return "vLLM's aux_output_connector package is not a release CI proves"
-    release = BY_NAME.get(release_name)
+def recognized(release: Release | None, feature: str, root: Path | None = None) -> str | None:
+    """``None`` when the installed vLLM's files for ``feature`` are ``release``'s (the record
+    its store package was recognized as); else why not, in words."""
     if release is None:
-        return f"no record for {release_name}"
+        return "vLLM's aux_output_connector package is not a release CI proves"
     root = root if root is not None else vllm_root()
     if root is None:
         return "vLLM is not installed"

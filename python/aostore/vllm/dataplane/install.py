@@ -35,7 +35,7 @@ from .worker import subclasses
 
 def install(
     store_classes: Mapping[str, Any],
-    release: str,
+    release: releases.Release,
     features: Collection[str],
     swap: Callable[..., list[str]],
     undo: list[Any],
@@ -45,9 +45,8 @@ def install(
 ) -> list[str]:
     """Puts the subclasses of ``features`` (:data:`BY_FEATURE`) in vLLM's modules (``swap`` as
     the store's); ``store_classes``: aostore's store and writer classes, by vLLM's name;
-    ``release``: the record's name. Returns the patched modules."""
-    record = releases.BY_NAME[release]
-    layout = Layout(record.layout)
+    ``release``: the record recognized. Returns the patched modules."""
+    layout = Layout(release.layout)
     originals: dict[str, type] = {}
     replacements: dict[str, type] = {}
     if releases.WORKER in features:

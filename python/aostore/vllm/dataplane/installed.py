@@ -56,7 +56,8 @@ class Installed:
     """What :func:`install` put in and recorded: the worker connector's decision compares the
     connector against it (as ``type(connector)._aostore_installed``)."""
 
-    release: str
+    release: releases.Release
+    """The release record the plugin recognized vLLM's files as."""
     layout: Layout
     """The record's layout, made once here: the connector asks it, never a release's name."""
     worker: Any
