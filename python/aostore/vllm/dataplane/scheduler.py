@@ -72,7 +72,8 @@ class DataPlaneSchedulerConnector:
         # Where vLLM's scheduler looks it up, once per request: a native callable, so a packed
         # step costs no Python frame per request (the method below is what it does).
         vllm_class, vllm_take_output = self._aostore_vllm_take_output
-        self.take_output = _native.TakeOutput(self, vllm_class, vllm_take_output, StepRows)
+        native = _native.TakeOutput(self, vllm_class, vllm_take_output, StepRows)
+        self.take_output = native  # type: ignore[method-assign]
         if self._aostore_report:
             atexit.register(report_scheduler, self, self._aostore_report)
 

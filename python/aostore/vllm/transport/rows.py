@@ -147,7 +147,8 @@ class StepRows(Mapping[str, Any]):
         messages and result, without the per-request ``AuxRequestOutput`` (native:
         ``aostore._native.take_step_rows``; the scheduler connector calls it through
         ``aostore._native.TakeOutput``, with no Python frame per request)."""
-        return take_step_rows(self, request)
+        rows: np.ndarray | None = take_step_rows(self, request)
+        return rows
 
     def _spans(self) -> dict[str, tuple[int, int, int]]:
         """Request id -> (token start, first row, row end), read once a step."""
