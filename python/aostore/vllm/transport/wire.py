@@ -62,8 +62,8 @@ ENCODE_INTO = "encode_into"
 DECODE = "decode"
 PACKED_FORMAT = 1
 """The packed frame's layout (this module's docstring specifies it)."""
-FRONTEND_VARIABLE = "AOSTORE_VLLM_TRANSPORT_FRONTEND"
-"""Set by a frontend that reads packed frames, as ``"<aostore version>:<its pid>"``, when it
+FRONTEND_VARIABLE = "AOSTORE_TRANSPORT_FRONTEND"
+"""Not a setting (no ``AOSTORE_VLLM_`` prefix: nobody sets it but aostore). Set by a frontend that reads packed frames, as ``"<aostore version>:<its pid>"``, when it
 makes its ``OutputProcessor`` (vLLM starts the engine cores after that): what an engine core
 reads to know its client (:func:`packs_for_frontend`)."""
 
