@@ -63,9 +63,10 @@ DECODE = "decode"
 PACKED_FORMAT = 1
 """The packed frame's layout (this module's docstring specifies it)."""
 FRONTEND_VARIABLE = "AOSTORE_TRANSPORT_FRONTEND"
-"""Not a setting (no ``AOSTORE_VLLM_`` prefix: nobody sets it but aostore). Set by a frontend that reads packed frames, as ``"<aostore version>:<its pid>"``, when it
-makes its ``OutputProcessor`` (vLLM starts the engine cores after that): what an engine core
-reads to know its client (:func:`packs_for_frontend`)."""
+"""Not a setting (no ``AOSTORE_VLLM_`` prefix: nobody sets it but aostore). Set by a frontend
+that reads packed frames, as ``"<aostore version>:<its pid>"``, when it makes its
+``OutputProcessor`` (vLLM starts the engine cores after that): what an engine core reads to
+know its client (:func:`packs_for_frontend`)."""
 
 
 def frontend_mark() -> str:
