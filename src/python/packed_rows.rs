@@ -21,7 +21,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyType};
 
-use super::row_pages::RowPages;
+use super::row_pages::{bytes_of, ndarray, RowPages};
 use super::{holds_objects, type_name};
 
 /// The frame's first bytes: what tells it from any frame of vLLM's (an array's raw bytes).
@@ -58,11 +58,6 @@ fn lock<T: Default>(books: &Mutex<Option<T>>) -> MutexGuard<'_, Option<T>> {
     let mut guard = books.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     guard.get_or_insert_with(T::default);
     guard
-}
-
-fn bytes_of(buffer: &PyUntypedBuffer) -> &[u8] {
-    // SAFETY: a C-contiguous export of `len_bytes` bytes, held while the slice is used.
-    unsafe { std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes()) }
 }
 
 /// What `pack_step_rows` took out of the outputs: the frame, and the rows to put back.
@@ -118,8 +113,7 @@ fn pack_step_rows(
     version: &str,
 ) -> PyResult<Option<PackedRows>> {
     let py = outputs.py();
-    let ndarray = py.import(intern!(py, "numpy"))?.getattr(intern!(py, "ndarray"))?;
-    let ndarray = ndarray.cast::<PyType>()?;
+    let ndarray = ndarray(py)?;
     let name = intern!(py, "routed_experts");
     let mut taken: Vec<(usize, Bound<'_, PyAny>, Bound<'_, PyAny>, PyUntypedBuffer)> = Vec::new();
     let mut first: Option<(Bound<'_, PyAny>, Vec<usize>)> = None;

@@ -149,13 +149,13 @@ impl RowPages {
     }
 }
 
-/// numpy's `ndarray` type, looked up once.
-fn ndarray(py: Python<'_>) -> PyResult<&Bound<'_, pyo3::types::PyType>> {
+/// numpy's `ndarray` type, looked up once (here and by the packed hop).
+pub(super) fn ndarray(py: Python<'_>) -> PyResult<&Bound<'_, pyo3::types::PyType>> {
     static NDARRAY: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
     NDARRAY.import(py, "numpy", "ndarray")
 }
 
-fn bytes_of(buffer: &PyUntypedBuffer) -> &[u8] {
+pub(super) fn bytes_of(buffer: &PyUntypedBuffer) -> &[u8] {
     // SAFETY: a C-contiguous export of `len_bytes` bytes, held while the slice is used.
     unsafe { std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes()) }
 }
