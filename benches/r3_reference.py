@@ -96,12 +96,14 @@ BUDGET = "AOSTORE_BENCH_R3_BUDGET"
 
 
 def _reference(process: str) -> None:
-    """aostore's transport with delivery by reference: the arena starts with the processor."""
-    from aostore.vllm.install import swap
-    from aostore.vllm.transport import delivery, install
+    """aostore's plugin with delivery by reference, as a user turns it on: the arena starts
+    with the processor."""
+    from aostore.vllm.settings import ENV_R3_BUDGET, ENV_R3_DELIVERY, ENV_R3_TTL
 
-    budget = int(os.environ[BUDGET])
-    install(swap, [], delivery.Delivery("reference", budget, 3600.0))
+    os.environ[ENV_R3_DELIVERY] = "reference"
+    os.environ[ENV_R3_BUDGET] = os.environ[BUDGET]
+    os.environ[ENV_R3_TTL] = "3600"
+    hops.ARMS["aostore"].install(process)
 
 
 ARMS: dict[str, hops.Arm] = {

@@ -75,8 +75,53 @@ PROCESS_HOPS = {"worker": WORKER_HOPS, "engine_core": ENGINE_CORE_HOPS, "fronten
 # -- Arms ---------------------------------------------------------------------------------------
 
 
-def _nothing(process: str) -> None:
-    pass
+def _plugins(enabled: bool, process: str) -> None:
+    """What a vLLM process does at start: load the general plugins (``load_general_plugins``),
+    aostore's among them, which puts its classes into vLLM's modules only when ``enabled``
+    (``AOSTORE_VLLM_PLUGIN``, as a user turns it on or off)."""
+    from aostore.vllm.settings import ENV_DISABLE
+
+    os.environ[ENV_DISABLE] = "1" if enabled else "0"
+    if enabled and process == "engine_core":
+        # This engine core's frontend reads packed frames: as if it had started this process
+        # (it set the variable to its version and pid), which the harness's parent stands in for.
+        from aostore.vllm.transport import wire
+
+        os.environ[wire.FRONTEND_VARIABLE] = f"{wire.VERSION}:{os.getppid()}"
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    if enabled:
+        _check_installed(process)
+
+
+def _vllm(process: str) -> None:
+    _plugins(False, process)
+
+
+def _aostore(process: str) -> None:
+    _plugins(True, process)
+
+
+def _check_installed(process: str) -> None:
+    """The plugin put in what this process's hops use; else the run would time vLLM's."""
+    from aostore.vllm.transport import wire
+    from vllm.distributed.aux_output_connector import connector as aux
+    from vllm.v1.engine import output_processor
+
+    wanted = {
+        "worker": [],
+        "engine_core": [aux.AuxOutputSchedulerConnector],
+        "frontend": [output_processor.RequestState],
+    }[process]
+    missing = [c.__qualname__ for c in wanted if not c.__module__.startswith("aostore")]
+    if process == "engine_core" and not wire.packs_for_frontend():
+        missing.append("the packed hop (AOSTORE_TRANSPORT_FRONTEND)")
+    if missing:
+        raise SystemExit(
+            f"aostore arm: the plugin did not put in {', '.join(missing)} in the {process} "
+            "(set AOSTORE_VLLM_PLUGIN, _DATA_PLANE and _TRANSPORT as the README says)"
+        )
 
 
 @dataclass(frozen=True)
@@ -87,46 +132,15 @@ class Arm:
     name: str
     label: str
     r3: bool
-    install: Callable[[str], None] = _nothing
+    install: Callable[[str], None]
     packed: bool = False
     """The worker's output is what aostore's data plane hands over with its transport on: one
     ``StepRows`` a step (else vLLM's dict)."""
 
 
-def _aostore(process: str) -> None:
-    """What aostore's plugin puts in for the transport in each process: the encoder's method
-    and the frontend's ``RequestState`` everywhere, and in the engine core aostore's scheduler
-    connector (its ``take_output`` reads a packed step)."""
-    from aostore.vllm.dataplane.scheduler import scheduler_subclass
-    from aostore.vllm.install import swap
-    from aostore.vllm.transport import install
-    from vllm.distributed.aux_output_connector import connector as aux
-
-    if process == "engine_core":
-        # This engine core's frontend reads packed frames: as if it had started this process
-        # (it set the variable to its version and pid), which the harness's parent stands in for.
-        from aostore.vllm.transport import wire
-
-        os.environ[wire.FRONTEND_VARIABLE] = f"{wire.VERSION}:{os.getppid()}"
-    install(swap, [])
-    if process == "engine_core":
-        vllm_class = aux.AuxOutputSchedulerConnector
-        ours = scheduler_subclass(vllm_class, aux, layout=_layout())
-        swap({"AuxOutputSchedulerConnector": vllm_class}, {"AuxOutputSchedulerConnector": ours}, [])
-
-
-def _layout() -> str:
-    from aostore.vllm.compat import releases
-
-    record = releases.installed(releases.TRANSPORT)
-    if record is None:
-        raise SystemExit("aostore arm: the installed vLLM is not recognized for the transport")
-    return record.layout
-
-
 ARMS: dict[str, Arm] = {
-    "off": Arm("off", "R3 off", r3=False),
-    "vllm": Arm("vllm", "R3 on, vLLM's transport", r3=True),
+    "off": Arm("off", "R3 off", r3=False, install=_vllm),
+    "vllm": Arm("vllm", "R3 on, vLLM's transport", r3=True, install=_vllm),
     "aostore": Arm("aostore", "R3 on, aostore's transport", r3=True, install=_aostore, packed=True),
 }
 
