@@ -298,6 +298,9 @@ def pack_step_rows(outputs: list[Any], step_array: type, version: str) -> Packed
     """The rows of step buffers in ``outputs`` as one packed frame (the outputs' rows set to
     None until :meth:`PackedRows.restore`); None when no output has such rows."""
 
+def unspan_outputs(outputs: list[Any]) -> None:
+    """Each :class:`StepRowsSpan` among the outputs' rows made the view it stands for."""
+
 def is_packed_rows(frame: Any) -> bool:
     """Whether ``frame`` is a packed step's frame."""
 
@@ -325,9 +328,22 @@ class TakeOutput:
     request: a packed step read by :func:`take_step_rows`, anything else by vLLM's method."""
 
     def __new__(
-        cls, connector: Any, vllm_class: Any, vllm_take_output: Any, step_rows: type
+        cls,
+        connector: Any,
+        vllm_class: Any,
+        vllm_take_output: Any,
+        step_rows: type,
+        spans: bool = False,
     ) -> TakeOutput: ...
     def __call__(self, request: Any, output: Any) -> Any: ...
+
+@final
+class StepRowsSpan:
+    """Rows of a step buffer, what ``take_output`` gives where the engine core packs its steps
+    (no numpy view a request); :meth:`array` is the view it stands for."""
+
+    def array(self) -> Any: ...
+    def __len__(self) -> int: ...
 
 def widen_routes(routes: _Buffer, out: _Buffer, stream: bool) -> None:
     """``routes`` (C-contiguous uint8, their range checked) zero-extended into ``out`` (writable,

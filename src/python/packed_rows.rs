@@ -22,6 +22,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyType};
 
 use super::row_pages::{bytes_of, ndarray, RowPages};
+use super::step_rows::StepRowsSpan;
 use super::{holds_objects, type_name};
 
 /// The frame's first bytes: what tells it from any frame of vLLM's (an array's raw bytes).
@@ -102,10 +103,19 @@ fn is_step_rows(
     Ok(base.get_type().is(ndarray) && base.getattr(intern!(py, "base"))?.get_type().is(step_array))
 }
 
+/// Where one taken output's rows are: bytes `range` of `sources[source]`.
+struct Taken<'py> {
+    position: usize,
+    output: Bound<'py, PyAny>,
+    rows: Bound<'py, PyAny>,
+    source: usize,
+    range: std::ops::Range<usize>,
+}
+
 /// `pack_step_rows(outputs, step_array, version)`: the rows of step buffers in `outputs` (vLLM's
-/// `EngineCoreOutput`s) as one frame, each taken output's `routed_experts` set to None; None
-/// when no output has such rows. Rows of another dtype or row shape than the first's stay in
-/// their output (vLLM's wire carries them).
+/// `EngineCoreOutput`s; views of a step buffer, or `StepRowsSpan`s) as one frame, each taken
+/// output's `routed_experts` set to None; None when no output has such rows. Rows of another
+/// dtype or row shape than the first's stay in their output as arrays (vLLM's wire carries them).
 #[pyfunction]
 fn pack_step_rows(
     outputs: &Bound<'_, PyList>,
@@ -115,32 +125,62 @@ fn pack_step_rows(
     let py = outputs.py();
     let ndarray = ndarray(py)?;
     let name = intern!(py, "routed_experts");
-    let mut taken: Vec<(usize, Bound<'_, PyAny>, Bound<'_, PyAny>, PyUntypedBuffer)> = Vec::new();
-    let mut first: Option<(Bound<'_, PyAny>, Vec<usize>)> = None;
+    // Each distinct buffer read: a span's step buffer (one a step, exported once) or a view.
+    let mut sources: Vec<(usize, PyUntypedBuffer)> = Vec::new();
+    let mut taken: Vec<Taken<'_>> = Vec::new();
+    let mut first: Option<(Bound<'_, PyAny>, Vec<usize>, usize)> = None;
     for (position, output) in outputs.iter().enumerate() {
         let rows = output.getattr(name)?;
-        if rows.is_none() || !is_step_rows(&rows, ndarray, step_array)? {
+        if rows.is_none() {
             continue;
         }
-        let Ok(buffer) = PyUntypedBuffer::get(&rows) else { continue };
-        if !buffer.is_c_contiguous() || holds_objects(&buffer) || buffer.shape().is_empty() {
-            continue;
-        }
-        let dtype = rows.getattr(intern!(py, "dtype"))?;
+        let (holder, rows_range) = match rows.cast::<StepRowsSpan>() {
+            Ok(span) => {
+                let span = span.get();
+                (span.rows.bind(py).clone(), Some(span.begin..span.end))
+            }
+            Err(_) if is_step_rows(&rows, ndarray, step_array)? => (rows.clone(), None),
+            Err(_) => continue,
+        };
+        let source = match sources.iter().position(|(at, _)| *at == holder.as_ptr() as usize) {
+            Some(source) => source,
+            None => {
+                let Ok(buffer) = PyUntypedBuffer::get(&holder) else {
+                    unspan(&output, &rows)?;
+                    continue;
+                };
+                if !buffer.is_c_contiguous() || holds_objects(&buffer) || buffer.shape().is_empty()
+                {
+                    unspan(&output, &rows)?;
+                    continue;
+                }
+                sources.push((holder.as_ptr() as usize, buffer));
+                sources.len() - 1
+            }
+        };
+        let buffer = &sources[source].1;
+        let shape = &buffer.shape()[1..];
+        let row = buffer.item_size() * shape.iter().product::<usize>();
         match &first {
-            None => first = Some((dtype, buffer.shape()[1..].to_vec())),
-            Some((held, shape)) => {
-                if !held.is(&dtype) || buffer.shape()[1..] != shape[..] {
+            None => first = Some((holder.getattr(intern!(py, "dtype"))?, shape.to_vec(), row)),
+            Some((held, held_shape, _)) => {
+                if !held.is(&holder.getattr(intern!(py, "dtype"))?) || shape != &held_shape[..] {
+                    unspan(&output, &rows)?;
                     continue;
                 }
             }
         }
-        taken.push((position, output, rows, buffer));
+        let range = match rows_range {
+            Some(rows) => rows.start * row..rows.end * row,
+            None => 0..buffer.len_bytes(),
+        };
+        if range.end > buffer.len_bytes() {
+            return Err(PyValueError::new_err("a StepRowsSpan past its step buffer's end"));
+        }
+        taken.push(Taken { position, output, rows, source, range });
     }
-    let Some((dtype, shape)) = first else { return Ok(None) };
+    let Some((dtype, shape, row)) = first else { return Ok(None) };
     let dtype_str: String = dtype.getattr(intern!(py, "str"))?.extract()?;
-    let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
-    let row = itemsize * shape.iter().product::<usize>();
     let mut head = Vec::with_capacity(64 + 16 * taken.len());
     head.extend_from_slice(MAGIC);
     head.extend_from_slice(&FORMAT.to_le_bytes());
@@ -154,28 +194,48 @@ fn pack_step_rows(
     }
     head.extend_from_slice(&(taken.len() as u64).to_le_bytes());
     let mut end = 0u64;
-    for (position, _, _, buffer) in &taken {
-        end += (buffer.len_bytes() / row.max(1)) as u64;
-        head.extend_from_slice(&(*position as u64).to_le_bytes());
+    for taken in &taken {
+        end += (taken.range.len() / row.max(1)) as u64;
+        head.extend_from_slice(&(taken.position as u64).to_le_bytes());
         head.extend_from_slice(&end.to_le_bytes());
     }
-    let data: usize = taken.iter().map(|(_, _, _, buffer)| buffer.len_bytes()).sum();
+    let data: usize = taken.iter().map(|taken| taken.range.len()).sum();
     let frame = PyBytes::new_with(py, head.len() + data, |out| {
         out[..head.len()].copy_from_slice(&head);
         let mut at = head.len();
-        for (_, _, _, buffer) in &taken {
-            let bytes = bytes_of(buffer);
+        for taken in &taken {
+            let bytes = &bytes_of(&sources[taken.source].1)[taken.range.clone()];
             out[at..at + bytes.len()].copy_from_slice(bytes);
             at += bytes.len();
         }
         Ok(())
     })?;
     let mut put_back = Vec::with_capacity(taken.len());
-    for (_, output, rows, _) in taken {
+    for Taken { output, rows, .. } in taken {
         output.setattr(name, py.None())?;
         put_back.push((output.unbind(), rows.unbind()));
     }
     Ok(Some(PackedRows { frame: frame.unbind(), taken: put_back }))
+}
+
+/// Gives `output` its rows as the view `take_output` makes where nothing packs, if they are a
+/// `StepRowsSpan` (vLLM's encoder knows arrays, not spans).
+fn unspan(output: &Bound<'_, PyAny>, rows: &Bound<'_, PyAny>) -> PyResult<()> {
+    if let Ok(span) = rows.cast::<StepRowsSpan>() {
+        output.setattr(intern!(output.py(), "routed_experts"), span.get().array(output.py())?)?;
+    }
+    Ok(())
+}
+
+/// `unspan_outputs(outputs)`: every `StepRowsSpan` among the outputs' rows made the view, for a
+/// message that vLLM's encoder sends without packing (a path other than the output thread's).
+#[pyfunction]
+fn unspan_outputs(outputs: &Bound<'_, PyList>) -> PyResult<()> {
+    let name = intern!(outputs.py(), "routed_experts");
+    for output in outputs.iter() {
+        unspan(&output, &output.getattr(name)?)?;
+    }
+    Ok(())
 }
 
 /// A frame's bytes: its own buffer, or a `memoryview`'s of it (pyzmq's `Frame` exports only
@@ -409,6 +469,7 @@ fn pending_step_rows() -> usize {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PackedRows>()?;
     m.add_function(wrap_pyfunction!(pack_step_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(unspan_outputs, m)?)?;
     m.add_function(wrap_pyfunction!(is_packed_rows, m)?)?;
     m.add_function(wrap_pyfunction!(rows_arrived, m)?)?;
     m.add_function(wrap_pyfunction!(deliver_rows, m)?)?;

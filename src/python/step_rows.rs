@@ -58,7 +58,11 @@ pub(crate) fn pack<'py>(
 /// step, with vLLM's checks and messages (`AssertionError`, raised whatever `-O` says), without
 /// an `AuxRequestOutput` per request: the request's rows up to its last token, a view of the
 /// step's buffer, or None where the step has none for it yet.
-fn take<'py>(step: &Bound<'py, PyAny>, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+fn take<'py>(
+    step: &Bound<'py, PyAny>,
+    request: &Bound<'py, PyAny>,
+    as_span: bool,
+) -> PyResult<Bound<'py, PyAny>> {
     let py = step.py();
     let mut lookup = step.getattr(intern!(py, "_lookup"))?;
     if lookup.is_none() {
@@ -95,7 +99,40 @@ fn take<'py>(step: &Bound<'py, PyAny>, request: &Bound<'py, PyAny>) -> PyResult<
         )));
     }
     let rows = step.getattr(intern!(py, "_rows"))?;
+    if as_span {
+        let (begin, end) = (begin as usize, (begin + local_end) as usize);
+        return Ok(Bound::new(py, StepRowsSpan { rows: rows.unbind(), begin, end })?.into_any());
+    }
     rows.get_item(PySlice::new(py, begin as isize, (begin + local_end) as isize, 1))
+}
+
+/// Rows `begin..end` of a step buffer (`StepRows._rows`), for an engine core whose encoder packs
+/// them (`aostore.vllm.transport.wire`): what `take_output` gives vLLM's `EngineCoreOutput`
+/// there instead of a numpy view, which would cost an array object per request a step, made
+/// and freed, and a buffer export when packed. Nothing in vLLM reads it before the encoder
+/// (its scheduler hands it straight to `EngineCoreOutput`); an encoder that does not pack
+/// makes it the view first (`array`).
+#[pyclass(module = "aostore._native", frozen)]
+pub(crate) struct StepRowsSpan {
+    pub(crate) rows: Py<PyAny>,
+    pub(crate) begin: usize,
+    pub(crate) end: usize,
+}
+
+#[pymethods]
+impl StepRowsSpan {
+    /// The rows as `take_output` gives them where nothing packs: a view of the step buffer.
+    pub(crate) fn array<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.rows.bind(py).get_item(PySlice::new(py, self.begin as isize, self.end as isize, 1))
+    }
+
+    fn __len__(&self) -> usize {
+        self.end - self.begin
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.rows)
+    }
 }
 
 /// `take_step_rows(step_rows, request)`: `StepRows.take`, natively.
@@ -104,7 +141,7 @@ fn take_step_rows<'py>(
     step_rows: &Bound<'py, PyAny>,
     request: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    take(step_rows, request)
+    take(step_rows, request, false)
 }
 
 /// The scheduler connector's `take_output`, one native call per request: a packed step
@@ -116,18 +153,22 @@ pub(crate) struct TakeOutput {
     vllm_class: Py<PyAny>,
     vllm_take_output: Py<PyAny>,
     step_rows: Py<PyType>,
+    /// Whether to give `StepRowsSpan`s (this process's encoder packs them) rather than views.
+    spans: bool,
 }
 
 #[pymethods]
 impl TakeOutput {
     #[new]
+    #[pyo3(signature = (connector, vllm_class, vllm_take_output, step_rows, spans = false))]
     fn new(
         connector: Py<PyAny>,
         vllm_class: Py<PyAny>,
         vllm_take_output: Py<PyAny>,
         step_rows: Py<PyType>,
+        spans: bool,
     ) -> Self {
-        Self { connector: Some(connector), vllm_class, vllm_take_output, step_rows }
+        Self { connector: Some(connector), vllm_class, vllm_take_output, step_rows, spans }
     }
 
     fn __call__<'py>(
@@ -139,7 +180,7 @@ impl TakeOutput {
         let vllms = self.vllm_class.bind(py).getattr(intern!(py, "take_output"))?;
         if output.get_type().is(self.step_rows.bind(py)) && vllms.is(self.vllm_take_output.bind(py))
         {
-            return take(output, request);
+            return take(output, request, self.spans);
         }
         let Some(connector) = &self.connector else {
             return Err(PyRuntimeError::new_err("take_output: its connector is gone"));
@@ -164,5 +205,6 @@ impl TakeOutput {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TakeOutput>()?;
+    m.add_class::<StepRowsSpan>()?;
     m.add_function(wrap_pyfunction!(take_step_rows, m)?)
 }

@@ -207,3 +207,72 @@ def test_a_message_without_step_rows_goes_as_vllm_sends_it() -> None:
     ours = packed_encode()(serial_utils.MsgpackEncoder(), plain, bytearray())
     theirs = serial_utils.MsgpackEncoder().encode_into(plain, bytearray())
     assert [bytes(f) for f in ours] == [bytes(f) for f in theirs]
+
+
+def spans_and_views(rows: dict[str, np.ndarray]) -> tuple[Any, Any]:
+    """One step's outputs twice: with the rows as the scheduler connector's ``take_output``
+    gives them where the engine core packs (``StepRowsSpan``s), and as numpy views (elsewhere)."""
+    from types import SimpleNamespace
+
+    from aostore._native import TakeOutput
+
+    class Connector:
+        def take_output(self, request: Any, output: Any) -> Any:  # vLLM's, never called here
+            raise AssertionError("a packed step is read natively")
+
+    step_rows = StepRows.pack({rid: _Output(0, r) for rid, r in rows.items()})
+    messages = []
+    for spans in (True, False):
+        take = TakeOutput(Connector(), Connector, Connector.take_output, StepRows, spans)
+        made = []
+        for rid, want in rows.items():
+            request = SimpleNamespace(
+                request_id=rid, num_tokens=len(want) + 1, is_finished=lambda: False
+            )
+            made.append(
+                v1_engine.EngineCoreOutput(
+                    request_id=rid, new_token_ids=[1], routed_experts=take(request, step_rows)
+                )
+            )
+        messages.append(v1_engine.EngineCoreOutputs(outputs=made))
+    messages[1].timestamp = messages[0].timestamp  # the messages differ in their rows' form only
+    return messages[0], messages[1]
+
+
+def test_spans_pack_to_the_frame_views_do() -> None:
+    """Where the engine core packs, ``take_output`` gives spans of the step buffer (no numpy
+    view a request): they pack to the very frame the views pack to, vLLM's frames included,
+    and each output has its span back after encoding; the view a span stands for is the one
+    ``take_output`` gives elsewhere."""
+    from aostore._native import StepRowsSpan
+
+    rng = np.random.default_rng(3)
+    rows = {f"r{i}": rng.integers(0, 128, (i + 1, *SHAPE), np.uint8) for i in range(6)}
+    spans, views = spans_and_views(rows)
+    assert all(type(out.routed_experts) is StepRowsSpan for out in spans.outputs)
+    assert all(type(out.routed_experts) is np.ndarray for out in views.outputs)
+    for span, view in zip(spans.outputs, views.outputs, strict=True):
+        assert len(span.routed_experts) == len(view.routed_experts)
+        np.testing.assert_array_equal(span.routed_experts.array(), view.routed_experts)
+        assert wire.is_step_rows(span.routed_experts.array())
+    encode = packed_encode()
+    from_spans = encode(serial_utils.MsgpackEncoder(), spans, bytearray())
+    from_views = encode(serial_utils.MsgpackEncoder(), views, bytearray())
+    assert [bytes(f) for f in from_spans] == [bytes(f) for f in from_views]
+    assert all(type(out.routed_experts) is StepRowsSpan for out in spans.outputs)
+
+
+def test_spans_sent_by_vllms_encode_go_inline_as_arrays() -> None:
+    """vLLM sends a few messages with ``encode`` rather than its output thread's
+    ``encode_into``: there a span becomes the view it stands for, and the message is what
+    vLLM's encoder makes of the views."""
+    rng = np.random.default_rng(4)
+    rows = {f"r{i}": rng.integers(0, 128, (2, *SHAPE), np.uint8) for i in range(3)}
+    spans, views = spans_and_views(rows)
+    encode = wire.encode_method(
+        vars(serial_utils.MsgpackEncoder)["encode"], v1_engine.EngineCoreOutputs
+    )
+    ours = encode(serial_utils.MsgpackEncoder(), spans)
+    theirs = serial_utils.MsgpackEncoder().encode(views)
+    assert [bytes(f) for f in ours] == [bytes(f) for f in theirs]
+    assert all(type(out.routed_experts) is np.ndarray for out in spans.outputs)

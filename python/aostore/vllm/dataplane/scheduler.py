@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import atexit
+import importlib
 from typing import Any
 
 from aostore import _native
 from aostore._native import Layout
 
 from ..transport import StepRows
+from ..transport.wire import SERIAL_MODULE, packing
 from .installed import SCHEDULER
 from .report import report_scheduler
 
@@ -72,7 +74,10 @@ class DataPlaneSchedulerConnector:
         # Where vLLM's scheduler looks it up, once per request: a native callable, so a packed
         # step costs no Python frame per request (the method below is what it does).
         vllm_class, vllm_take_output = self._aostore_vllm_take_output
-        native = _native.TakeOutput(self, vllm_class, vllm_take_output, StepRows)
+        # Where this engine core packs its steps for its frontend, spans of the step buffer
+        # rather than numpy views: its encoder reads them, nothing else does.
+        spans = packing(importlib.import_module(SERIAL_MODULE).MsgpackEncoder)
+        native = _native.TakeOutput(self, vllm_class, vllm_take_output, StepRows, spans)
         self.take_output = native  # type: ignore[method-assign]
         if self._aostore_report:
             atexit.register(report_scheduler, self, self._aostore_report)

@@ -32,20 +32,22 @@ from .frontend import process_outputs_method, request_state_subclass, trim_metho
 from .wire import (
     DECODE,
     DECODER_HOOK,
+    ENCODE,
     ENCODE_INTO,
     FRONTEND_VARIABLE,
     HOOK,
     METHOD,
+    SERIAL_MODULE,
     decode_method,
     decoder_hook,
     encode_into_method,
+    encode_method,
     encoder_hook,
     encoder_method,
     frontend_mark,
     packs_for_frontend,
 )
 
-SERIAL_MODULE = "vllm.v1.serial_utils"
 UTILS_MODULE = "vllm.utils.serial_utils"
 NUMPY2BASE64 = "numpy2base64"
 STARLETTE_RESPONSES = "starlette.responses"
@@ -97,8 +99,11 @@ def install(
     if packs_for_frontend():
         outputs_type = importlib.import_module(ENGINE_MODULE).EngineCoreOutputs
         vllm_encode_into = vars(encoder)[ENCODE_INTO]
+        vllm_encode = vars(encoder)[ENCODE]
         undo.append((ClassAttributes(encoder), ENCODE_INTO, vllm_encode_into))
+        undo.append((ClassAttributes(encoder), ENCODE, vllm_encode))
         encoder.encode_into = encode_into_method(vllm_encode_into, outputs_type)
+        encoder.encode = encode_method(vllm_encode, outputs_type)
         r3_delivery.log.info(PACKING_LINE, os.getppid())
     processor = importlib.import_module(OUTPUT_PROCESSOR_MODULE)
     vllm_state = getattr(processor, REQUEST_STATE)

@@ -52,14 +52,19 @@ from typing import Any
 
 import numpy as np
 
-from ..._native import is_packed_rows, pack_step_rows, rows_arrived
+from ..._native import is_packed_rows, pack_step_rows, rows_arrived, unspan_outputs
 from .rows import VERSION, StepArray, is_step_rows
 
+SERIAL_MODULE = "vllm.v1.serial_utils"
+"""vLLM's module of ``MsgpackEncoder`` and ``MsgpackDecoder``."""
 METHOD = "_encode_ndarray"
 HOOK = "enc_hook"
 DECODER_HOOK = "dec_hook"
 ENCODE_INTO = "encode_into"
+ENCODE = "encode"
 DECODE = "decode"
+_PACKS = "_aostore_packs"
+"""Set on aostore's ``encode_into``: the encoder class packs (:func:`packing`)."""
 PACKED_FORMAT = 1
 """The packed frame's layout (this module's docstring specifies it)."""
 FRONTEND_VARIABLE = "AOSTORE_TRANSPORT_FRONTEND"
@@ -170,12 +175,32 @@ def encode_into_method(vllm_method: Any, outputs_type: Any) -> Any:
                 return frames
         return vllm_method(self, obj, buf)
 
+    setattr(encode_into, _PACKS, True)
     return _over(
         encode_into,
         vllm_method,
         f"MsgpackEncoder.{ENCODE_INTO}",
         "vLLM's, with a step's routed-experts rows in one trailing frame.",
     )
+
+
+def encode_method(vllm_method: Any, outputs_type: Any) -> Any:
+    """aostore's ``MsgpackEncoder.encode`` over vLLM's, in an engine core that packs: vLLM sends
+    a few messages by it rather than by its output thread's ``encode_into`` (the engine dead,
+    the coordinator's): their rows go inline, as arrays (``StepRowsSpan``s made views)."""
+
+    def encode(self: Any, obj: Any) -> Any:
+        if type(obj) is outputs_type and obj.outputs:
+            unspan_outputs(obj.outputs)
+        return vllm_method(self, obj)
+
+    return _over(encode, vllm_method, f"MsgpackEncoder.{ENCODE}", INLINE)
+
+
+def packing(encoder_class: Any) -> bool:
+    """Whether ``encoder_class`` (vLLM's ``MsgpackEncoder``) has aostore's packing methods in:
+    then the scheduler's ``take_output`` gives ``StepRowsSpan``s, which only they read."""
+    return bool(getattr(vars(encoder_class).get(ENCODE_INTO), _PACKS, False))
 
 
 def decode_method(vllm_method: Any) -> Any:
