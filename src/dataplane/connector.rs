@@ -305,7 +305,7 @@ impl<C: Capture> Plane<C> {
     }
 
     /// The rows of a request whose emit cursor is behind this step's capture: its keyed blocks
-    /// read back from the store, the rest from staging (vLLM's `_materialize`).
+    /// read back from the store, the rest from staging.
     fn emit_behind<S: Sink>(
         &mut self,
         processed: &mut Processed,
@@ -369,30 +369,8 @@ impl<C: Capture> Plane<C> {
         let mut ready: Vec<(u32, i64, Block)> = Vec::new();
         for (index, completed) in batches {
             let state = &mut self.requests[index];
-            let keyed_end = state.keys.len() as i64 * block;
-            if state.pending_blocks.is_empty()
-                && completed.iter().all(|&(start, _)| start < keyed_end)
-            {
-                // Nothing staged and every completed block keyed (a decode's usual step): all
-                // ready, nothing stays pending.
-                ready.extend(completed.into_iter().map(|(start, data)| (index, start, data)));
-                continue;
-            }
-            let blocks: Vec<(i64, Block)> = state
-                .pending_blocks
-                .iter()
-                .map(|&(start, slot)| (start, Block::Staged(slot)))
-                .chain(completed)
-                .collect();
-            let mut still_pending = Vec::new();
-            for (start, data) in blocks {
-                if start < keyed_end {
-                    ready.push((index, start, data));
-                    continue;
-                }
-                still_pending.push((start, self.staging.keep(data, input)?));
-            }
-            self.requests[index].pending_blocks = still_pending;
+            self.staging
+                .settle(state, completed, input, |start, data| ready.push((index, start, data)))?;
         }
         if ready.is_empty() && retains.is_empty() && releases.is_empty() {
             return Ok(());

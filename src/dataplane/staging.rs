@@ -110,7 +110,7 @@ impl Staging {
     }
 
     /// A full block kept until its hash arrives: rows of the input are copied to a slot.
-    pub(super) fn keep<E>(&mut self, block: Block, input: &[u8]) -> Result<Slot, PlaneError<E>> {
+    fn keep<E>(&mut self, block: Block, input: &[u8]) -> Result<Slot, PlaneError<E>> {
         match block {
             Block::Staged(slot) => Ok(slot),
             Block::Input(first) => {
@@ -183,6 +183,42 @@ impl Staging {
             }
         }
         Ok(completed)
+    }
+
+    /// A step's completed blocks of `state`, after those it kept unkeyed: each keyed one goes to
+    /// `ready`, the others stay (in a slot, copied there if still rows of `input`) until their
+    /// hash arrives. A failure leaves the request's unkeyed blocks as they were.
+    pub(super) fn settle<E>(
+        &mut self,
+        state: &mut RequestState,
+        completed: Vec<(i64, Block)>,
+        input: &[u8],
+        mut ready: impl FnMut(i64, Block),
+    ) -> Result<(), PlaneError<E>> {
+        let keyed_end = state.keys.len() as i64 * self.block_size as i64;
+        if state.pending_blocks.is_empty() && completed.iter().all(|&(start, _)| start < keyed_end)
+        {
+            // Nothing staged and every completed block keyed (a decode's usual step): all
+            // ready, nothing stays pending.
+            completed.into_iter().for_each(|(start, data)| ready(start, data));
+            return Ok(());
+        }
+        let blocks: Vec<(i64, Block)> = state
+            .pending_blocks
+            .iter()
+            .map(|&(start, slot)| (start, Block::Staged(slot)))
+            .chain(completed)
+            .collect();
+        let mut still_pending = Vec::new();
+        for (start, data) in blocks {
+            if start < keyed_end {
+                ready(start, data);
+                continue;
+            }
+            still_pending.push((start, self.keep(data, input)?));
+        }
+        state.pending_blocks = still_pending;
+        Ok(())
     }
 
     /// `RoutedExpertsBuffer.read(request_id, from, to, ...)` of `state`, rows `from..to`,
