@@ -19,8 +19,8 @@ use pyo3::PyTraverseError;
 
 use super::writer::{NativeWriter, Refusal};
 use crate::dataplane::{
-    DataPlane, EmittedRows, PlaneConfig, PlaneError, Processed, Publication, Sink, StepInput,
-    StepMetadata,
+    Capture, DataPlane, EmittedRows, PlaneConfig, PlaneError, Processed, Publication,
+    RoutedExperts, Sink, StepInput, StepMetadata,
 };
 
 /// The store side of the plane: the connector's Rust writer, used with the GIL released.
@@ -371,7 +371,7 @@ impl NativeDataPlane {
         let numpy = py.import(intern!(py, "numpy"))?;
         let dtype = numpy.call_method1(intern!(py, "dtype"), (dtype,))?;
         let itemsize: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
-        let row_nbytes = shape_per_token.iter().product::<usize>() * itemsize;
+        let row_nbytes = RoutedExperts::row_nbytes(&shape_per_token, itemsize);
         let config = PlaneConfig {
             block_size,
             row_nbytes,
@@ -421,7 +421,7 @@ impl NativeDataPlane {
         pending: &Bound<'py, PyAny>,
         token: u64,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let routed = pending.getattr(intern!(py, "routed_experts"))?;
+        let routed = pending.getattr(intern!(py, RoutedExperts::ROWS))?;
         let sampled = pending.getattr(intern!(py, "num_sampled"))?;
         let rejected = pending.getattr(intern!(py, "num_rejected"))?;
         let copied = !(routed.is_none() || sampled.is_none() || rejected.is_none());
