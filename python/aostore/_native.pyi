@@ -338,6 +338,10 @@ class TakeOutput:
     def __call__(self, request: Any, output: Any) -> Any: ...
 
 @final
+class StepIndex:
+    """A step's index as ``take_output`` reads it (made by it, once a step)."""
+
+@final
 class StepRowsSpan:
     """Rows of a step buffer, what ``take_output`` gives where the engine core packs its steps
     (no numpy view a request); :meth:`array` is the view it stands for."""

@@ -5,6 +5,7 @@
 //! `FORMAT`); a change here is a change of that format. The buffer is a new `bytearray` each
 //! step: vLLM keeps the rows (views of it) past the step.
 
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAssertionError, PyRuntimeError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -12,6 +13,8 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PySlice, PyTuple, PyType};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::dataplane::{EmittedRows, Processed};
+
+use super::row_pages::bytes_of;
 
 /// `step_rows(ids, index, data, dtype, shape)` over `processed`; `input` is the step's rows as
 /// bytes (what `EmittedRows::Input` ranges index), `row_nbytes` one row's bytes.
@@ -64,18 +67,19 @@ fn take<'py>(
     as_span: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = step.py();
-    let mut lookup = step.getattr(intern!(py, "_lookup"))?;
-    if lookup.is_none() {
-        lookup = step.call_method0(intern!(py, "_spans"))?;
-        step.setattr(intern!(py, "_lookup"), &lookup)?;
+    let mut found = step.getattr(intern!(py, "_native_index"))?;
+    if found.is_none() {
+        let index = StepIndex::new(step)?;
+        found = Bound::new(py, index)?.into_any();
+        step.setattr(intern!(py, "_native_index"), &found)?;
     }
+    let index = found.cast::<StepIndex>()?.get();
     let request_id = request.getattr(intern!(py, "request_id"))?;
-    let Some(span) = lookup.cast::<PyDict>()?.get_item(&request_id)? else {
+    let Some((token_start, begin, end)) = index.find(&request_id)? else {
         return Err(PyAssertionError::new_err(format!(
             "auxiliary output worker output is missing {request_id}"
         )));
     };
-    let (token_start, begin, end): (i64, i64, i64) = span.extract()?;
     let token_end = request.getattr(intern!(py, "num_tokens"))?.extract::<i64>()? - 1;
     let local_end = token_end - token_start;
     let range = |what: &str| {
@@ -104,6 +108,88 @@ fn take<'py>(
         return Ok(Bound::new(py, StepRowsSpan { rows: rows.unbind(), begin, end })?.into_any());
     }
     rows.get_item(PySlice::new(py, begin as isize, (begin + local_end) as isize, 1))
+}
+
+/// A step's index as `take` reads it, made once a step: each request's (token start, first
+/// row, row end) in the worker's order, and where the last request taken was. vLLM's scheduler
+/// takes the requests in the order the worker emitted them, so the next one is almost always
+/// the one after the last; any other is found through a dict made the first time one is.
+#[pyclass(module = "aostore._native", frozen)]
+pub(crate) struct StepIndex {
+    ids: Py<PyTuple>,
+    spans: Vec<(i64, i64, i64)>,
+    next: std::sync::atomic::AtomicUsize,
+    by_id: std::sync::OnceLock<Py<PyDict>>,
+}
+
+impl StepIndex {
+    fn new(step: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = step.py();
+        let ids = step.getattr(intern!(py, "_ids"))?.cast_into::<PyTuple>()?;
+        let index = step.getattr(intern!(py, "_index"))?;
+        // `StepRows` made it: little-endian int64 pairs (rows.py's `FORMAT`), one per id.
+        let buffer = PyUntypedBuffer::get(&index)?;
+        let bytes = bytes_of(&buffer);
+        if !buffer.is_c_contiguous() || bytes.len() != ids.len() * 16 {
+            return Err(PyAssertionError::new_err("a step's index and ids differ in length"));
+        }
+        let int = |at: usize| i64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        let mut begin = 0;
+        let spans = (0..ids.len())
+            .map(|i| {
+                let span = (int(16 * i), begin, int(16 * i + 8));
+                begin = span.2;
+                span
+            })
+            .collect();
+        Ok(Self {
+            ids: ids.unbind(),
+            spans,
+            next: std::sync::atomic::AtomicUsize::new(0),
+            by_id: std::sync::OnceLock::new(),
+        })
+    }
+
+    fn find(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Option<(i64, i64, i64)>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let py = request_id.py();
+        let ids = self.ids.bind(py);
+        let next = self.next.load(Relaxed);
+        let position = if next < ids.len() && ids.get_item(next)?.eq(request_id)? {
+            Some(next)
+        } else {
+            let by_id = match self.by_id.get() {
+                Some(by_id) => by_id.bind(py).clone(),
+                None => {
+                    let by_id = PyDict::new(py);
+                    for (position, id) in ids.iter().enumerate() {
+                        by_id.set_item(id, position)?;
+                    }
+                    self.by_id.get_or_init(|| by_id.clone().unbind());
+                    by_id
+                }
+            };
+            match by_id.get_item(request_id)? {
+                Some(position) => Some(position.extract::<usize>()?),
+                None => None,
+            }
+        };
+        Ok(position.map(|position| {
+            self.next.store(position + 1, Relaxed);
+            self.spans[position]
+        }))
+    }
+}
+
+#[pymethods]
+impl StepIndex {
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.ids)?;
+        if let Some(by_id) = self.by_id.get() {
+            visit.call(by_id)?;
+        }
+        Ok(())
+    }
 }
 
 /// Rows `begin..end` of a step buffer (`StepRows._rows`), for an engine core whose encoder packs
@@ -206,5 +292,6 @@ impl TakeOutput {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TakeOutput>()?;
     m.add_class::<StepRowsSpan>()?;
+    m.add_class::<StepIndex>()?;
     m.add_function(wrap_pyfunction!(take_step_rows, m)?)
 }

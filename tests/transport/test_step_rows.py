@@ -111,14 +111,18 @@ def test_it_pickles_as_one_buffer_not_an_object_per_request() -> None:
         max_size=6,
     ),
     st.integers(0, 5),
+    st.booleans(),
 )
 def test_take_is_vllms_take_output(
-    requests: list[tuple[int, int, int, bool]], missing_at: int
+    requests: list[tuple[int, int, int, bool]], missing_at: int, backwards: bool
 ) -> None:
+    """In the worker's order (the native index's next request), backwards (found by id), with
+    a request the step lacks, each request taken twice."""
     outputs = step([r[0] for r in requests], [r[1] for r in requests])
     packed = shm_round_trip(StepRows.pack(outputs))
     connector = aux.AuxOutputSchedulerConnector.__new__(aux.AuxOutputSchedulerConnector)
-    for i, (_, _, num_tokens, finished) in enumerate(requests):
+    order = list(enumerate(requests))
+    for i, (_, _, num_tokens, finished) in reversed(order) if backwards else order:
         request_id = f"req-{i}" if i != missing_at else "not sent"
         request = SimpleNamespace(
             request_id=request_id, num_tokens=num_tokens, is_finished=lambda f=finished: f

@@ -71,7 +71,7 @@ class StepRows(Mapping[str, Any]):
     ``output_class``: vLLM's ``AuxRequestOutput`` (looked up in vLLM's module when rebuilt).
     """
 
-    __slots__ = ("_ids", "_index", "_lookup", "_output_class", "_rows")
+    __slots__ = ("_ids", "_index", "_lookup", "_native_index", "_output_class", "_rows")
 
     def __init__(self, ids: tuple[str, ...], index: np.ndarray, rows: np.ndarray) -> None:
         if index.shape != (len(ids), 2):
@@ -82,6 +82,7 @@ class StepRows(Mapping[str, Any]):
         self._index = index
         self._rows = rows
         self._lookup: dict[str, tuple[int, int, int]] | None = None
+        self._native_index: Any = None  # take's (aostore._native.StepIndex), made at its first
         self._output_class: Any = None
 
     @classmethod
