@@ -197,8 +197,10 @@ impl StepIndex {
 /// there instead of a numpy view, which would cost an array object per request a step, made
 /// and freed, and a buffer export when packed. Nothing in vLLM reads it before the encoder
 /// (its scheduler hands it straight to `EngineCoreOutput`); an encoder that does not pack
-/// makes it the view first (`array`).
-#[pyclass(module = "aostore._native", frozen)]
+/// makes it the view first (`array`). Kept on a free list: a class of PyO3's is a collected
+/// type, whose every allocation counts toward the collector's next run, and ~500 made a step
+/// set off collections, full ones among them; reused from the list, they count nothing.
+#[pyclass(module = "aostore._native", frozen, freelist = 4096)]
 pub(crate) struct StepRowsSpan {
     pub(crate) rows: Py<PyAny>,
     pub(crate) begin: usize,
@@ -214,10 +216,6 @@ impl StepRowsSpan {
 
     fn __len__(&self) -> usize {
         self.end - self.begin
-    }
-
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.rows)
     }
 }
 
