@@ -72,6 +72,8 @@ _libc.mmap.argtypes = [
 ]
 
 Run = tuple[int, int]
+_Key = tuple[bytes, int, int, int]
+"""A reference's arena, slot, generation and the bytes of its rows."""
 
 
 class _OpenArena:
@@ -475,45 +477,55 @@ class Reader:
         items = [fmt.parse(value) for value in references]
         starts = self._starts(start, len(items))
         plans = [self._plan(item, first) for item, first in zip(items, starts, strict=True)]
-        arenas = {fmt.ident(item["arena"]) for item in items if item.dtype.names is not None}
-        if len(arenas) > 1:
-            raise errors.MixedArenas(
-                f"a batch with references of {len(arenas)} arenas: fetch each arena's apart"
-            )
         if out is not None:
             _check_out(out, plans)
+        # The batch's distinct references, each with its first place: a reference repeated is
+        # leased and read once, and viewed (or copied) at each of its places.
+        keys: list[_Key | None] = []
+        distinct: dict[_Key, int] = {}
+        for index, (item, (dtype, shape, first)) in enumerate(zip(items, plans, strict=True)):
+            if item.dtype.names is None:
+                keys.append(None)
+                continue
+            row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+            key = (
+                fmt.ident(item["arena"]),
+                int(item["slot"]),
+                int(item["generation"]),
+                (first + shape[0]) * row,
+            )
+            keys.append(key)
+            distinct.setdefault(key, index)
         with self._lock:
             if self.closed:
                 raise ValueError("this reader is closed")
             self._poll()
-            arena = self._open(arenas.pop()) if arenas else None
-            taken: list[tuple[int, tuple[Run, ...]]] = []  # (slot, runs)
-            read: list[tuple[int, int]] = []
+            opened: dict[bytes, _OpenArena] = {}
+            taken: dict[_Key, tuple[Run, ...]] = {}
             try:
-                for index, item in enumerate(items):
-                    if item.dtype.names is None:
-                        continue
-                    assert arena is not None
-                    dtype, shape = fmt.rows_of(item)
-                    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-                    slot, generation = int(item["slot"]), int(item["generation"])
+                # Every lease of the batch, of every arena, before any byte is read.
+                for key, index in distinct.items():
+                    ident, slot, generation, nbytes = key
                     try:
-                        taken.append((slot, arena.take(slot, generation, nbytes)))
+                        arena = opened.get(ident)
+                        if arena is None:
+                            arena = opened[ident] = self._open(ident)
+                        taken[key] = arena.take(slot, generation, nbytes)
                     except errors.ReferenceGone as gone:
                         self.stats.misses += 1
                         raise errors.ReferenceGone(str(gone), index) from None
-                    read.append((slot, generation))
             except BaseException:
-                for slot, _ in taken:
-                    arena.give_back(slot)  # type: ignore[union-attr]
+                for ident, slot, _, _ in taken:
+                    opened[ident].give_back(slot)
                 raise
-            if arena is not None:
-                arena.mark_read(read)  # only once every lease of the batch is taken
+            for ident, arena in opened.items():
+                # Only once every lease of the batch is taken.
+                arena.mark_read([(key[1], key[2]) for key in taken if key[0] == ident])
             self.stats.fetches += 1
-            self.stats.references += len(taken)
+            self.stats.references += sum(key is not None for key in keys)
             self._count_leases()
         mappings: list[tuple[mmap.mmap, Any]] = []
-        arrays = self._read(arena, items, plans, taken, out, mappings)
+        arrays = self._read(opened, items, plans, keys, taken, out, mappings)
         return Fetched(arrays, mappings)
 
     def renew(self, references: Sequence[Any], seconds: float = DEFAULT_RENEWAL) -> None:
@@ -626,20 +638,21 @@ class Reader:
 
     def _read(
         self,
-        arena: _OpenArena | None,
+        opened: dict[bytes, _OpenArena],
         items: list[np.ndarray],
         plans: list[tuple[np.dtype[Any], tuple[int, ...], int]],
-        taken: list[tuple[int, tuple[Run, ...]]],
+        keys: list[_Key | None],
+        taken: dict[_Key, tuple[Run, ...]],
         out: np.ndarray | None,
         mappings: list[tuple[mmap.mmap, Any]],
     ) -> list[np.ndarray]:
         arrays: list[np.ndarray] = []
-        handed = 0  # leases handed to a mapping's finalizer or given back after a copy
+        mapped: dict[_Key, mmap.mmap] = {}  # each distinct reference's mapping (views)
         at = 0
         try:
-            for item, (dtype, shape, first) in zip(items, plans, strict=True):
+            for item, (dtype, shape, first), key in zip(items, plans, keys, strict=True):
                 row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
-                if item.dtype.names is None:
+                if key is None:
                     rows = item[first:]
                     if out is not None:
                         out[at : at + shape[0]] = rows
@@ -647,9 +660,7 @@ class Reader:
                     arrays.append(rows)
                     at += shape[0]
                     continue
-                assert arena is not None
-                slot, runs = taken[handed]
-                length = (first + shape[0]) * row
+                arena, runs, length = opened[key[0]], taken[key], key[3]
                 if out is not None:
                     view = out[at : at + shape[0]]
                     into = view.reshape(-1).view(np.uint8)
@@ -659,25 +670,28 @@ class Reader:
                     # 2.5x a memcpy into cache).
                     parts = _parts(arena.rows(), runs, first * row, length)
                     copy_pages(parts, len(into), into, stream=out.nbytes >= STREAM_FROM)
-                    handed += 1
-                    self._give_back(arena, slot)
                     arrays.append(view)
                 else:
-                    mapped = _map_runs(arena, runs, length)
-                    # The lease ends with the mapping: at release(), or when no view is left.
-                    finalizer = weakref.finalize(mapped, self._give_back, arena, slot)
-                    handed += 1
-                    mappings.append((mapped, finalizer))
-                    arrays.append(np.ndarray(shape, dtype, buffer=mapped, offset=first * row))
+                    region = mapped.get(key)
+                    if region is None:
+                        region = mapped[key] = _map_runs(arena, runs, length)
+                        # The lease ends with the mapping: at release(), or when no view of any
+                        # of its places is left.
+                        finalizer = weakref.finalize(region, self._give_back, arena, key[1])
+                        mappings.append((region, finalizer))
+                    arrays.append(np.ndarray(shape, dtype, buffer=region, offset=first * row))
                 self.stats.bytes += shape[0] * row
                 at += shape[0]
         except BaseException:
             # A batch that fails part way (a mapping refused: ENOMEM) keeps no lease.
             del arrays
             _end_leases(mappings)
-            for slot, _ in taken[handed:]:
-                self._give_back(arena, slot)  # type: ignore[arg-type]
             raise
+        finally:
+            # Copies' leases (and those of references not mapped before a failure) end now.
+            for key in taken:
+                if key not in mapped:
+                    self._give_back(opened[key[0]], key[1])
         with self._lock:
             self._count_leases()
         return arrays

@@ -17,7 +17,8 @@ class OtherNode(R3Error):
 
 
 class MixedArenas(R3Error, ValueError):
-    """One batch with references of several arenas: fetch each arena's apart."""
+    """No longer raised: ``fetch`` reads one batch of references of any arenas (since issue
+    49). Kept so that code which catches it still imports."""
 
 
 class ReferenceGone(R3Error):
