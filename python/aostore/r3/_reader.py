@@ -26,7 +26,7 @@ from typing import Any, overload
 import numpy as np
 
 from .._native import copy_pages
-from . import errors, leases
+from . import errors, leases, offnode
 from . import format as fmt
 from .arena import remove_if_dead
 
@@ -53,6 +53,10 @@ class ReaderStats:
     """Slots leased now (views alive)."""
     arenas_let_go: int = 0
     """Arenas closed because their frontend was gone."""
+    offnode_references: int = 0
+    """Distinct references of other nodes read through Mooncake."""
+    offnode_bytes: int = 0
+    """Bytes read through Mooncake (headers included)."""
 
 
 STREAM_FROM = 32 << 20
@@ -443,14 +447,20 @@ class Fetched(Sequence[np.ndarray]):
 
 
 class Reader:
-    """Reads R3 rows by reference, from this node's arenas; ``aostore.r3.fetch`` uses one per
-    process. ``owner``: the uid of the frontend's user (default ``AOSTORE_R3_OWNER``, else this
-    process's): an arena's file of any other user is refused."""
+    """Reads R3 rows by reference, from this node's arenas and, with a Mooncake client
+    configured, other nodes'; ``aostore.r3.fetch`` uses one per process. ``owner``: the uid of
+    the frontend's user (default ``AOSTORE_R3_OWNER``, else this process's): an arena's file of
+    any other user is refused. ``mooncake``: this reader's Mooncake client config (a
+    ``MooncakeConfig``, a mapping or a JSON file's path; default ``AOSTORE_R3_MOONCAKE``;
+    ``local_hostname`` required), for other nodes' references; without one they are
+    ``OtherNode``."""
 
-    def __init__(self, owner: int | None = None) -> None:
+    def __init__(self, owner: int | None = None, *, mooncake: Any = None) -> None:
         if owner is None:
             owner = int(os.environ.get(OWNER_ENV, os.getuid()))
         self.owner = owner
+        config = offnode.reader_config(mooncake)
+        self._offnode = None if config is None else offnode.OffNodeReader(config)
         self._arenas: dict[bytes, _OpenArena] = {}
         self._lock = threading.RLock()
         self._polled = time.monotonic()
@@ -482,8 +492,12 @@ class Reader:
         # The batch's distinct references, each with its first place: a reference repeated is
         # leased and read once, and viewed (or copied) at each of its places.
         keys: list[_Key | None] = []
-        distinct: dict[_Key, int] = {}
+        far: list[bool] = []  # another node's (the same key may be both: a reference moved)
+        distinct: dict[_Key, int] = {}  # this node's
+        remote: dict[_Key, int] = {}  # other nodes', read through Mooncake
+        here = leases.boot_id()
         for index, (item, (dtype, shape, first)) in enumerate(zip(items, plans, strict=True)):
+            far.append(item.dtype.names is not None and fmt.ident(item["boot"]) != here)
             if item.dtype.names is None:
                 keys.append(None)
                 continue
@@ -495,7 +509,16 @@ class Reader:
                 (first + shape[0]) * row,
             )
             keys.append(key)
-            distinct.setdefault(key, index)
+            (remote if far[-1] else distinct).setdefault(key, index)
+        got: dict[_Key, np.ndarray] = {}
+        if remote:
+            if self.closed:
+                raise ValueError("this reader is closed")
+            # Before any lease here: a failure there leaves nothing taken.
+            assert self._offnode is not None  # _plan refused them otherwise
+            got = self._offnode.read(remote)
+            self.stats.offnode_references += len(got)
+            self.stats.offnode_bytes += sum(offnode.HEADER.itemsize + k[3] for k in got)
         with self._lock:
             if self.closed:
                 raise ValueError("this reader is closed")
@@ -525,7 +548,7 @@ class Reader:
             self.stats.references += sum(key is not None for key in keys)
             self._count_leases()
         mappings: list[tuple[mmap.mmap, Any]] = []
-        arrays = self._read(opened, items, plans, keys, taken, out, mappings)
+        arrays = self._read(opened, items, plans, keys, far, taken, got, out, mappings)
         return Fetched(arrays, mappings)
 
     def renew(self, references: Sequence[Any], seconds: float = DEFAULT_RENEWAL) -> None:
@@ -535,8 +558,11 @@ class Reader:
             raise ValueError(f"renew by a positive, finite number of seconds, not {seconds}")
         items = [fmt.parse(value) for value in references]
         for item in items:
-            if item.dtype.names is not None:
-                self._plan(item, None)  # another node's reference: OtherNode
+            if item.dtype.names is not None and fmt.ident(item["boot"]) != leases.boot_id():
+                raise errors.OtherNode(
+                    "renew of a reference from another node (or an earlier boot of this one): "
+                    "renewal through Mooncake is not built yet"
+                )
         with self._lock:
             if self.closed:
                 raise ValueError("this reader is closed")
@@ -570,6 +596,8 @@ class Reader:
             for arena in self._arenas.values():
                 arena.close()
             self._arenas.clear()
+            if self._offnode is not None:
+                self._offnode.close()
 
     def _open(self, arena: bytes) -> _OpenArena:
         """The arena, opened once; ``ReferenceGone`` if its frontend is gone (and then this
@@ -612,16 +640,18 @@ class Reader:
             raise ValueError(f"{len(starts)} starts for {n} references")
         return list(starts)
 
-    @staticmethod
-    def _plan(item: np.ndarray, start: int | None) -> tuple[np.dtype[Any], tuple[int, ...], int]:
+    def _plan(
+        self, item: np.ndarray, start: int | None
+    ) -> tuple[np.dtype[Any], tuple[int, ...], int]:
         """The rows' dtype, their shape from ``start`` on, and the first row to read."""
         if item.dtype.names is None:
             dtype, shape, token_start = item.dtype, item.shape, 0
         else:
-            if fmt.ident(item["boot"]) != leases.boot_id():
+            if self._offnode is None and fmt.ident(item["boot"]) != leases.boot_id():
                 raise errors.OtherNode(
                     "a reference from another node (or an earlier boot of this one): its rows "
-                    "are in that node's shared memory"
+                    f"are in that node's shared memory; set {offnode.SETTING} (a Mooncake "
+                    "client config) to read them through Mooncake"
                 )
             dtype, shape = fmt.rows_of(item)
             token_start = int(item["token_start"])
@@ -642,7 +672,9 @@ class Reader:
         items: list[np.ndarray],
         plans: list[tuple[np.dtype[Any], tuple[int, ...], int]],
         keys: list[_Key | None],
+        far: list[bool],
         taken: dict[_Key, tuple[Run, ...]],
+        got: dict[_Key, np.ndarray],
         out: np.ndarray | None,
         mappings: list[tuple[mmap.mmap, Any]],
     ) -> list[np.ndarray]:
@@ -650,7 +682,9 @@ class Reader:
         mapped: dict[_Key, mmap.mmap] = {}  # each distinct reference's mapping (views)
         at = 0
         try:
-            for item, (dtype, shape, first), key in zip(items, plans, keys, strict=True):
+            for item, (dtype, shape, first), key, remote in zip(
+                items, plans, keys, far, strict=True
+            ):
                 row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
                 if key is None:
                     rows = item[first:]
@@ -658,6 +692,17 @@ class Reader:
                         out[at : at + shape[0]] = rows
                         rows = out[at : at + shape[0]]
                     arrays.append(rows)
+                    at += shape[0]
+                    continue
+                if remote:  # another node's, read through Mooncake
+                    rows = got[key][first * row : key[3]].view(dtype).reshape(shape)
+                    if out is not None:
+                        out[at : at + shape[0]] = rows
+                        rows = out[at : at + shape[0]]
+                    else:
+                        rows.flags.writeable = False
+                    arrays.append(rows)
+                    self.stats.bytes += shape[0] * row
                     at += shape[0]
                     continue
                 arena, runs, length = opened[key[0]], taken[key], key[3]

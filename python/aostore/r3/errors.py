@@ -16,6 +16,12 @@ class OtherNode(R3Error):
     """A reference from another node: its rows are in that node's shared memory."""
 
 
+class OffNodeError(R3Error):
+    """Another node's reference could not be read through Mooncake: no client could be made
+    (the master does not answer, the package is missing or lacks a call aostore uses), or a read
+    failed other than by a missing object (which is ``ReferenceGone``)."""
+
+
 class MixedArenas(R3Error, ValueError):
     """No longer raised: ``fetch`` reads one batch of references of any arenas (since issue
     49). Kept so that code which catches it still imports."""

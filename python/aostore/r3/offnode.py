@@ -1,0 +1,443 @@
+"""R3 rows across nodes through Mooncake (docs/r3-reference.md, "Across nodes").
+
+A reference stays format version 1: the Mooncake key is derived from its arena, slot and
+generation (:func:`key`), never reused. The object is a 64-byte :data:`HEADER` followed by the
+rows; a reader checks the size Mooncake returns and every header field against the reference,
+so another output's bytes, a truncated object or a key the master no longer has read as
+``ReferenceGone``, never as rows.
+
+- :class:`Publisher`, the frontend's: the arena tells it of every reference made and every slot
+  given up; its thread puts the slot's bytes (header and page runs, no copy in Python) into the
+  frontend's own segment (``preferred_segment``) and removes the object when the slot goes.
+  Failures are counted and retried, never raised into the engine.
+- :class:`OffNodeReader`, the trainer's: one ``batch_get_into`` a batch into a buffer it owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import errors, leases
+from . import format as fmt
+
+if TYPE_CHECKING:
+    from aostore.mooncake.config import MooncakeConfig
+
+    from .arena import Arena
+
+__all__ = [
+    "HEADER",
+    "SETTING",
+    "OffNodeReader",
+    "Publisher",
+    "PublisherStats",
+    "key",
+    "reader_config",
+]
+
+logger = logging.getLogger("aostore")
+
+SETTING = "AOSTORE_R3_MOONCAKE"
+"""The reader's Mooncake client: a JSON file's path, or the JSON object itself
+(``aostore.mooncake.MooncakeConfig``'s keys; ``local_hostname`` required)."""
+
+MAGIC = b"aostore r3 rows:"  # 16 bytes, no NUL (numpy strips trailing NULs of S16)
+OBJECT_VERSION = 1
+HEADER = np.dtype(
+    [
+        ("magic", "S16"),
+        ("version", "<u4"),
+        ("reserved", "<u4"),
+        ("arena", "u1", 16),
+        ("slot", "<u8"),
+        ("generation", "<u8"),
+        ("nbytes", "<u8"),
+    ]
+)
+"""What precedes the rows in a Mooncake object: 64 bytes."""
+assert HEADER.itemsize == 64
+
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+INVALID_PARAMS = -600
+
+READER_CALLS = ("batch_get_into", "register_buffer", "unregister_buffer")
+PUBLISHER_CALLS = ("batch_put_from_multi_buffers", "batch_remove", "get_hostname")
+
+
+def key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
+    """The Mooncake key of a reference's rows (unique: an arena's id is random, and every write
+    of a slot has a new generation)."""
+    return f"{prefix}aostore-r3/{arena.hex()}/{slot}/{generation}"
+
+
+def header(arena: bytes, slot: int, generation: int, nbytes: int) -> np.ndarray:
+    made = np.zeros((), HEADER)
+    made["magic"] = MAGIC
+    made["version"] = OBJECT_VERSION
+    made["arena"] = np.frombuffer(arena, np.uint8)
+    made["slot"] = slot
+    made["generation"] = generation
+    made["nbytes"] = nbytes
+    return made
+
+
+def _missing_calls(client: Any, names: tuple[str, ...]) -> list[str]:
+    return [name for name in names if not callable(getattr(client, name, None))]
+
+
+def reader_config(value: Any = None) -> MooncakeConfig | None:
+    """The reader's Mooncake config from ``value`` (a ``MooncakeConfig``, a mapping, a JSON
+    file's path) or, with None, from :data:`SETTING` (None when that is unset). A mapping or
+    file must name ``local_hostname``: a trainer's node is not the frontend's, and 127.0.0.1
+    is no default there."""
+    from aostore.mooncake.config import MooncakeConfig
+
+    if isinstance(value, MooncakeConfig):
+        return value
+    where = "Reader(mooncake=...)"
+    if value is None:
+        text = os.environ.get(SETTING, "").strip()
+        if not text:
+            return None
+        where = SETTING
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{SETTING}: not valid JSON: {error}") from None
+        else:
+            value = text
+    if not isinstance(value, Mapping):
+        try:
+            with open(value, encoding="utf-8") as file:
+                value = json.load(file)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"{where}: {value!r} is not a readable JSON file: {error}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: a Mooncake config is a JSON object")
+    if "local_hostname" not in value:
+        raise ValueError(
+            f"{where}: the reader's Mooncake config needs local_hostname (this node's address "
+            "as the cluster reaches it; no default)"
+        )
+    try:
+        return MooncakeConfig.from_dict(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+class OffNodeReader:
+    """Reads references of other nodes through a Mooncake client of the reader's own
+    (connected at the first read)."""
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        self.config = config
+        self.prefix = config.key_prefix
+        self._client: Any = None
+
+    def _connected(self) -> Any:
+        if self._client is None:
+            from aostore.mooncake.client import connect
+
+            try:
+                client = connect(self.config)
+            except Exception as error:  # MooncakeError, ImportError
+                raise errors.OffNodeError(
+                    f"no Mooncake client for another node's references ({SETTING}: master "
+                    f"{self.config.master_server_address}): {error}"
+                ) from None
+            missing = _missing_calls(client, READER_CALLS)
+            if missing:
+                with contextlib.suppress(Exception):
+                    client.close()
+                raise errors.OffNodeError(
+                    f"this Mooncake's client has no {', '.join(missing)}: aostore reads other "
+                    "nodes' references with them (tested with 0.3.13.post1)"
+                )
+            self._client = client
+        return self._client
+
+    def read(self, wanted: Mapping[tuple[bytes, int, int, int], int]) -> dict[Any, np.ndarray]:
+        """The rows of each ``(arena, slot, generation, nbytes)`` (an index in its batch with
+        each, for errors), as ``uint8`` arrays of one buffer; ``ReferenceGone`` naming the
+        first whose object is gone or not its own."""
+        if not wanted:
+            return {}
+        items = list(wanted.items())
+        sizes = [HEADER.itemsize + nbytes for (_, _, _, nbytes), _ in items]
+        offsets = []
+        total = 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // 64) * 64
+        staging = np.empty(total, np.uint8)
+        base = staging.ctypes.data
+        client = self._connected()
+        names = [key(self.prefix, arena, slot, gen) for (arena, slot, gen, _), _ in items]
+        registered = client.register_buffer(base, total) == 0
+        try:
+            codes = client.batch_get_into(names, [base + o for o in offsets], sizes)
+        finally:
+            if registered:
+                client.unregister_buffer(base)
+        got: dict[Any, np.ndarray] = {}
+        for ((arena, slot, generation, nbytes), index), at, size, code, name in zip(
+            items, offsets, sizes, codes, names, strict=True
+        ):
+            if code == OBJECT_NOT_FOUND:
+                raise errors.ReferenceGone(
+                    f"its rows are gone: Mooncake has no {name} (the frontend gave them up, "
+                    "the master evicted or lost them, they were never published, or this "
+                    "client's master is not the frontend's cluster)",
+                    index,
+                )
+            if code == INVALID_PARAMS or (code >= 0 and code != size):
+                raise errors.ReferenceGone(
+                    f"{name} in Mooncake is not its rows: an object of another size", index
+                )
+            if code < 0:
+                from aostore.mooncake.client import describe_code
+
+                raise errors.OffNodeError(
+                    f"reference {index} of the batch: Mooncake's read of {name} failed with "
+                    f"{describe_code(code)}"
+                )
+            found = staging[at : at + HEADER.itemsize].view(HEADER)[0]
+            if (
+                bytes(found["magic"]) != MAGIC
+                or int(found["version"]) != OBJECT_VERSION
+                or fmt.ident(found["arena"]) != arena
+                or int(found["slot"]) != slot
+                or int(found["generation"]) != generation
+                or int(found["nbytes"]) != nbytes
+            ):
+                raise errors.ReferenceGone(
+                    f"{name} in Mooncake is not its rows: another output's object", index
+                )
+            got[(arena, slot, generation, nbytes)] = staging[
+                at + HEADER.itemsize : at + HEADER.itemsize + nbytes
+            ]
+        return got
+
+    def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            with contextlib.suppress(Exception):
+                client.close()
+
+
+@dataclass
+class PublisherStats:
+    """What a publisher did (counters since start)."""
+
+    published: int = 0
+    """Objects put."""
+    put_failures: int = 0
+    """Puts Mooncake refused or failed (each retried until the slot goes)."""
+    gone_before_put: int = 0
+    """References whose slot went before their put."""
+    removed: int = 0
+    """Objects removed (or found gone) after their slot went."""
+    remove_retries: int = 0
+    """Removals put off: the object was under a reader's Mooncake lease, or the call failed."""
+    pending: int = 0
+    """Puts and removals not done yet."""
+
+
+class Publisher:
+    """Publishes an arena's references to Mooncake from a thread of its own.
+
+    ``client`` is the frontend's connected ``MooncakeDistributedStore`` with a segment mounted
+    (``global_segment_size``): objects are put there (``preferred_segment``), so they stay on
+    this node until read and go with the client. Failures never reach the arena's caller: they
+    are counted (:attr:`stats`) and retried every ``retry`` seconds, a put until it succeeds or its
+    slot goes, a removal until the object is gone (never forced)."""
+
+    def __init__(self, arena: Arena, client: Any, *, prefix: str = "", retry: float = 1.0) -> None:
+        missing = _missing_calls(client, PUBLISHER_CALLS)
+        if missing:
+            raise errors.OffNodeError(
+                f"this Mooncake's client has no {', '.join(missing)}: aostore publishes R3 "
+                "rows with them (tested with 0.3.13.post1)"
+            )
+        replicate_config = importlib.import_module("mooncake.store").ReplicateConfig
+
+        self._arena = arena
+        self._client = client
+        self.prefix = prefix
+        self.segment = str(client.get_hostname())
+        self._config = replicate_config()
+        self._config.replica_num = 1
+        self._config.preferred_segment = self.segment
+        self._retry = retry
+        self._fd = leases.reopen(arena._fd)  # leases of its own, while it reads a slot
+        self._cond = threading.Condition()
+        self._puts: deque[tuple[int, int, int]] = deque()  # (slot, generation, nbytes)
+        self._removes: deque[tuple[int, int]] = deque()  # (slot, generation)
+        self._later: list[tuple[float, str, tuple[int, ...]]] = []  # retries: when, what
+        self._busy = False
+        self._stop = False
+        self.stats = PublisherStats()
+        self._thread = threading.Thread(target=self._run, name="aostore-r3-publish", daemon=True)
+        self._thread.start()
+        arena.offnode = self
+
+    # Called by the arena (under its lock): cheap, never raises ---------------------------
+
+    def published(self, slot: int, generation: int, nbytes: int) -> None:
+        with self._cond:
+            self._puts.append((slot, generation, nbytes))
+            self._cond.notify()
+
+    def given_up(self, slot: int, generation: int) -> None:
+        with self._cond:
+            self._removes.append((slot, generation))
+            self._cond.notify()
+
+    # --------------------------------------------------------------------------------------
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every put and removal due has been tried (retries not waited for)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._puts or self._removes or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (bounded); the arena is no longer told."""
+        if self._arena.offnode is self:
+            self._arena.offnode = None
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if not self._thread.is_alive() and self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                while not (self._puts or self._removes or self._stop or self._due()):
+                    wait = None
+                    if self._later:
+                        wait = max(0.0, min(t for t, *_ in self._later) - time.monotonic())
+                    self._cond.wait(wait)
+                if self._stop:
+                    return
+                puts, removes = list(self._puts), list(self._removes)
+                self._puts.clear()
+                self._removes.clear()
+                now = time.monotonic()
+                for entry in [e for e in self._later if e[0] <= now]:
+                    self._later.remove(entry)
+                    _, what, args = entry
+                    if what == "put":
+                        puts.append((args[0], args[1], args[2]))
+                    else:
+                        removes.append((args[0], args[1]))
+                self._busy = True
+                self.stats.pending = len(self._later) + len(puts) + len(removes)
+            try:
+                self._put(puts)
+            except Exception:  # never raised into the engine; counted, retried
+                logger.exception("aostore: publishing R3 rows to Mooncake failed")
+                for slot, generation, nbytes in puts:
+                    self._again("put", (slot, generation, nbytes))
+            try:
+                self._remove(removes)
+            except Exception:
+                logger.exception("aostore: removing R3 rows from Mooncake failed")
+                for slot, generation in removes:
+                    self._again("remove", (slot, generation))
+            with self._cond:
+                self.stats.pending = len(self._later)
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        return any(t <= now for t, *_ in self._later)
+
+    def _again(self, what: str, args: tuple[int, ...]) -> None:
+        with self._cond:
+            self._later.append((time.monotonic() + self._retry, what, args))
+
+    def _put(self, puts: list[tuple[int, int, int]]) -> None:
+        arena = self._arena
+        held: list[int] = []
+        names: list[str] = []
+        pointers: list[list[int]] = []
+        sizes: list[list[int]] = []
+        headers: list[np.ndarray] = []
+        entries: list[tuple[int, int, int]] = []
+        try:
+            for slot, generation, nbytes in puts:
+                if slot in held or not leases.lock(self._fd, slot, leases.READ):
+                    self.stats.gone_before_put += 1  # being given up (or a duplicate)
+                    continue
+                held.append(slot)
+                record = arena._slots[slot]
+                if int(record["generation"]) != generation:
+                    self.stats.gone_before_put += 1
+                    continue
+                made = header(arena.id, slot, generation, nbytes)
+                headers.append(made)
+                parts, part_sizes = [made.ctypes.data], [HEADER.itemsize]
+                data = arena._data.ctypes.data
+                page, left = int(record["page"]), nbytes
+                for _ in range(int(record["runs"])):
+                    if left <= 0:
+                        break
+                    pages = int(arena._runs[page]["pages"])
+                    size = min(left, pages * fmt.PAGE)
+                    parts.append(data + page * fmt.PAGE)
+                    part_sizes.append(size)
+                    left -= size
+                    page = int(arena._runs[page]["next"])
+                names.append(key(self.prefix, arena.id, slot, generation))
+                pointers.append(parts)
+                sizes.append(part_sizes)
+                entries.append((slot, generation, nbytes))
+            if not names:
+                return
+            codes = self._client.batch_put_from_multi_buffers(names, pointers, sizes, self._config)
+        finally:
+            for slot in held:
+                leases.lock(self._fd, slot, leases.UNLOCK)
+        for entry, code in zip(entries, codes, strict=True):
+            if code in (0, OBJECT_ALREADY_EXISTS):
+                self.stats.published += 1
+            else:
+                self.stats.put_failures += 1
+                self._again("put", entry)
+
+    def _remove(self, removes: list[tuple[int, int]]) -> None:
+        if not removes:
+            return
+        names = [key(self.prefix, self._arena.id, slot, gen) for slot, gen in removes]
+        codes = self._client.batch_remove(names, False)  # never forced: a read may be in flight
+        for entry, code in zip(removes, codes, strict=True):
+            if code in (0, OBJECT_NOT_FOUND):
+                self.stats.removed += 1
+            else:
+                self.stats.remove_retries += 1
+                self._again("remove", entry)

@@ -1,0 +1,243 @@
+"""R3 rows across nodes through Mooncake (issue 49; docs/r3-reference.md, "Across nodes"),
+against a real ``mooncake_master`` on 127.0.0.1.
+
+Another node without another machine: a reference whose ``boot`` field names another boot is
+another node's to the reader (that is the check ``fetch`` makes, ``leases.boot_id()``), so the
+tests make such references by rewriting that field of a real one; the Mooncake key does not
+include the boot, so it reads the object the frontend published. One test also makes this
+node's own references look foreign by monkeypatching ``leases.boot_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import mooncake_util
+import numpy as np
+import pytest
+from aostore import r3
+from aostore.mooncake import connect
+from aostore.r3 import format as fmt
+from aostore.r3 import leases, offnode
+from aostore.r3.arena import Arena
+from mooncake_fakes import require_mooncake
+
+ROW = (46, 8)
+PREFIX = "r3-test/"  # the publisher's and the reader's key_prefix (each arena's keys are its own)
+
+
+def rows(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 128, (n, *ROW)).astype(np.uint8)
+
+
+def elsewhere(reference: np.ndarray) -> np.ndarray:
+    """The reference as a reader on another node holds it (another boot id)."""
+    moved = reference.copy()
+    moved["boot"] = np.frombuffer(b"another-node-id!", np.uint8)
+    return moved
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mooncake_util.Cluster]:
+    """A master and no segment holder: the frontend's client holds the only segment."""
+    require_mooncake()
+    with mooncake_util.cluster(tmp_path_factory.mktemp("r3"), holder_segment=None) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def frontend_client(cluster: mooncake_util.Cluster) -> Iterator[Any]:
+    client = connect(cluster.config(global_segment_size="32MB"))
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def frontend(frontend_client: Any) -> Iterator[Any]:
+    arena = Arena(4 << 20, ttl=60.0)
+    publisher = offnode.Publisher(arena, frontend_client, prefix=PREFIX, retry=0.05)
+    yield arena, publisher
+    publisher.close()
+    arena.close()
+
+
+@pytest.fixture
+def reader(cluster: mooncake_util.Cluster) -> Iterator[r3.Reader]:
+    made = r3.Reader(mooncake=cluster.config(key_prefix=PREFIX))
+    yield made
+    made.close()
+
+
+@pytest.mark.mooncake
+def test_another_nodes_references_read_through_mooncake_mixed_with_this_nodes(
+    frontend, frontend_client, reader
+) -> None:
+    arena, publisher = frontend
+    a, b, c, theirs = rows(3_000, 1), rows(0, 2), rows(9, 3), rows(5, 4)
+    ra, rb, rc = arena.deliver(a), arena.deliver(b), arena.deliver(c)
+    assert publisher.flush() and publisher.stats.published == 3
+    assert publisher.stats.put_failures == 0
+    # The object lies in the frontend's own segment (preferred_segment).
+    name = offnode.key(publisher.prefix, arena.id, int(ra["slot"]), int(ra["generation"]))
+    placed = frontend_client.get_replica_desc(name)[0].get_memory_descriptor()
+    assert placed.buffer_descriptor.transport_endpoint == publisher.segment
+    batch = [elsewhere(ra), ra, theirs, elsewhere(ra), elsewhere(rb), elsewhere(rc)]
+    starts = [0, 10, 0, 2_999, 0, 4]
+    want = [a, a[10:], theirs, a[2_999:], b, c[4:]]
+    got = reader.fetch(batch, start=starts)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not got[0].flags.writeable and not np.shares_memory(got[0], got[1])
+    assert np.shares_memory(got[0], got[3]) and arena.leases() == 1  # ra here: leased
+    assert reader.stats.offnode_references == 3  # a repeated: read once
+    del got
+    out = np.full((sum(len(w) for w in want), *ROW), 255, np.uint8)
+    reader.fetch(batch, start=starts, out=out)
+    assert np.array_equal(out, np.concatenate(want))
+    assert reader.stats.leases == 0 and arena.leases() == 0
+
+
+@pytest.mark.mooncake
+def test_this_nodes_references_read_through_mooncake_when_the_boot_differs(
+    frontend, reader, monkeypatch
+) -> None:
+    """The boot-id check made injectable: the reader believes it runs on another node."""
+    arena, publisher = frontend
+    want = rows(100, 5)
+    reference = arena.deliver(want)
+    assert publisher.flush()
+    monkeypatch.setattr(leases, "boot_id", lambda: b"another-node-id!")
+    assert np.array_equal(reader.fetch([reference])[0], want)
+    assert reader.stats.offnode_references == 1 and arena.leases() == 0
+
+
+@pytest.mark.mooncake
+def test_bad_keys_and_objects_read_as_reference_gone_never_as_rows(
+    frontend, frontend_client, reader
+) -> None:
+    arena, publisher = frontend
+    reference = elsewhere(arena.deliver(rows(20, 6)))
+    assert publisher.flush()
+
+    def forged(generation: int, payload: bytes) -> np.ndarray:
+        made = reference.copy()
+        made["generation"] = generation
+        name = offnode.key(publisher.prefix, arena.id, int(made["slot"]), generation)
+        assert frontend_client.put(name, payload) == 0
+        return made
+
+    nbytes = 20 * 46 * 8
+    other = offnode.header(arena.id, int(reference["slot"]) + 1, 1_001, nbytes).tobytes()
+    cases = [
+        (reference.copy(), "Mooncake has no"),  # never published: the generation below
+        (forged(1_000, b"x" * 10), "another size"),  # truncated
+        (forged(1_002, b"x" * (64 + nbytes + 64)), "another size"),  # longer
+        (forged(1_001, other + bytes(nbytes)), "another output's"),  # another slot's header
+    ]
+    cases[0][0]["generation"] = 999
+    for bad, message in cases:
+        with pytest.raises(r3.ReferenceGone, match=f"reference 1 of the batch: .*{message}"):
+            reader.fetch([reference, bad])
+    assert reader.stats.leases == 0
+    assert reader.fetch([reference])[0].shape == (20, *ROW)
+
+
+@pytest.mark.mooncake
+def test_a_slot_the_arena_gives_up_is_removed_from_mooncake(frontend_client, reader) -> None:
+    with Arena(3 * fmt.PAGE, ttl=60.0) as arena:
+        publisher = offnode.Publisher(arena, frontend_client, prefix=PREFIX, retry=0.05)
+        try:
+            one_page = rows(8, 7)  # 2,944 bytes: one page each
+            made = [arena.deliver(one_page) for _ in range(3)]
+            assert all(m is not None for m in made) and publisher.flush()
+            r3.Reader().fetch([made[0]], out=np.empty_like(one_page))  # read here: may go
+            assert arena.deliver(rows(8, 8)) is not None  # made[0]'s slot is given up
+            assert publisher.flush() and publisher.stats.removed == 1
+            name = offnode.key(PREFIX, arena.id, int(made[0]["slot"]), 1)
+            assert frontend_client.is_exist(name) == 0
+            with pytest.raises(r3.ReferenceGone, match="Mooncake has no"):
+                reader.fetch([elsewhere(made[0])])
+            assert np.array_equal(reader.fetch([elsewhere(made[1])])[0], one_page)
+        finally:
+            publisher.close()
+
+
+class Refusing:
+    """A Mooncake client whose first put fails and whose first removal meets a lease."""
+
+    def __init__(self) -> None:
+        self.puts: list[list[str]] = []
+        self.removes: list[list[str]] = []
+
+    def get_hostname(self) -> str:
+        return "127.0.0.1:1"
+
+    def batch_put_from_multi_buffers(self, keys: list[str], *_: Any) -> list[int]:
+        self.puts.append(keys)
+        return [-800 if len(self.puts) == 1 else 0 for _ in keys]
+
+    def batch_remove(self, keys: list[str], force: bool) -> list[int]:
+        assert not force
+        self.removes.append(keys)
+        return [offnode.OBJECT_HAS_LEASE if len(self.removes) == 1 else 0 for _ in keys]
+
+
+@pytest.mark.mooncake
+def test_failed_puts_and_removals_under_a_lease_are_retried_never_raised() -> None:
+    require_mooncake()  # ReplicateConfig
+    client = Refusing()
+    with Arena(3 * fmt.PAGE, ttl=60.0) as arena:
+        publisher = offnode.Publisher(arena, client, retry=0.05)
+        try:
+            first = arena.deliver(rows(8, 9))
+            assert first is not None and publisher.flush()
+            assert publisher.stats.put_failures == 1 and publisher.stats.published == 0
+            for _ in range(100):
+                if publisher.stats.published:
+                    break
+                time.sleep(0.02)
+                publisher.flush()
+            assert publisher.stats.published == 1 and len(client.puts) == 2
+            r3.Reader().fetch([first], out=np.empty((8, *ROW), np.uint8))
+            arena.deliver(rows(8, 10))
+            arena.deliver(rows(8, 11))
+            assert arena.deliver(rows(8, 12)) is not None  # first's slot goes
+            for _ in range(100):
+                publisher.flush()
+                if publisher.stats.removed:
+                    break
+                time.sleep(0.02)
+            assert publisher.stats.remove_retries == 1 and publisher.stats.removed == 1
+            assert client.removes[0] == client.removes[1]
+        finally:
+            publisher.close()
+
+
+def test_a_reader_without_a_mooncake_config_says_which_setting(monkeypatch, tmp_path) -> None:
+    with Arena(fmt.PAGE, ttl=60.0) as arena:
+        reference = elsewhere(arena.deliver(rows(1, 1)))
+        monkeypatch.delenv(offnode.SETTING, raising=False)
+        plain = r3.Reader()
+        try:
+            with pytest.raises(r3.OtherNode, match=offnode.SETTING):
+                plain.fetch([reference])
+        finally:
+            plain.close()
+    no_host = {"master_server_address": "127.0.0.1:1"}
+    with pytest.raises(ValueError, match="needs local_hostname"):
+        r3.Reader(mooncake=no_host)
+    monkeypatch.setenv(offnode.SETTING, json.dumps(no_host))
+    with pytest.raises(ValueError, match=f"{offnode.SETTING}: .*needs local_hostname"):
+        r3.Reader()
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({**no_host, "local_hostname": "127.0.0.1", "typo": 1}))
+    monkeypatch.setenv(offnode.SETTING, str(path))
+    with pytest.raises(ValueError, match="unknown Mooncake config keys"):
+        r3.Reader()
+    monkeypatch.setenv(offnode.SETTING, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="not a readable JSON file"):
+        r3.Reader()
+    assert os.environ[offnode.SETTING]
