@@ -74,6 +74,9 @@ OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
 INVALID_PARAMS = -600
 
+MAX_WAITING = 1 << 17
+"""The most puts and removals a publisher keeps for a retry (the oldest go first)."""
+
 READER_CALLS = ("batch_get_into", "register_buffer", "unregister_buffer")
 PUBLISHER_CALLS = ("batch_put_from_multi_buffers", "batch_remove", "get_hostname")
 
@@ -93,6 +96,12 @@ def header(arena: bytes, slot: int, generation: int, nbytes: int) -> np.ndarray:
     made["generation"] = generation
     made["nbytes"] = nbytes
     return made
+
+
+def _describe(code: int) -> str:
+    from aostore.mooncake.client import describe_code
+
+    return describe_code(code)
 
 
 def _missing_calls(client: Any, names: tuple[str, ...]) -> list[str]:
@@ -256,6 +265,12 @@ class PublisherStats:
     """Removals put off: the object was under a reader's Mooncake lease, or the call failed."""
     pending: int = 0
     """Puts and removals not done yet."""
+    dropped: int = 0
+    """Retries given up because more than :data:`MAX_WAITING` waited (a put's reference is
+    then readable on its node only; a removal's object stays until the master evicts it or the
+    frontend's client closes)."""
+    outages: int = 0
+    """Times Mooncake started failing (one WARNING each)."""
 
 
 class Publisher:
@@ -288,7 +303,9 @@ class Publisher:
         self._cond = threading.Condition()
         self._puts: deque[tuple[int, int, int]] = deque()  # (slot, generation, nbytes)
         self._removes: deque[tuple[int, int]] = deque()  # (slot, generation)
-        self._later: list[tuple[float, str, tuple[int, ...]]] = []  # retries: when, what
+        # Retries, due in the order they were put off (one interval for all).
+        self._later: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        self._failing = False
         self._busy = False
         self._stop = False
         self.stats = PublisherStats()
@@ -341,7 +358,7 @@ class Publisher:
                 while not (self._puts or self._removes or self._stop or self._due()):
                     wait = None
                     if self._later:
-                        wait = max(0.0, min(t for t, *_ in self._later) - time.monotonic())
+                        wait = max(0.0, self._later[0][0] - time.monotonic())
                     self._cond.wait(wait)
                 if self._stop:
                     return
@@ -349,9 +366,8 @@ class Publisher:
                 self._puts.clear()
                 self._removes.clear()
                 now = time.monotonic()
-                for entry in [e for e in self._later if e[0] <= now]:
-                    self._later.remove(entry)
-                    _, what, args = entry
+                while self._later and self._later[0][0] <= now:
+                    _, what, args = self._later.popleft()
                     if what == "put":
                         puts.append((args[0], args[1], args[2]))
                     else:
@@ -360,26 +376,49 @@ class Publisher:
                 self.stats.pending = len(self._later) + len(puts) + len(removes)
             try:
                 self._put(puts)
-            except Exception:  # never raised into the engine; counted, retried
-                logger.exception("aostore: publishing R3 rows to Mooncake failed")
+            except Exception as error:  # never raised into the engine; counted, retried
+                self.stats.put_failures += len(puts)
+                self._failed("puts", repr(error))
                 for slot, generation, nbytes in puts:
                     self._again("put", (slot, generation, nbytes))
             try:
                 self._remove(removes)
-            except Exception:
-                logger.exception("aostore: removing R3 rows from Mooncake failed")
+            except Exception as error:
+                self.stats.remove_retries += len(removes)
+                self._failed("removals", repr(error))
                 for slot, generation in removes:
                     self._again("remove", (slot, generation))
             with self._cond:
                 self.stats.pending = len(self._later)
 
     def _due(self) -> bool:
-        now = time.monotonic()
-        return any(t <= now for t, *_ in self._later)
+        return bool(self._later) and self._later[0][0] <= time.monotonic()
 
     def _again(self, what: str, args: tuple[int, ...]) -> None:
         with self._cond:
             self._later.append((time.monotonic() + self._retry, what, args))
+            while len(self._later) > MAX_WAITING:
+                self._later.popleft()
+                self.stats.dropped += 1
+
+    def _failed(self, what: str, detail: str) -> None:
+        """One WARNING per outage: from the first failure to the next success."""
+        if not self._failing:
+            self._failing = True
+            self.stats.outages += 1
+            logger.warning(
+                "aostore: Mooncake refused R3 rows' %s (%s): other nodes cannot read the "
+                "references made meanwhile until a retry succeeds (every %.3g s; the engine "
+                "goes on)",
+                what,
+                detail,
+                self._retry,
+            )
+
+    def _succeeded(self) -> None:
+        if self._failing:
+            self._failing = False
+            logger.warning("aostore: Mooncake takes R3 rows again")
 
     def _put(self, puts: list[tuple[int, int, int]]) -> None:
         arena = self._arena
@@ -426,8 +465,10 @@ class Publisher:
         for entry, code in zip(entries, codes, strict=True):
             if code in (0, OBJECT_ALREADY_EXISTS):
                 self.stats.published += 1
+                self._succeeded()
             else:
                 self.stats.put_failures += 1
+                self._failed("puts", _describe(code))
                 self._again("put", entry)
 
     def _remove(self, removes: list[tuple[int, int]]) -> None:
@@ -440,4 +481,6 @@ class Publisher:
                 self.stats.removed += 1
             else:
                 self.stats.remove_retries += 1
+                if code != OBJECT_HAS_LEASE:  # a lease is a reader's, not an outage
+                    self._failed("removals", _describe(code))
                 self._again("remove", entry)
