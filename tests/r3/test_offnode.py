@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -288,4 +289,54 @@ def test_a_dead_or_stalled_master_never_reaches_the_finish(tmp_path, caplog) -> 
         finally:
             publisher.close()
             arena.close()
+            client.close()
+
+
+def _count_for(seconds: float) -> int:
+    done, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        done += 1
+    return done
+
+
+@pytest.mark.mooncake
+def test_the_mooncake_calls_r3_uses_release_the_gil_while_they_wait(tmp_path) -> None:
+    """With the master stopped, each call blocks in Mooncake; a Python thread (the engine's)
+    keeps its pace meanwhile (held, it would count nothing)."""
+    require_mooncake()
+    import mooncake.store
+
+    with mooncake_util.cluster(tmp_path, holder_segment=None) as own:
+        client = connect(own.config(global_segment_size="16MB"))
+        try:
+            data = np.ones(1 << 16, np.uint8)
+            config = mooncake.store.ReplicateConfig()
+            config.preferred_segment = client.get_hostname()
+            assert client.put_from("gil", data.ctypes.data, data.nbytes, config) == 0
+            into = np.zeros_like(data)
+            calls = {
+                "batch_put_from_multi_buffers": lambda: client.batch_put_from_multi_buffers(
+                    ["gil-2"], [[data.ctypes.data]], [[data.nbytes]], config
+                ),
+                "batch_get_into": lambda: client.batch_get_into(
+                    ["gil"], [into.ctypes.data], [into.nbytes]
+                ),
+                "register_buffer": lambda: client.register_buffer(into.ctypes.data, into.nbytes),
+                "batch_remove": lambda: client.batch_remove(["gil"], False),
+            }
+            alone = _count_for(0.3)
+            for name, call in calls.items():
+                own.pause_master()
+                try:
+                    thread = threading.Thread(target=call, daemon=True)
+                    thread.start()
+                    time.sleep(0.05)
+                    counted = _count_for(0.3)
+                    blocked = thread.is_alive()
+                finally:
+                    own.resume_master()
+                thread.join(60)
+                assert blocked, f"{name} did not wait on the stopped master"
+                assert counted > 0.3 * alone, f"{name} held the GIL: {counted} of {alone}"
+        finally:
             client.close()
