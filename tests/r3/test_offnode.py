@@ -180,6 +180,9 @@ class Refusing:
         self.puts.append(keys)
         return [-800 if len(self.puts) == 1 else 0 for _ in keys]
 
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [0 for _ in keys]
+
     def batch_remove(self, keys: list[str], force: bool) -> list[int]:
         assert not force
         self.removes.append(keys)
@@ -324,19 +327,66 @@ def test_the_mooncake_calls_r3_uses_release_the_gil_while_they_wait(tmp_path) ->
                 "register_buffer": lambda: client.register_buffer(into.ctypes.data, into.nbytes),
                 "batch_remove": lambda: client.batch_remove(["gil"], False),
             }
-            alone = _count_for(0.3)
             for name, call in calls.items():
-                own.pause_master()
-                try:
-                    thread = threading.Thread(target=call, daemon=True)
-                    thread.start()
-                    time.sleep(0.05)
-                    counted = _count_for(0.3)
-                    blocked = thread.is_alive()
-                finally:
-                    own.resume_master()
-                thread.join(60)
-                assert blocked, f"{name} did not wait on the stopped master"
-                assert counted > 0.3 * alone, f"{name} held the GIL: {counted} of {alone}"
+                # Up to 3 tries (two other people build on this machine's 2 cores): a call that
+                # held the GIL would fail every one.
+                seen = []
+                for _ in range(3):
+                    alone = _count_for(0.3)
+                    own.pause_master()
+                    try:
+                        thread = threading.Thread(target=call, daemon=True)
+                        thread.start()
+                        time.sleep(0.05)
+                        counted = _count_for(0.3)
+                        blocked = thread.is_alive()
+                    finally:
+                        own.resume_master()
+                    thread.join(60)
+                    seen.append((blocked, counted, alone))
+                    if blocked and counted > 0.3 * alone:
+                        break
+                else:
+                    pytest.fail(f"{name} held the GIL or did not wait: {seen}")
         finally:
             client.close()
+
+
+@pytest.mark.mooncake
+def test_rows_read_off_node_make_way_through_the_read_channel(frontend_client, reader) -> None:
+    """Issue 49, item 4: the reader's read objects tell the frontend; rows read off-node go
+    first, unread ones stay. Sustained: more than the budget's worth read off-node, with no
+    fallback to rows."""
+    with Arena(4 * fmt.PAGE, ttl=60.0) as arena:
+        publisher = offnode.Publisher(arena, frontend_client, prefix=PREFIX, poll=0.02)
+        try:
+            one_page = [rows(8, i) for i in range(40)]  # 10x the budget
+            made = [arena.deliver(one_page[i]) for i in range(4)]
+            assert publisher.flush()
+            assert arena.deliver(one_page[4]) is None  # full of unread rows: a fallback
+            for i in range(4, 40):
+                got = reader.fetch([elsewhere(made[-4])], out=np.empty((8, *ROW), np.uint8))
+                assert np.array_equal(got[0], one_page[i - 4])
+                deadline = time.monotonic() + 10.0
+                while publisher.stats.read_offnode < i - 3 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                made.append(arena.deliver(one_page[i]))
+                assert made[-1] is not None, (i, publisher.stats, arena.stats())
+                assert publisher.flush()
+            stats = arena.stats()
+            assert stats["fallbacks"] == 1 and stats["evictions"] == 36, stats
+            assert publisher.stats.read_offnode == 36 and reader.stats.offnode_marks_failed == 0
+            # The evicted rows' objects: each was read just now, under Mooncake's lease (10 s),
+            # so its removal is refused (-706), never forced, and retried until it passes.
+            assert publisher.stats.remove_retries >= 36
+            deadline = time.monotonic() + 30.0
+            while publisher.stats.removed < 36 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert publisher.stats.removed == 36, publisher.stats
+            name = offnode.read_key(PREFIX, arena.id, int(made[0]["slot"]), 1)
+            deadline = time.monotonic() + 10.0
+            while frontend_client.is_exist(name) != 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert frontend_client.is_exist(name) == 0  # the read objects are taken away
+        finally:
+            publisher.close()

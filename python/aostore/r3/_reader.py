@@ -57,6 +57,9 @@ class ReaderStats:
     """Distinct references of other nodes read through Mooncake."""
     offnode_bytes: int = 0
     """Bytes read through Mooncake (headers included)."""
+    offnode_marks_failed: int = 0
+    """Batches whose reads the read channel could not tell the frontend (their rows stay
+    until their deadline)."""
 
 
 STREAM_FROM = 32 << 20
@@ -544,6 +547,8 @@ class Reader:
             for ident, arena in opened.items():
                 # Only once every lease of the batch is taken.
                 arena.mark_read([(key[1], key[2]) for key in taken if key[0] == ident])
+            if got and self._offnode is not None and not self._offnode.mark_read(list(got)):
+                self.stats.offnode_marks_failed += 1
             self.stats.fetches += 1
             self.stats.references += sum(key is not None for key in keys)
             self._count_leases()

@@ -78,13 +78,20 @@ MAX_WAITING = 1 << 17
 """The most puts and removals a publisher keeps for a retry (the oldest go first)."""
 
 READER_CALLS = ("batch_get_into", "register_buffer", "unregister_buffer")
-PUBLISHER_CALLS = ("batch_put_from_multi_buffers", "batch_remove", "get_hostname")
+PUBLISHER_CALLS = ("batch_put_from_multi_buffers", "batch_remove", "batch_is_exist", "get_hostname")
+MARK_CALLS = ("batch_upsert_from",)
 
 
 def key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
     """The Mooncake key of a reference's rows (unique: an arena's id is random, and every write
     of a slot has a new generation)."""
     return f"{prefix}aostore-r3/{arena.hex()}/{slot}/{generation}"
+
+
+def read_key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
+    """The key an off-node reader puts once it has read a reference's rows: the read channel
+    (Mooncake tells no one of reads), which the frontend's publisher polls."""
+    return f"{prefix}aostore-r3/{arena.hex()}/read/{slot}/{generation}"
 
 
 def header(arena: bytes, slot: int, generation: int, nbytes: int) -> np.ndarray:
@@ -157,6 +164,7 @@ class OffNodeReader:
         self.config = config
         self.prefix = config.key_prefix
         self._client: Any = None
+        self._mark = np.ones(8, np.uint8)  # the read channel's object
 
     def _connected(self) -> Any:
         if self._client is None:
@@ -242,6 +250,25 @@ class OffNodeReader:
             ]
         return got
 
+    def mark_read(self, keys: list[tuple[bytes, int, int, int]]) -> bool:
+        """Tell the frontends that these references were read (one small object each, put
+        with ``batch_upsert_from``); False when Mooncake refused any (their rows then stay
+        until their deadline, as unread ones do)."""
+        if not keys:
+            return True
+        client = self._connected()
+        if _missing_calls(client, MARK_CALLS):
+            return False
+        names = [read_key(self.prefix, arena, slot, gen) for arena, slot, gen, _ in keys]
+        mark = self._mark
+        try:
+            codes = client.batch_upsert_from(
+                names, [mark.ctypes.data] * len(names), [mark.nbytes] * len(names)
+            )
+        except Exception:
+            return False
+        return all(code == 0 for code in codes)
+
     def close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
@@ -261,6 +288,8 @@ class PublisherStats:
     """References whose slot went before their put."""
     removed: int = 0
     """Objects removed (or found gone) after their slot went."""
+    read_offnode: int = 0
+    """References read off-node (the read channel), whose rows may now make way."""
     remove_retries: int = 0
     """Removals put off: the object was under a reader's Mooncake lease, or the call failed."""
     pending: int = 0
@@ -282,7 +311,15 @@ class Publisher:
     are counted (:attr:`stats`) and retried every ``retry`` seconds, a put until it succeeds or its
     slot goes, a removal until the object is gone (never forced)."""
 
-    def __init__(self, arena: Arena, client: Any, *, prefix: str = "", retry: float = 1.0) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        client: Any,
+        *,
+        prefix: str = "",
+        retry: float = 1.0,
+        poll: float = 1.0,
+    ) -> None:
         missing = _missing_calls(client, PUBLISHER_CALLS)
         if missing:
             raise errors.OffNodeError(
@@ -299,6 +336,9 @@ class Publisher:
         self._config.replica_num = 1
         self._config.preferred_segment = self.segment
         self._retry = retry
+        self._poll = poll  # seconds between looks at the read channel
+        self._polled = time.monotonic()
+        self._unread: dict[tuple[int, int], None] = {}  # published, not read off-node yet
         self._fd = leases.reopen(arena._fd)  # leases of its own, while it reads a slot
         self._cond = threading.Condition()
         self._puts: deque[tuple[int, int, int]] = deque()  # (slot, generation, nbytes)
@@ -356,13 +396,16 @@ class Publisher:
                 self._busy = False
                 self._cond.notify_all()
                 while not (self._puts or self._removes or self._stop or self._due()):
-                    wait = None
+                    waits = []
                     if self._later:
-                        wait = max(0.0, self._later[0][0] - time.monotonic())
-                    self._cond.wait(wait)
+                        waits.append(self._later[0][0] - time.monotonic())
+                    if self._unread:
+                        waits.append(self._polled + self._poll - time.monotonic())
+                    self._cond.wait(max(0.0, min(waits)) if waits else None)
                 if self._stop:
                     return
                 puts, removes = list(self._puts), list(self._removes)
+                unmarks: list[tuple[int, int]] = []
                 self._puts.clear()
                 self._removes.clear()
                 now = time.monotonic()
@@ -370,6 +413,8 @@ class Publisher:
                     _, what, args = self._later.popleft()
                     if what == "put":
                         puts.append((args[0], args[1], args[2]))
+                    elif what == "unmark":
+                        unmarks.append((args[0], args[1]))
                     else:
                         removes.append((args[0], args[1]))
                 self._busy = True
@@ -382,6 +427,18 @@ class Publisher:
                 for slot, generation, nbytes in puts:
                     self._again("put", (slot, generation, nbytes))
             try:
+                if self._unread and time.monotonic() >= self._polled + self._poll:
+                    self._polled = time.monotonic()
+                    self._reads()
+            except Exception as error:
+                self._failed("read channel polls", repr(error))
+            try:
+                if unmarks:
+                    self._unmark(unmarks)
+            except Exception:
+                for entry in unmarks:
+                    self._again("unmark", entry)
+            try:
                 self._remove(removes)
             except Exception as error:
                 self.stats.remove_retries += len(removes)
@@ -392,7 +449,10 @@ class Publisher:
                 self.stats.pending = len(self._later)
 
     def _due(self) -> bool:
-        return bool(self._later) and self._later[0][0] <= time.monotonic()
+        now = time.monotonic()
+        if self._unread and now >= self._polled + self._poll:
+            return True
+        return bool(self._later) and self._later[0][0] <= now
 
     def _again(self, what: str, args: tuple[int, ...]) -> None:
         with self._cond:
@@ -465,13 +525,52 @@ class Publisher:
         for entry, code in zip(entries, codes, strict=True):
             if code in (0, OBJECT_ALREADY_EXISTS):
                 self.stats.published += 1
+                self._unread[entry[:2]] = None
                 self._succeeded()
             else:
                 self.stats.put_failures += 1
                 self._failed("puts", _describe(code))
                 self._again("put", entry)
 
+    def _reads(self) -> None:
+        """Look at the read channel for every reference published and not read off-node yet;
+        mark the ones read in the arena as a reader here would (the read flag, then the read
+        log), so their rows may make way, and remove their read objects."""
+        arena = self._arena
+        unread = list(self._unread)
+        names = [read_key(self.prefix, arena.id, slot, gen) for slot, gen in unread]
+        found = self._client.batch_is_exist(names)
+        read = [entry for entry, code in zip(unread, found, strict=True) if code == 1]
+        if not read:
+            return
+        first: list[tuple[int, int]] = []
+        for slot, generation in read:
+            del self._unread[(slot, generation)]
+            if not leases.lock(self._fd, slot, leases.READ):
+                continue  # being given up: nothing to mark
+            try:
+                record = arena._slots[slot]
+                if int(record["generation"]) == generation and not record["read"]:
+                    record["read"] = 1
+                    first.append((slot, generation))
+            finally:
+                leases.lock(self._fd, slot, leases.UNLOCK)
+        self.stats.read_offnode += len(read)
+        if first:
+            _log_reads(arena, self._fd, first)
+        self._unmark(read)
+
+    def _unmark(self, read: list[tuple[int, int]]) -> None:
+        """Remove read objects (retried like the rows' objects: a fresh one is under a lease)."""
+        names = [read_key(self.prefix, self._arena.id, slot, gen) for slot, gen in read]
+        codes = self._client.batch_remove(names, False)
+        for entry, code in zip(read, codes, strict=True):
+            if code not in (0, OBJECT_NOT_FOUND):
+                self._again("unmark", entry)
+
     def _remove(self, removes: list[tuple[int, int]]) -> None:
+        for entry in removes:
+            self._unread.pop(entry, None)
         if not removes:
             return
         names = [key(self.prefix, self._arena.id, slot, gen) for slot, gen in removes]
@@ -484,3 +583,25 @@ class Publisher:
                 if code != OBJECT_HAS_LEASE:  # a lease is a reader's, not an outage
                     self._failed("removals", _describe(code))
                 self._again("remove", entry)
+
+
+def _log_reads(arena: Arena, fd: int, first: list[tuple[int, int]]) -> None:
+    """Append first reads to the arena's read log, as a reader does (under the log's lock,
+    only tried: an entry left out only delays when those rows may go, to their deadline)."""
+    for _ in range(100):
+        if leases.lock_byte(fd, leases.LOG, leases.WRITE):
+            break
+        time.sleep(0.0001)
+    else:
+        return
+    try:
+        tail = int(arena._log_tail[0])
+        capacity = len(arena._log)
+        for slot, generation in first:
+            entry = arena._log[tail % capacity]
+            entry["slot"] = slot
+            entry["generation"] = generation
+            tail += 1
+        arena._log_tail[0] = tail
+    finally:
+        leases.lock_byte(fd, leases.LOG, leases.UNLOCK)
