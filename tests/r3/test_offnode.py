@@ -390,3 +390,25 @@ def test_rows_read_off_node_make_way_through_the_read_channel(frontend_client, r
             assert frontend_client.is_exist(name) == 0  # the read objects are taken away
         finally:
             publisher.close()
+
+
+@pytest.mark.mooncake
+def test_this_nodes_reference_whose_arena_is_not_seen_here_reads_through_mooncake(
+    frontend, reader, monkeypatch
+) -> None:
+    """A process of this node that does not share the frontend's /dev/shm (another container)
+    reads through Mooncake; without a Mooncake config it gets ReferenceGone, as before."""
+    arena, publisher = frontend
+    want = rows(30, 12)
+    reference = arena.deliver(want)
+    assert publisher.flush()
+    monkeypatch.setattr(fmt, "path", lambda ident: f"/dev/shm/not-here-{ident.hex()}")
+    assert np.array_equal(reader.fetch([reference])[0], want)
+    assert reader.stats.offnode_references == 1 and arena.leases() == 0
+    monkeypatch.delenv(offnode.SETTING, raising=False)
+    plain = r3.Reader()
+    try:
+        with pytest.raises(r3.ReferenceGone, match="not in this node's /dev/shm"):
+            plain.fetch([reference])
+    finally:
+        plain.close()

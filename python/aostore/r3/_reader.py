@@ -499,8 +499,19 @@ class Reader:
         distinct: dict[_Key, int] = {}  # this node's
         remote: dict[_Key, int] = {}  # other nodes', read through Mooncake
         here = leases.boot_id()
+        unseen: dict[bytes, bool] = {}  # this node's arenas this process cannot see
         for index, (item, (dtype, shape, first)) in enumerate(zip(items, plans, strict=True)):
-            far.append(item.dtype.names is not None and fmt.ident(item["boot"]) != here)
+            is_far = item.dtype.names is not None and fmt.ident(item["boot"]) != here
+            if not is_far and item.dtype.names is not None and self._offnode is not None:
+                # This node's, in a /dev/shm this process does not share (another container):
+                # through Mooncake too.
+                ident = fmt.ident(item["arena"])
+                if ident not in unseen:
+                    unseen[ident] = ident not in self._arenas and not os.path.exists(
+                        fmt.path(ident)
+                    )
+                is_far = unseen[ident]
+            far.append(is_far)
             if item.dtype.names is None:
                 keys.append(None)
                 continue
