@@ -10,6 +10,7 @@ node's own references look foreign by monkeypatching ``leases.boot_id``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -412,3 +413,35 @@ def test_this_nodes_reference_whose_arena_is_not_seen_here_reads_through_mooncak
             plain.fetch([reference])
     finally:
         plain.close()
+
+
+@pytest.mark.mooncake
+def test_vllms_delivery_publishes_with_its_setting_and_an_unreachable_master_stops_it(
+    cluster, reader
+) -> None:
+    """``AOSTORE_VLLM_R3_MOONCAKE``'s config: the frontend's arena gets a publisher on a
+    client of its own, whose segment is sized from the budget; no master: start-up stops
+    with an error naming the setting, and no arena is left."""
+    from aostore.mooncake import MooncakeConfig
+    from aostore.vllm.transport.delivery import Delivery
+
+    config = MooncakeConfig.from_dict(cluster.config(key_prefix=PREFIX))
+    delivery = Delivery("reference", 1 << 20, 60.0, config)
+    arena = delivery.start()
+    try:
+        assert delivery.publisher is not None and arena.offnode is delivery.publisher
+        want = rows(12, 13)
+        reference = delivery.deliver(want)
+        assert delivery.publisher.flush() and delivery.publisher.stats.published == 1
+        assert np.array_equal(reader.fetch([elsewhere(reference)])[0], want)
+    finally:
+        delivery.publisher.close()
+        arena.close()
+    nowhere = MooncakeConfig.from_dict(
+        {**cluster.config(), "master_server_address": f"127.0.0.1:{mooncake_util.free_port()}"}
+    )
+    nowhere = dataclasses.replace(nowhere, connect_timeout_s=0.5)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(r3.OffNodeError, match="AOSTORE_VLLM_R3_MOONCAKE"):
+        Delivery("reference", 1 << 20, 60.0, nowhere).start()
+    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("aostore-r3")}

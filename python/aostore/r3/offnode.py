@@ -302,6 +302,40 @@ class PublisherStats:
     """Times Mooncake started failing (one WARNING each)."""
 
 
+MIN_SEGMENT = 16 << 20
+"""Mooncake 0.3.13.post1's ``setup`` refuses a segment under 16 MiB (-600, INVALID_PARAMS)."""
+SEGMENT_MARGIN = 1.1
+"""The frontend's segment is the arena's budget times this (each object is its rows and a
+64-byte header, in the master's allocation granularity)."""
+
+
+def connect_publisher(arena: Arena, config: MooncakeConfig, *, setting: str) -> Publisher:
+    """A publisher for ``arena`` on a Mooncake client of its own that mounts a segment sized
+    from the budget (at least ``config.global_segment_size``); ``OffNodeError`` naming
+    ``setting`` when no client can be made."""
+    import dataclasses
+    import math
+
+    from aostore.mooncake.client import connect
+
+    budget = int(arena._data.nbytes)
+    segment = -(-math.ceil(budget * SEGMENT_MARGIN) // fmt.PAGE) * fmt.PAGE
+    segment = max(config.global_segment_size, segment, MIN_SEGMENT)
+    try:
+        client = connect(dataclasses.replace(config, global_segment_size=segment))
+    except Exception as error:
+        raise errors.OffNodeError(
+            f"{setting}: no Mooncake client for publishing R3 rows (master "
+            f"{config.master_server_address}): {error}"
+        ) from None
+    try:
+        return Publisher(arena, client, prefix=config.key_prefix, close_client=True)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.close()
+        raise
+
+
 class Publisher:
     """Publishes an arena's references to Mooncake from a thread of its own.
 
@@ -319,6 +353,7 @@ class Publisher:
         prefix: str = "",
         retry: float = 1.0,
         poll: float = 1.0,
+        close_client: bool = False,
     ) -> None:
         missing = _missing_calls(client, PUBLISHER_CALLS)
         if missing:
@@ -336,6 +371,7 @@ class Publisher:
         self._config.replica_num = 1
         self._config.preferred_segment = self.segment
         self._retry = retry
+        self._close_client = close_client
         self._poll = poll  # seconds between looks at the read channel
         self._polled = time.monotonic()
         self._unread: dict[tuple[int, int], None] = {}  # published, not read off-node yet
@@ -389,6 +425,9 @@ class Publisher:
         if not self._thread.is_alive() and self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+            if self._close_client:  # its segment, and the objects in it, go with it
+                with contextlib.suppress(Exception):
+                    self._client.close()
 
     def _run(self) -> None:
         while True:

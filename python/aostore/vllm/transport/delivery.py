@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from aostore.r3 import format as r3_format
+from aostore.r3 import offnode
 from aostore.r3.arena import Arena, Reservation
 
 KEY = "aostore_r3_delivery"
@@ -51,6 +52,7 @@ MODES = ("rows", "reference")
 ENV_DELIVERY = "AOSTORE_VLLM_R3_DELIVERY"
 ENV_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
 ENV_TTL = "AOSTORE_VLLM_R3_TTL"
+ENV_MOONCAKE = "AOSTORE_VLLM_R3_MOONCAKE"
 PREFIX = "aostore_r3_"
 ATTRIBUTE = "aostore_r3"
 """The class attribute of aostore's ``RequestState`` that holds its :class:`Delivery` (None:
@@ -90,13 +92,17 @@ class FinishingRows(Protocol):
 class Delivery:
     """This process's delivery: the default mode, and the arena once a frontend starts."""
 
-    def __init__(self, default: str, budget: int, ttl: float) -> None:
+    def __init__(self, default: str, budget: int, ttl: float, mooncake: Any = None) -> None:
         if default not in MODES:
             raise ValueError(f"{ENV_DELIVERY}={default!r}: one of {', '.join(MODES)}")
         self.default = default
         self.budget = budget
         self.ttl = ttl
+        self.mooncake = mooncake
+        """A ``MooncakeConfig`` (``AOSTORE_VLLM_R3_MOONCAKE``): references are published there
+        for other nodes; None: read on this node only."""
         self.arena: Arena | None = None
+        self.publisher: offnode.Publisher | None = None
         self._lock = threading.Lock()
         self._warned = False
 
@@ -105,7 +111,16 @@ class Delivery:
         as ``aostore_r3_*`` where ``prometheus_client`` is (vLLM's ``/metrics``)."""
         with self._lock:
             if self.arena is None or self.arena.closed:
-                self.arena = Arena(self.budget, self.ttl, setting=ENV_BUDGET)
+                arena = Arena(self.budget, self.ttl, setting=ENV_BUDGET)
+                if self.mooncake is not None:
+                    try:  # an unreachable master stops start-up, naming the setting
+                        self.publisher = offnode.connect_publisher(
+                            arena, self.mooncake, setting=ENV_MOONCAKE
+                        )
+                    except BaseException:
+                        arena.close()
+                        raise
+                self.arena = arena
                 _export()
             return self.arena
 
