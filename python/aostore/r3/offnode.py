@@ -78,7 +78,13 @@ MAX_WAITING = 1 << 17
 """The most puts and removals a publisher keeps for a retry (the oldest go first)."""
 
 READER_CALLS = ("batch_get_into", "register_buffer", "unregister_buffer")
-PUBLISHER_CALLS = ("batch_put_from_multi_buffers", "batch_remove", "batch_is_exist", "get_hostname")
+PUBLISHER_CALLS = (
+    "batch_put_from_multi_buffers",
+    "batch_remove",
+    "batch_is_exist",
+    "put",
+    "get_hostname",
+)
 MARK_CALLS = ("batch_upsert_from",)
 
 
@@ -86,6 +92,12 @@ def key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
     """The Mooncake key of a reference's rows (unique: an arena's id is random, and every write
     of a slot has a new generation)."""
     return f"{prefix}aostore-r3/{arena.hex()}/{slot}/{generation}"
+
+
+def marker_key(prefix: str, arena: bytes) -> str:
+    """The arena's marker: which node and segment publish its references (hard-pinned; its
+    absence tells the publisher that the master restarted empty)."""
+    return f"{prefix}aostore-r3/{arena.hex()}/marker"
 
 
 def read_key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
@@ -290,6 +302,10 @@ class PublisherStats:
     """Objects removed (or found gone) after their slot went."""
     read_offnode: int = 0
     """References read off-node (the read channel), whose rows may now make way."""
+    restarts: int = 0
+    """Times the arena's marker was gone from Mooncake: the master restarted empty."""
+    republished: int = 0
+    """References put again after a restart."""
     remove_retries: int = 0
     """Removals put off: the object was under a reader's Mooncake lease, or the call failed."""
     pending: int = 0
@@ -375,6 +391,11 @@ class Publisher:
         self._poll = poll  # seconds between looks at the read channel
         self._polled = time.monotonic()
         self._unread: dict[tuple[int, int], None] = {}  # published, not read off-node yet
+        self._held: dict[tuple[int, int], int] = {}  # published, slot not given up: nbytes
+        self._again_put: set[tuple[int, int]] = set()  # republications under way
+        self._marked = False  # the marker is in Mooncake (as far as this publisher knows)
+        self._marker_config = replicate_config()
+        self._marker_config.with_hard_pin = True
         self._fd = leases.reopen(arena._fd)  # leases of its own, while it reads a slot
         self._cond = threading.Condition()
         self._puts: deque[tuple[int, int, int]] = deque()  # (slot, generation, nbytes)
@@ -438,7 +459,7 @@ class Publisher:
                     waits = []
                     if self._later:
                         waits.append(self._later[0][0] - time.monotonic())
-                    if self._unread:
+                    if self._held:
                         waits.append(self._polled + self._poll - time.monotonic())
                     self._cond.wait(max(0.0, min(waits)) if waits else None)
                 if self._stop:
@@ -466,9 +487,9 @@ class Publisher:
                 for slot, generation, nbytes in puts:
                     self._again("put", (slot, generation, nbytes))
             try:
-                if self._unread and time.monotonic() >= self._polled + self._poll:
+                if self._held and time.monotonic() >= self._polled + self._poll:
                     self._polled = time.monotonic()
-                    self._reads()
+                    self._look()
             except Exception as error:
                 self._failed("read channel polls", repr(error))
             try:
@@ -489,7 +510,7 @@ class Publisher:
 
     def _due(self) -> bool:
         now = time.monotonic()
-        if self._unread and now >= self._polled + self._poll:
+        if self._held and now >= self._polled + self._poll:
             return True
         return bool(self._later) and self._later[0][0] <= now
 
@@ -564,22 +585,47 @@ class Publisher:
         for entry, code in zip(entries, codes, strict=True):
             if code in (0, OBJECT_ALREADY_EXISTS):
                 self.stats.published += 1
+                if entry[:2] in self._again_put:
+                    self._again_put.discard(entry[:2])
+                    self.stats.republished += 1
                 self._unread[entry[:2]] = None
+                self._held[entry[:2]] = entry[2]
                 self._succeeded()
             else:
                 self.stats.put_failures += 1
                 self._failed("puts", _describe(code))
                 self._again("put", entry)
+        if self._held and not self._marked:
+            self._mark()
 
-    def _reads(self) -> None:
-        """Look at the read channel for every reference published and not read off-node yet;
-        mark the ones read in the arena as a reader here would (the read flag, then the read
-        log), so their rows may make way, and remove their read objects."""
+    def _look(self) -> None:
+        """One poll: the marker (gone: the master restarted empty; every reference held is put
+        again) and the read channel for every reference published and not read off-node yet:
+        the ones read are marked read in the arena as a reader here would (the read flag, then
+        the read log), so their rows may make way, and their read objects removed."""
         arena = self._arena
         unread = list(self._unread)
-        names = [read_key(self.prefix, arena.id, slot, gen) for slot, gen in unread]
+        names = [marker_key(self.prefix, arena.id)]
+        names += [read_key(self.prefix, arena.id, slot, gen) for slot, gen in unread]
         found = self._client.batch_is_exist(names)
-        read = [entry for entry, code in zip(unread, found, strict=True) if code == 1]
+        if found[0] == 0 and self._marked:
+            self.stats.restarts += 1
+            logger.warning(
+                "aostore: the Mooncake master lost this frontend's R3 objects (restarted "
+                "empty): publishing the %d references held again",
+                len(self._held),
+            )
+            with self._cond:
+                for (slot, generation), nbytes in self._held.items():
+                    self._puts.append((slot, generation, nbytes))
+                    self._again_put.add((slot, generation))
+            self._held.clear()
+            self._unread.clear()
+            self._marked = False
+            return
+        if found[0] == 0 and not self._marked:
+            self._mark()
+        read = [entry for entry, code in zip(unread, found[1:], strict=True) if code == 1]
         if not read:
             return
         first: list[tuple[int, int]] = []
@@ -599,6 +645,20 @@ class Publisher:
             _log_reads(arena, self._fd, first)
         self._unmark(read)
 
+    def _mark(self) -> None:
+        """Put the arena's marker (hard-pinned: the master never evicts it)."""
+        arena = self._arena
+        payload = json.dumps(
+            {
+                "arena": arena.id.hex(),
+                "boot": leases.boot_id().hex(),
+                "segment": self.segment,
+                "budget": int(arena._data.nbytes),
+            }
+        ).encode()
+        code = self._client.put(marker_key(self.prefix, arena.id), payload, self._marker_config)
+        self._marked = code in (0, OBJECT_ALREADY_EXISTS)
+
     def _unmark(self, read: list[tuple[int, int]]) -> None:
         """Remove read objects (retried like the rows' objects: a fresh one is under a lease)."""
         names = [read_key(self.prefix, self._arena.id, slot, gen) for slot, gen in read]
@@ -610,6 +670,8 @@ class Publisher:
     def _remove(self, removes: list[tuple[int, int]]) -> None:
         for entry in removes:
             self._unread.pop(entry, None)
+            self._held.pop(entry, None)
+            self._again_put.discard(entry)
         if not removes:
             return
         names = [key(self.prefix, self._arena.id, slot, gen) for slot, gen in removes]
