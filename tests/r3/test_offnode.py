@@ -443,6 +443,15 @@ def test_vllms_delivery_publishes_with_its_setting_and_an_unreachable_master_sto
         reference = delivery.deliver(want)
         assert delivery.publisher.flush() and delivery.publisher.stats.published == 1
         assert np.array_equal(reader.fetch([elsewhere(reference)])[0], want)
+        stats = delivery.stats()
+        assert stats is not None and stats["offnode_published"] == 1 and stats["references"] == 1
+        prometheus = pytest.importorskip("prometheus_client")
+        from aostore.metrics import register_store
+
+        registry = prometheus.CollectorRegistry()
+        register_store(lambda: delivery.stats() or {}, registry=registry, prefix="aostore_r3_")
+        assert registry.get_sample_value("aostore_r3_offnode_published_total") == 1.0
+        assert registry.get_sample_value("aostore_r3_offnode_pending") == 0.0
     finally:
         delivery.publisher.close()
         arena.close()

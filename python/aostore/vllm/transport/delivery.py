@@ -34,6 +34,7 @@ plugin undone (vLLM's class back) is delivery off, with nothing else to reset.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import logging
 import sys
 import threading
@@ -194,8 +195,15 @@ class Delivery:
             )
 
     def stats(self) -> dict[str, int] | None:
-        """The arena's figures (``Arena.stats``), or None before it starts."""
-        return None if self.arena is None else self.arena.stats()
+        """The arena's figures (``Arena.stats``) and, publishing for other nodes, the
+        publisher's (``offnode_*``); None before it starts."""
+        if self.arena is None:
+            return None
+        stats = self.arena.stats()
+        if self.publisher is not None:
+            published = dataclasses.asdict(self.publisher.stats)
+            stats |= {f"offnode_{key}": int(value) for key, value in published.items()}
+        return stats
 
 
 _exported = False
