@@ -145,6 +145,13 @@ def test_bad_keys_and_objects_read_as_reference_gone_never_as_rows(
             reader.fetch([reference, bad])
     assert reader.stats.leases == 0
     assert reader.fetch([reference])[0].shape == (20, *ROW)
+    # A reader whose config names another key_prefix (as another cluster would): no marker.
+    astray = r3.Reader(mooncake=dataclasses.replace(reader._offnode.config, key_prefix="x/"))
+    try:
+        with pytest.raises(r3.ReferenceGone, match="names another cluster"):
+            astray.fetch([reference])
+    finally:
+        astray.close()
 
 
 @pytest.mark.mooncake

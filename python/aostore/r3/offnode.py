@@ -228,10 +228,17 @@ class OffNodeReader:
             items, offsets, sizes, codes, names, strict=True
         ):
             if code == OBJECT_NOT_FOUND:
+                marker = marker_key(self.prefix, arena)
+                if client.batch_is_exist([marker])[0] == 0:
+                    raise errors.ReferenceGone(
+                        f"its rows are not in this Mooncake: it has no {marker} (the frontend "
+                        f"is gone or does not publish, or {SETTING} names another cluster "
+                        "than the frontend's, or another key_prefix)",
+                        index,
+                    )
                 raise errors.ReferenceGone(
                     f"its rows are gone: Mooncake has no {name} (the frontend gave them up, "
-                    "the master evicted or lost them, they were never published, or this "
-                    "client's master is not the frontend's cluster)",
+                    "the master evicted them, or they are not published yet)",
                     index,
                 )
             if code == INVALID_PARAMS or (code >= 0 and code != size):
