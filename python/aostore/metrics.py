@@ -127,6 +127,7 @@ COUNTERS: dict[str, str] = {
     "offnode_remove_retries": "R3 across nodes: removals put off, leased or failed (removals).",
     "offnode_dropped": "R3 across nodes: retries given up, the queue full (entries).",
     "offnode_outages": "R3 across nodes: outages of Mooncake the publisher saw (events).",
+    "offnode_misplaced": "R3 across nodes: put batches placed off this node's segment (puts).",
 }
 """``stats()`` keys exported as counters, with their help text (unit in parentheses)."""
 

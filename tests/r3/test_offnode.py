@@ -87,6 +87,7 @@ def test_another_nodes_references_read_through_mooncake_mixed_with_this_nodes(
     name = offnode.key(publisher.prefix, arena.id, int(ra["slot"]), int(ra["generation"]))
     placed = frontend_client.get_replica_desc(name)[0].get_memory_descriptor()
     assert placed.buffer_descriptor.transport_endpoint == publisher.segment
+    assert publisher.stats.misplaced == 0
     batch = [elsewhere(ra), ra, theirs, elsewhere(ra), elsewhere(rb), elsewhere(rc)]
     starts = [0, 10, 0, 2_999, 0, 4]
     want = [a, a[10:], theirs, a[2_999:], b, c[4:]]
@@ -470,3 +471,24 @@ def test_vllms_delivery_publishes_with_its_setting_and_an_unreachable_master_sto
     with pytest.raises(r3.OffNodeError, match="AOSTORE_VLLM_R3_MOONCAKE"):
         Delivery("reference", 1 << 20, 60.0, nowhere).start()
     assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("aostore-r3")}
+
+
+@pytest.mark.mooncake
+def test_a_put_the_master_places_outside_the_frontends_segment_is_counted(
+    cluster, frontend_client, caplog
+) -> None:
+    """``preferred_segment`` is a preference: a frontend whose client mounts no segment (or a
+    full one) gets its rows placed in another segment; that is counted, with one WARNING."""
+    with Arena(1 << 20, ttl=60.0) as arena:
+        bare = connect(cluster.config())  # no segment of its own
+        publisher = offnode.Publisher(arena, bare, prefix=PREFIX)
+        try:
+            arena.deliver(rows(10, 14))
+            arena.deliver(rows(10, 15))
+            assert publisher.flush() and publisher.stats.published == 2
+            assert publisher.stats.misplaced >= 1
+            said = [r for r in caplog.records if "not this frontend's" in r.getMessage()]
+            assert len(said) == 1
+        finally:
+            publisher.close()
+            bare.close()

@@ -311,6 +311,9 @@ class PublisherStats:
     """References read off-node (the read channel), whose rows may now make way."""
     restarts: int = 0
     """Times the arena's marker was gone from Mooncake: the master restarted empty."""
+    misplaced: int = 0
+    """Put batches whose first object the master placed outside this frontend's segment
+    (``preferred_segment`` is a preference: a full segment sends objects elsewhere)."""
     republished: int = 0
     """References put again after a restart."""
     remove_retries: int = 0
@@ -604,6 +607,33 @@ class Publisher:
                 self._again("put", entry)
         if self._held and not self._marked:
             self._mark()
+        placed = [name for name, code in zip(names, codes, strict=True) if code == 0]
+        if placed:
+            self._check_placement(placed[0])
+
+    def _check_placement(self, name: str) -> None:
+        """Whether the master put ``name`` in this frontend's segment (one look a batch)."""
+        describe = getattr(self._client, "get_replica_desc", None)
+        if describe is None:
+            return
+        try:
+            where = [
+                replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                for replica in describe(name)
+                if replica.is_memory_replica()
+            ]
+        except Exception:
+            return
+        if where and self.segment not in where:
+            self.stats.misplaced += 1
+            if self.stats.misplaced == 1:
+                logger.warning(
+                    "aostore: Mooncake put R3 rows in segment %s, not this frontend's (%s): "
+                    "its segment is full or unknown to the master; they cross the network "
+                    "twice and live elsewhere (counted in offnode_misplaced)",
+                    where[0],
+                    self.segment,
+                )
 
     def _look(self) -> None:
         """One poll: the marker (gone: the master restarted empty; every reference held is put
