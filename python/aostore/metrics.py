@@ -122,12 +122,13 @@ COUNTERS: dict[str, str] = {
     "offnode_gone_before_put": "R3 across nodes: references gone before their put (references).",
     "offnode_removed": "R3 across nodes: objects removed after their slot went (objects).",
     "offnode_read_offnode": "R3 across nodes: references read off-node (references).",
+    "offnode_renewed_offnode": "R3 across nodes: renewals asked off-node, applied (references).",
     "offnode_restarts": "R3 across nodes: masters found to have restarted empty (events).",
     "offnode_republished": "R3 across nodes: references put again after a restart (references).",
     "offnode_remove_retries": "R3 across nodes: removals put off, leased or failed (removals).",
     "offnode_dropped": "R3 across nodes: retries given up, the queue full (entries).",
     "offnode_outages": "R3 across nodes: outages of Mooncake the publisher saw (events).",
-    "offnode_misplaced": "R3 across nodes: put batches placed off this node's segment (puts).",
+    "offnode_misplaced": "R3 across nodes: markers placed off this node's segment (events).",
 }
 """``stats()`` keys exported as counters, with their help text (unit in parentheses)."""
 

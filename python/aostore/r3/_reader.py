@@ -573,18 +573,35 @@ class Reader:
         if not (seconds > 0 and seconds < float("inf")):
             raise ValueError(f"renew by a positive, finite number of seconds, not {seconds}")
         items = [fmt.parse(value) for value in references]
-        for item in items:
-            if item.dtype.names is not None and fmt.ident(item["boot"]) != leases.boot_id():
+        here = leases.boot_id()
+        far: dict[tuple[bytes, int, int], int] = {}  # renewed through Mooncake
+        for index, item in enumerate(items):
+            if item.dtype.names is None:
+                continue
+            ident = fmt.ident(item["arena"])
+            elsewhere = fmt.ident(item["boot"]) != here
+            if elsewhere and self._offnode is None:
                 raise errors.OtherNode(
                     "renew of a reference from another node (or an earlier boot of this one): "
-                    "renewal through Mooncake is not built yet"
+                    f"set {offnode.SETTING} (a Mooncake client config) to renew it through "
+                    "Mooncake"
                 )
+            unseen = ident not in self._arenas and not os.path.exists(fmt.path(ident))
+            if elsewhere or (self._offnode is not None and unseen):
+                far.setdefault((ident, int(item["slot"]), int(item["generation"])), index)
+        if far:
+            if self.closed:
+                raise ValueError("this reader is closed")
+            assert self._offnode is not None
+            self._offnode.renew(far, seconds)
         with self._lock:
             if self.closed:
                 raise ValueError("this reader is closed")
             self._poll()
             for index, item in enumerate(items):
                 if item.dtype.names is None:
+                    continue
+                if (fmt.ident(item["arena"]), int(item["slot"]), int(item["generation"])) in far:
                     continue
                 arena = self._open(fmt.ident(item["arena"]))
                 slot = int(item["slot"])

@@ -83,6 +83,7 @@ PUBLISHER_CALLS = (
     "batch_remove",
     "batch_is_exist",
     "put",
+    "get",
     "get_hostname",
 )
 MARK_CALLS = ("batch_upsert_from",)
@@ -104,6 +105,12 @@ def read_key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
     """The key an off-node reader puts once it has read a reference's rows: the read channel
     (Mooncake tells no one of reads), which the frontend's publisher polls."""
     return f"{prefix}aostore-r3/{arena.hex()}/read/{slot}/{generation}"
+
+
+def renew_key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
+    """The key an off-node reader puts to renew an unread reference: 8 bytes, the seconds
+    (a float64: clocks are not shared across nodes), which the publisher polls."""
+    return f"{prefix}aostore-r3/{arena.hex()}/renew/{slot}/{generation}"
 
 
 def header(arena: bytes, slot: int, generation: int, nbytes: int) -> np.ndarray:
@@ -269,6 +276,31 @@ class OffNodeReader:
             ]
         return got
 
+    def renew(self, wanted: Mapping[tuple[bytes, int, int], int], seconds: float) -> None:
+        """Ask the frontends to keep these unread references ``seconds`` more: ``ReferenceGone``
+        naming the first whose object Mooncake no longer has; the renewal object of each
+        (``batch_upsert_from``), which the frontend's publisher applies at its next poll."""
+        if not wanted:
+            return
+        client = self._connected()
+        if _missing_calls(client, (*MARK_CALLS, "batch_is_exist")):
+            raise errors.OffNodeError("this Mooncake's client cannot renew (batch_upsert_from)")
+        items = list(wanted.items())
+        names = [key(self.prefix, arena, slot, gen) for (arena, slot, gen), _ in items]
+        for (_, index), name, code in zip(items, names, client.batch_is_exist(names), strict=True):
+            if code != 1:
+                raise errors.ReferenceGone(f"its rows are gone: Mooncake has no {name}", index)
+        value = np.array([seconds], "<f8")
+        renewals = [renew_key(self.prefix, a, slot, gen) for (a, slot, gen), _ in items]
+        codes = client.batch_upsert_from(
+            renewals, [value.ctypes.data] * len(items), [value.nbytes] * len(items)
+        )
+        failed = [index for (_, index), code in zip(items, codes, strict=True) if code != 0]
+        if failed:
+            raise errors.OffNodeError(
+                f"reference {failed[0]} of the batch: Mooncake refused its renewal"
+            )
+
     def mark_read(self, keys: list[tuple[bytes, int, int, int]]) -> bool:
         """Tell the frontends that these references were read (one small object each, put
         with ``batch_upsert_from``); False when Mooncake refused any (their rows then stay
@@ -309,11 +341,13 @@ class PublisherStats:
     """Objects removed (or found gone) after their slot went."""
     read_offnode: int = 0
     """References read off-node (the read channel), whose rows may now make way."""
+    renewed_offnode: int = 0
+    """Renewals of unread references asked off-node and applied."""
     restarts: int = 0
     """Times the arena's marker was gone from Mooncake: the master restarted empty."""
     misplaced: int = 0
-    """Put batches whose first object the master placed outside this frontend's segment
-    (``preferred_segment`` is a preference: a full segment sends objects elsewhere)."""
+    """Markers the master placed outside this frontend's segment (``preferred_segment`` is a
+    preference: a segment the master does not know, or none, sends objects elsewhere)."""
     republished: int = 0
     """References put again after a restart."""
     remove_retries: int = 0
@@ -403,9 +437,12 @@ class Publisher:
         self._unread: dict[tuple[int, int], None] = {}  # published, not read off-node yet
         self._held: dict[tuple[int, int], int] = {}  # published, slot not given up: nbytes
         self._again_put: set[tuple[int, int]] = set()  # republications under way
+        self._dropping: set[tuple[str, tuple[int, int]]] = set()  # read/renewal objects
         self._marked = False  # the marker is in Mooncake (as far as this publisher knows)
         self._marker_config = replicate_config()
         self._marker_config.with_hard_pin = True
+        self._marker_config.replica_num = 1
+        self._marker_config.preferred_segment = self.segment
         self._fd = leases.reopen(arena._fd)  # leases of its own, while it reads a slot
         self._cond = threading.Condition()
         self._puts: deque[tuple[int, int, int]] = deque()  # (slot, generation, nbytes)
@@ -476,6 +513,7 @@ class Publisher:
                     return
                 puts, removes = list(self._puts), list(self._removes)
                 unmarks: list[tuple[int, int]] = []
+                unrenews: list[tuple[int, int]] = []
                 self._puts.clear()
                 self._removes.clear()
                 now = time.monotonic()
@@ -485,6 +523,8 @@ class Publisher:
                         puts.append((args[0], args[1], args[2]))
                     elif what == "unmark":
                         unmarks.append((args[0], args[1]))
+                    elif what == "unrenew":
+                        unrenews.append((args[0], args[1]))
                     else:
                         removes.append((args[0], args[1]))
                 self._busy = True
@@ -505,9 +545,13 @@ class Publisher:
             try:
                 if unmarks:
                     self._unmark(unmarks)
+                if unrenews:
+                    self._unmark(unrenews, kind="unrenew")
             except Exception:
                 for entry in unmarks:
                     self._again("unmark", entry)
+                for entry in unrenews:
+                    self._again("unrenew", entry)
             try:
                 self._remove(removes)
             except Exception as error:
@@ -607,9 +651,6 @@ class Publisher:
                 self._again("put", entry)
         if self._held and not self._marked:
             self._mark()
-        placed = [name for name, code in zip(names, codes, strict=True) if code == 0]
-        if placed:
-            self._check_placement(placed[0])
 
     def _check_placement(self, name: str) -> None:
         """Whether the master put ``name`` in this frontend's segment (one look a batch)."""
@@ -644,7 +685,9 @@ class Publisher:
         unread = list(self._unread)
         names = [marker_key(self.prefix, arena.id)]
         names += [read_key(self.prefix, arena.id, slot, gen) for slot, gen in unread]
+        names += [renew_key(self.prefix, arena.id, slot, gen) for slot, gen in unread]
         found = self._client.batch_is_exist(names)
+        renewed = [e for e, code in zip(unread, found[1 + len(unread) :], strict=True) if code == 1]
         if found[0] == 0 and self._marked:
             self.stats.restarts += 1
             logger.warning(
@@ -662,7 +705,9 @@ class Publisher:
             return
         if found[0] == 0 and not self._marked:
             self._mark()
-        read = [entry for entry, code in zip(unread, found[1:], strict=True) if code == 1]
+        if renewed:
+            self._renew(renewed)
+        read = [e for e, code in zip(unread, found[1 : 1 + len(unread)], strict=True) if code == 1]
         if not read:
             return
         first: list[tuple[int, int]] = []
@@ -693,16 +738,52 @@ class Publisher:
                 "budget": int(arena._data.nbytes),
             }
         ).encode()
-        code = self._client.put(marker_key(self.prefix, arena.id), payload, self._marker_config)
+        name = marker_key(self.prefix, arena.id)
+        code = self._client.put(name, payload, self._marker_config)
         self._marked = code in (0, OBJECT_ALREADY_EXISTS)
+        if code == 0:
+            # Where the marker went, the rows go (the same preference). Looked at on the marker
+            # alone: a look leases the object for Mooncake's lease time, which would put a
+            # row object's removal off as a read does.
+            self._check_placement(name)
 
-    def _unmark(self, read: list[tuple[int, int]]) -> None:
-        """Remove read objects (retried like the rows' objects: a fresh one is under a lease)."""
-        names = [read_key(self.prefix, self._arena.id, slot, gen) for slot, gen in read]
+    def _renew(self, renewed: list[tuple[int, int]]) -> None:
+        """Apply off-node renewals: each slot's deadline moved to at least now + the seconds
+        asked (as a reader here does), then the renewal objects removed."""
+        arena = self._arena
+        renewed = [e for e in renewed if ("unrenew", e) not in self._dropping]  # applied
+        for slot, generation in renewed:
+            raw = self._client.get(renew_key(self.prefix, arena.id, slot, generation))
+            if len(raw) != 8:
+                continue  # not a renewal aostore wrote: ignored (and removed)
+            seconds = float(np.frombuffer(raw, "<f8")[0])
+            if not (seconds > 0 and seconds < float("inf")):
+                continue
+            if not leases.lock(self._fd, slot, leases.READ):
+                continue
+            try:
+                record = arena._slots[slot]
+                if int(record["generation"]) == generation:
+                    record["deadline"] = max(float(record["deadline"]), fmt.now() + seconds)
+                    self.stats.renewed_offnode += 1
+            finally:
+                leases.lock(self._fd, slot, leases.UNLOCK)
+        self._unmark(renewed, kind="unrenew")
+
+    def _unmark(self, read: list[tuple[int, int]], kind: str = "unmark") -> None:
+        """Remove read (or renewal) objects (retried like the rows' objects: a fresh one is
+        under a lease; one retry waits for each at a time)."""
+        made = read_key if kind == "unmark" else renew_key
+        names = [made(self.prefix, self._arena.id, slot, gen) for slot, gen in read]
         codes = self._client.batch_remove(names, False)
         for entry, code in zip(read, codes, strict=True):
-            if code not in (0, OBJECT_NOT_FOUND):
-                self._again("unmark", entry)
+            if code in (0, OBJECT_NOT_FOUND):
+                self._dropping.discard((kind, entry))
+            elif (kind, entry) not in self._dropping:
+                self._dropping.add((kind, entry))
+                self._again(kind, entry)
+            else:
+                self._again(kind, entry)  # this was its retry: the next one
 
     def _remove(self, removes: list[tuple[int, int]]) -> None:
         for entry in removes:
