@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -528,3 +530,43 @@ def test_renew_off_node_moves_the_frontends_deadline_through_mooncake(
                 reader.renew([elsewhere(kept), elsewhere(lapsed)])
         finally:
             publisher.close()
+
+
+FRONTEND = """
+import atexit, json, sys
+import numpy as np
+from aostore.mooncake import MooncakeConfig
+from aostore.vllm.transport.delivery import Delivery
+
+# Registered first, so it runs last: after aostore's own exit handler.
+atexit.register(lambda: print("closed at exit:", not delivery.publisher._thread.is_alive()))
+config = MooncakeConfig.from_dict(json.loads(sys.argv[1]))
+delivery = Delivery("reference", 1 << 20, 60.0, config)
+reference = delivery.deliver(np.full((8, 46, 8), 7, np.uint8))
+assert delivery.publisher.flush()
+print(json.dumps({"arena": reference["arena"].tobytes().hex(), "slot": int(reference["slot"]),
+                  "generation": int(reference["generation"])}), flush=True)
+"""
+
+
+@pytest.mark.mooncake
+def test_a_frontend_that_exits_takes_its_objects_with_it_in_bounded_time(
+    cluster, frontend_client
+) -> None:
+    """The publisher is closed at exit (bounded: its thread stopped, its client closed), and
+    the rows it published go with the frontend (Mooncake then has none of them)."""
+    config = json.dumps(cluster.config(key_prefix=PREFIX))
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", FRONTEND, config], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.monotonic() - started < 30
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "closed at exit: True"
+    said = json.loads(lines[-2])
+    name = offnode.key(PREFIX, bytes.fromhex(said["arena"]), said["slot"], said["generation"])
+    deadline = time.monotonic() + 10.0
+    while frontend_client.is_exist(name) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert frontend_client.is_exist(name) == 0

@@ -15,6 +15,7 @@ so another output's bytes, a truncated object or a key the master no longer has 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import json
@@ -22,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -389,11 +391,22 @@ def connect_publisher(arena: Arena, config: MooncakeConfig, *, setting: str) -> 
             f"{config.master_server_address}): {error}"
         ) from None
     try:
-        return Publisher(arena, client, prefix=config.key_prefix, close_client=True)
+        publisher = Publisher(arena, client, prefix=config.key_prefix, close_client=True)
     except BaseException:
         with contextlib.suppress(Exception):
             client.close()
         raise
+    # At exit, bounded: the thread stopped, the client closed (its segment and the objects in
+    # it go with it, as the arena's rows do).
+    atexit.register(_close_at_exit, weakref.ref(publisher))
+    return publisher
+
+
+def _close_at_exit(ref: weakref.ref[Publisher]) -> None:
+    publisher = ref()
+    if publisher is not None and os.getpid() == publisher._pid:
+        with contextlib.suppress(Exception):
+            publisher.close(timeout=2.0)
 
 
 class Publisher:
@@ -432,6 +445,7 @@ class Publisher:
         self._config.preferred_segment = self.segment
         self._retry = retry
         self._close_client = close_client
+        self._pid = os.getpid()
         self._poll = poll  # seconds between looks at the read channel
         self._polled = time.monotonic()
         self._unread: dict[tuple[int, int], None] = {}  # published, not read off-node yet
