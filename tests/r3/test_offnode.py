@@ -570,3 +570,46 @@ def test_a_frontend_that_exits_takes_its_objects_with_it_in_bounded_time(
     while frontend_client.is_exist(name) != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert frontend_client.is_exist(name) == 0
+
+
+class Late:
+    """The frontend's client, whose puts take ``delay`` seconds more (a publication in
+    flight when the trainer asks)."""
+
+    def __init__(self, client: Any, delay: float) -> None:
+        self._client, self._delay = client, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def batch_put_from_multi_buffers(self, *args: Any) -> Any:
+        time.sleep(self._delay)
+        return self._client.batch_put_from_multi_buffers(*args)
+
+
+@pytest.mark.mooncake
+def test_an_off_node_read_waits_a_bounded_time_for_a_publication_in_flight(
+    cluster, frontend_client, reader
+) -> None:
+    with Arena(1 << 20, ttl=60.0) as arena:
+        publisher = offnode.Publisher(arena, Late(frontend_client, 0.0), prefix=PREFIX)
+        try:
+            arena.deliver(rows(4, 20))
+            assert publisher.flush()  # the marker is in Mooncake
+            publisher._client._delay = 0.5
+            want = rows(9, 21)
+            in_flight = arena.deliver(want)
+            started = time.monotonic()
+            assert np.array_equal(reader.fetch([elsewhere(in_flight)])[0], want)
+            assert 0.2 < time.monotonic() - started < 2.0
+            hasty = r3.Reader(mooncake=cluster.config(key_prefix=PREFIX), publish_wait=0.1)
+            try:
+                later = arena.deliver(want)
+                with pytest.raises(r3.ReferenceGone, match=r"nor within 0\.1 s"):
+                    hasty.fetch([elsewhere(later)])
+            finally:
+                hasty.close()
+            with pytest.raises(ValueError, match="finite number of seconds"):
+                r3.Reader(mooncake=cluster.config(), publish_wait=float("inf"))
+        finally:
+            publisher.close()

@@ -456,14 +456,21 @@ class Reader:
     any other user is refused. ``mooncake``: this reader's Mooncake client config (a
     ``MooncakeConfig``, a mapping or a JSON file's path; default ``AOSTORE_R3_MOONCAKE``;
     ``local_hostname`` required), for other nodes' references; without one they are
-    ``OtherNode``."""
+    ``OtherNode``. ``publish_wait``: seconds an off-node read waits for an object not in
+    Mooncake yet whose arena's marker is (its publication in flight)."""
 
-    def __init__(self, owner: int | None = None, *, mooncake: Any = None) -> None:
+    def __init__(
+        self,
+        owner: int | None = None,
+        *,
+        mooncake: Any = None,
+        publish_wait: float = offnode.PUBLISH_WAIT,
+    ) -> None:
         if owner is None:
             owner = int(os.environ.get(OWNER_ENV, os.getuid()))
         self.owner = owner
         config = offnode.reader_config(mooncake)
-        self._offnode = None if config is None else offnode.OffNodeReader(config)
+        self._offnode = None if config is None else offnode.OffNodeReader(config, wait=publish_wait)
         self._arenas: dict[bytes, _OpenArena] = {}
         self._lock = threading.RLock()
         self._polled = time.monotonic()

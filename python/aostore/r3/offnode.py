@@ -177,13 +177,23 @@ def reader_config(value: Any = None) -> MooncakeConfig | None:
         raise ValueError(f"{where}: {error}") from None
 
 
+PUBLISH_WAIT = 2.0
+"""Seconds an off-node read waits for a reference's object that is not in Mooncake yet while
+its arena's marker is (the frontend publishes; the answer may reach the trainer first)."""
+
+
 class OffNodeReader:
     """Reads references of other nodes through a Mooncake client of the reader's own
     (connected at the first read)."""
 
-    def __init__(self, config: MooncakeConfig) -> None:
+    def __init__(self, config: MooncakeConfig, *, wait: float = PUBLISH_WAIT) -> None:
+        if not (wait >= 0 and wait < float("inf")):
+            raise ValueError(f"wait is a finite number of seconds, at least 0, not {wait}")
         self.config = config
         self.prefix = config.key_prefix
+        self.wait = wait
+        """Seconds a read waits for an object its arena's marker vouches for (a publication
+        in flight) before ``ReferenceGone``."""
         self._client: Any = None
         self._mark = np.ones(8, np.uint8)  # the read channel's object
 
@@ -227,8 +237,29 @@ class OffNodeReader:
         client = self._connected()
         names = [key(self.prefix, arena, slot, gen) for (arena, slot, gen, _), _ in items]
         registered = client.register_buffer(base, total) == 0
+        waited = False
         try:
             codes = client.batch_get_into(names, [base + o for o in offsets], sizes)
+            missing = [i for i, code in enumerate(codes) if code == OBJECT_NOT_FOUND]
+            if missing and self.wait > 0:
+                # Objects whose arena's marker is there may be in flight: read them again
+                # until they come or the wait is over.
+                arenas = sorted({items[i][0][0] for i in missing})
+                markers = client.batch_is_exist([marker_key(self.prefix, a) for a in arenas])
+                known = {a for a, code in zip(arenas, markers, strict=True) if code == 1}
+                missing = [i for i in missing if items[i][0][0] in known]
+                deadline = time.monotonic() + self.wait
+                while missing and time.monotonic() < deadline:
+                    waited = True
+                    time.sleep(0.01)
+                    again = client.batch_get_into(
+                        [names[i] for i in missing],
+                        [base + offsets[i] for i in missing],
+                        [sizes[i] for i in missing],
+                    )
+                    for i, code in zip(missing, again, strict=True):
+                        codes[i] = code
+                    missing = [i for i in missing if codes[i] == OBJECT_NOT_FOUND]
         finally:
             if registered:
                 client.unregister_buffer(base)
@@ -245,9 +276,10 @@ class OffNodeReader:
                         "than the frontend's, or another key_prefix)",
                         index,
                     )
+                late = f", nor within {self.wait:g} s" if waited else ""
                 raise errors.ReferenceGone(
-                    f"its rows are gone: Mooncake has no {name} (the frontend gave them up, "
-                    "the master evicted them, or they are not published yet)",
+                    f"its rows are gone: Mooncake has no {name}{late} (the frontend gave them "
+                    "up, the master evicted them, or they are not published yet)",
                     index,
                 )
             if code == INVALID_PARAMS or (code >= 0 and code != size):
