@@ -613,3 +613,29 @@ def test_an_off_node_read_waits_a_bounded_time_for_a_publication_in_flight(
                 r3.Reader(mooncake=cluster.config(), publish_wait=float("inf"))
         finally:
             publisher.close()
+
+
+@pytest.mark.mooncake
+def test_a_slot_the_frontend_holds_for_a_moment_is_published_once_let_go(
+    frontend_client, reader
+) -> None:
+    """The publisher's lease on a slot can meet the frontend's write lock (a look at a slot it
+    then keeps): the put is tried again, not dropped as gone."""
+    with Arena(1 << 20, ttl=60.0) as arena:
+        publisher = offnode.Publisher(arena, Late(frontend_client, 0.3), prefix=PREFIX, retry=0.05)
+        frontend = leases.reopen(arena._fd)
+        try:
+            arena.deliver(rows(4, 22))  # the publisher's thread is in its put for 0.3 s
+            want = rows(6, 23)
+            reference = arena.deliver(want)
+            assert leases.lock(frontend, int(reference["slot"]), leases.WRITE)
+            time.sleep(0.6)  # the put of it met the lock
+            leases.lock(frontend, int(reference["slot"]), leases.UNLOCK)
+            deadline = time.monotonic() + 10.0
+            while publisher.stats.published < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert publisher.stats.published == 2 and publisher.stats.gone_before_put == 0
+            assert np.array_equal(reader.fetch([elsewhere(reference)])[0], want)
+        finally:
+            os.close(frontend)
+            publisher.close()

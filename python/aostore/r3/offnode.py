@@ -650,8 +650,15 @@ class Publisher:
         entries: list[tuple[int, int, int]] = []
         try:
             for slot, generation, nbytes in puts:
-                if slot in held or not leases.lock(self._fd, slot, leases.READ):
-                    self.stats.gone_before_put += 1  # being given up (or a duplicate)
+                if slot in held:
+                    continue  # the same write twice in one batch: put once
+                if not leases.lock(self._fd, slot, leases.READ):
+                    # The frontend holds the slot's lock for a moment: giving it up, or only
+                    # looking (a renewed slot is kept). Still this write's: try again later.
+                    if int(arena._slots[slot]["generation"]) == generation:
+                        self._again("put", (slot, generation, nbytes))
+                    else:
+                        self.stats.gone_before_put += 1
                     continue
                 held.append(slot)
                 record = arena._slots[slot]
