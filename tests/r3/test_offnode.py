@@ -639,3 +639,24 @@ def test_a_slot_the_frontend_holds_for_a_moment_is_published_once_let_go(
         finally:
             os.close(frontend)
             publisher.close()
+
+
+@pytest.mark.mooncake
+def test_r3_across_nodes_has_a_setting_of_its_own(tmp_path) -> None:
+    """Issue 49: ``AOSTORE_VLLM_R3_MOONCAKE`` (not the store's ``AOSTORE_VLLM_MOONCAKE``); a
+    bad one turns R3 by reference off, saying why, rather than publish nowhere."""
+    require_mooncake()  # the setting is taken only where Mooncake is installed
+    from aostore.vllm.settings import Settings
+
+    config = tmp_path / "r3.json"
+    config.write_text('{"master_server_address": "127.0.0.1:50051", "key_prefix": "m/"}')
+    env = {"AOSTORE_VLLM_R3_DELIVERY": "reference", "AOSTORE_VLLM_R3_MOONCAKE": str(config)}
+    good = Settings.from_env(env)
+    assert good.r3_delivery == "reference" and good.tier is None
+    assert good.r3_mooncake is not None and good.r3_mooncake.config.key_prefix == "m/"
+    assert "127.0.0.1:50051" in good.effective()["AOSTORE_VLLM_R3_MOONCAKE"]
+    for bad in ("/nonexistent/r3.json", str(tmp_path)):
+        settings = Settings.from_env({**env, "AOSTORE_VLLM_R3_MOONCAKE": bad})
+        assert settings.r3_delivery is None and settings.r3_mooncake is None
+        assert "AOSTORE_VLLM_R3_MOONCAKE" in settings.r3_said
+        assert "R3 off" in settings.ignored["AOSTORE_VLLM_R3_MOONCAKE"]

@@ -225,24 +225,6 @@ def test_settings_read_and_refuse_bad_values() -> None:
         assert settings.r3_delivery is None and said in settings.r3_said
 
 
-def test_r3_across_nodes_has_a_setting_of_its_own(tmp_path) -> None:
-    """Issue 49: ``AOSTORE_VLLM_R3_MOONCAKE`` (not the store's ``AOSTORE_VLLM_MOONCAKE``); a
-    bad one turns R3 by reference off, saying why, rather than publish nowhere."""
-    pytest.importorskip("mooncake", reason="Mooncake is the optional extra aostore[mooncake]")
-    config = tmp_path / "r3.json"
-    config.write_text('{"master_server_address": "127.0.0.1:50051", "key_prefix": "m/"}')
-    env = {"AOSTORE_VLLM_R3_DELIVERY": "reference", "AOSTORE_VLLM_R3_MOONCAKE": str(config)}
-    good = Settings.from_env(env)
-    assert good.r3_delivery == "reference" and good.tier is None
-    assert good.r3_mooncake is not None and good.r3_mooncake.config.key_prefix == "m/"
-    assert "127.0.0.1:50051" in good.effective()["AOSTORE_VLLM_R3_MOONCAKE"]
-    for bad in ("/nonexistent/r3.json", str(tmp_path)):
-        settings = Settings.from_env({**env, "AOSTORE_VLLM_R3_MOONCAKE": bad})
-        assert settings.r3_delivery is None and settings.r3_mooncake is None
-        assert "AOSTORE_VLLM_R3_MOONCAKE" in settings.r3_said
-        assert "R3 off" in settings.ignored["AOSTORE_VLLM_R3_MOONCAKE"]
-
-
 def test_the_rust_frontend_refuses_it_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     from aostore.vllm.plan import Plan, _r3
 
