@@ -89,6 +89,7 @@ GAUGES: dict[str, str] = {
     "bytes_held": "R3 arena: bytes of rows held, whole pages (bytes).",
     "slots_held": "R3 arena: references whose rows are held (references).",
     "leases": "R3 arena: held rows a reader leases now (references).",
+    "offnode_pending": "R3 across nodes: puts and removals waiting for Mooncake (entries).",
 }
 """``stats()`` keys exported as gauges, with their help text (unit in parentheses)."""
 
@@ -116,6 +117,18 @@ COUNTERS: dict[str, str] = {
     "expiries": "R3 arena: unread rows given up past their deadline (references).",
     "leased_when_wanted": "R3 arena: rows that could have gone but were leased (events).",
     "fallbacks": "R3 arena: requests whose rows went as rows, not fitting (requests).",
+    "offnode_published": "R3 across nodes: references put into Mooncake (references).",
+    "offnode_put_failures": "R3 across nodes: puts Mooncake failed, each retried (puts).",
+    "offnode_gone_before_put": "R3 across nodes: references gone before their put (references).",
+    "offnode_removed": "R3 across nodes: objects removed after their slot went (objects).",
+    "offnode_read_offnode": "R3 across nodes: references read off-node (references).",
+    "offnode_renewed_offnode": "R3 across nodes: renewals asked off-node, applied (references).",
+    "offnode_restarts": "R3 across nodes: masters found to have restarted empty (events).",
+    "offnode_republished": "R3 across nodes: references put again after a restart (references).",
+    "offnode_remove_retries": "R3 across nodes: removals put off, leased or failed (removals).",
+    "offnode_dropped": "R3 across nodes: retries given up, the queue full (entries).",
+    "offnode_outages": "R3 across nodes: outages of Mooncake the publisher saw (events).",
+    "offnode_misplaced": "R3 across nodes: markers placed off this node's segment (events).",
 }
 """``stats()`` keys exported as counters, with their help text (unit in parentheses)."""
 

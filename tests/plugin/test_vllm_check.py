@@ -226,6 +226,7 @@ BAD_SETTINGS = {
     "AOSTORE_VLLM_R3_BUDGET": ("abc", "1073741824 bytes (unused", "is not a size of at least"),
     "AOSTORE_VLLM_R3_TTL": ("inf", "600 s (unused", "not a positive, finite number"),
     "AOSTORE_VLLM_R3_DELIVERY": ("refrence", "off (rows in the answer)", "not rows or reference"),
+    "AOSTORE_VLLM_R3_MOONCAKE": ("/nonexistent/r3.json", "off (references are read on", "R3 off"),
 }
 
 

@@ -116,6 +116,49 @@ def test_vllms_rows_read_the_same_way_and_batches_mix_them(arena, reader) -> Non
     assert np.array_equal(batch[2], theirs)
 
 
+def test_one_batch_reads_references_of_several_arenas_and_repeats_once(arena, reader) -> None:
+    """Issue 49: one batch mixes arenas (one pass each) and vLLM's rows, in the caller's order;
+    a reference repeated is leased and read once, and given at each of its places."""
+    with Arena(1 << 20, ttl=60.0) as other:
+        a, b, theirs = rows(300, 1), rows(40, 2), rows(7, 3)
+        ra, rb = arena.deliver(a), other.deliver(b)
+        batch = [ra, wire(rb), theirs, wire(ra), rb, ra]
+        starts = [0, 5, 1, 100, 0, 299]
+        want = [a, b[5:], theirs[1:], a[100:], b, a[299:]]
+        got = reader.fetch(batch, start=starts)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+        assert reader.stats.leases == 2 and arena.leases() == 1 and other.leases() == 1
+        assert np.shares_memory(got[0], got[3]) and np.shares_memory(got[1], got[4])
+        del got
+        assert reader.stats.leases == 0 and arena.leases() == 0 and other.leases() == 0
+        out = np.full((sum(len(w) for w in want), *ROW), 255, np.uint8)
+        copied = reader.fetch(batch, start=starts, out=out)
+        assert np.array_equal(out, np.concatenate(want))
+        assert all(np.shares_memory(c, out) or not c.size for c in copied)
+        assert reader.stats.leases == 0 and arena.leases() == 0 and other.leases() == 0
+        assert reader.stats.references == 10 and reader.stats.fetches == 2
+
+
+def test_a_batch_over_arenas_takes_every_lease_or_none(arena, reader) -> None:
+    """A gone reference of one arena leaves the other arenas' references unleased and unread
+    (their rows are not the first to make way), and the error names its place."""
+    with Arena(1 << 20, ttl=60.0) as other:
+        ra, rb = arena.deliver(rows(10, 1)), other.deliver(rows(10, 2))
+        gone = rb.copy()
+        gone["generation"] += 7
+        with pytest.raises(r3.ReferenceGone, match="reference 2 of the batch") as error:
+            reader.fetch([ra, rb, gone, ra])
+        assert error.value.index == 2
+        assert reader.stats.leases == 0 and arena.leases() == 0 and other.leases() == 0
+        assert not arena._slots["read"].any() and not other._slots["read"].any()
+    ghost = ra.copy()
+    ghost["arena"] = np.frombuffer(os.urandom(16), np.uint8)
+    with pytest.raises(r3.ReferenceGone, match="reference 1 of the batch: its R3 arena is not"):
+        reader.fetch([ra, ghost])
+    assert reader.stats.leases == 0 and arena.leases() == 0
+
+
 def test_ranged_reads_start_at_a_token(arena, reader) -> None:
     want = rows(1_000, 3)
     reference = arena.deliver(want[400:], token_start=400)  # a later turn's rows
@@ -144,7 +187,7 @@ def test_bad_input_gets_a_clear_error_and_takes_no_lease(arena, reader) -> None:
             ([wire(np.array(["text"]))], r3.ForeignReference, "not routed experts"),
             ([3], TypeError, "a str .* or a numpy array"),
             (wire(reference), TypeError, "a sequence of references"),
-            ([reference, foreign], r3.MixedArenas, "2 arenas"),
+            ([reference, foreign, "not base64!"], r3.ForeignReference, "neither rows nor"),
         ]
         later = reference.copy()
         later["version"] = fmt.REFERENCE_VERSION + 1

@@ -26,7 +26,7 @@ from typing import Any, overload
 import numpy as np
 
 from .._native import copy_pages
-from . import errors, leases
+from . import errors, leases, offnode
 from . import format as fmt
 from .arena import remove_if_dead
 
@@ -53,6 +53,13 @@ class ReaderStats:
     """Slots leased now (views alive)."""
     arenas_let_go: int = 0
     """Arenas closed because their frontend was gone."""
+    offnode_references: int = 0
+    """Distinct references of other nodes read through Mooncake."""
+    offnode_bytes: int = 0
+    """Bytes read through Mooncake (headers included)."""
+    offnode_marks_failed: int = 0
+    """Batches whose reads the read channel could not tell the frontend (their rows stay
+    until their deadline)."""
 
 
 STREAM_FROM = 32 << 20
@@ -72,6 +79,8 @@ _libc.mmap.argtypes = [
 ]
 
 Run = tuple[int, int]
+_Key = tuple[bytes, int, int, int]
+"""A reference's arena, slot, generation and the bytes of its rows."""
 
 
 class _OpenArena:
@@ -441,14 +450,27 @@ class Fetched(Sequence[np.ndarray]):
 
 
 class Reader:
-    """Reads R3 rows by reference, from this node's arenas; ``aostore.r3.fetch`` uses one per
-    process. ``owner``: the uid of the frontend's user (default ``AOSTORE_R3_OWNER``, else this
-    process's): an arena's file of any other user is refused."""
+    """Reads R3 rows by reference, from this node's arenas and, with a Mooncake client
+    configured, other nodes'; ``aostore.r3.fetch`` uses one per process. ``owner``: the uid of
+    the frontend's user (default ``AOSTORE_R3_OWNER``, else this process's): an arena's file of
+    any other user is refused. ``mooncake``: this reader's Mooncake client config (a
+    ``MooncakeConfig``, a mapping or a JSON file's path; default ``AOSTORE_R3_MOONCAKE``;
+    ``local_hostname`` required), for other nodes' references; without one they are
+    ``OtherNode``. ``publish_wait``: seconds an off-node read waits for an object not in
+    Mooncake yet whose arena's marker is (its publication in flight)."""
 
-    def __init__(self, owner: int | None = None) -> None:
+    def __init__(
+        self,
+        owner: int | None = None,
+        *,
+        mooncake: Any = None,
+        publish_wait: float = offnode.PUBLISH_WAIT,
+    ) -> None:
         if owner is None:
             owner = int(os.environ.get(OWNER_ENV, os.getuid()))
         self.owner = owner
+        config = offnode.reader_config(mooncake)
+        self._offnode = None if config is None else offnode.OffNodeReader(config, wait=publish_wait)
         self._arenas: dict[bytes, _OpenArena] = {}
         self._lock = threading.RLock()
         self._polled = time.monotonic()
@@ -475,45 +497,81 @@ class Reader:
         items = [fmt.parse(value) for value in references]
         starts = self._starts(start, len(items))
         plans = [self._plan(item, first) for item, first in zip(items, starts, strict=True)]
-        arenas = {fmt.ident(item["arena"]) for item in items if item.dtype.names is not None}
-        if len(arenas) > 1:
-            raise errors.MixedArenas(
-                f"a batch with references of {len(arenas)} arenas: fetch each arena's apart"
-            )
         if out is not None:
             _check_out(out, plans)
+        # The batch's distinct references, each with its first place: a reference repeated is
+        # leased and read once, and viewed (or copied) at each of its places.
+        keys: list[_Key | None] = []
+        far: list[bool] = []  # another node's (the same key may be both: a reference moved)
+        distinct: dict[_Key, int] = {}  # this node's
+        remote: dict[_Key, int] = {}  # other nodes', read through Mooncake
+        here = leases.boot_id()
+        unseen: dict[bytes, bool] = {}  # this node's arenas this process cannot see
+        for index, (item, (dtype, shape, first)) in enumerate(zip(items, plans, strict=True)):
+            is_far = item.dtype.names is not None and fmt.ident(item["boot"]) != here
+            if not is_far and item.dtype.names is not None and self._offnode is not None:
+                # This node's, in a /dev/shm this process does not share (another container):
+                # through Mooncake too.
+                ident = fmt.ident(item["arena"])
+                if ident not in unseen:
+                    unseen[ident] = ident not in self._arenas and not os.path.exists(
+                        fmt.path(ident)
+                    )
+                is_far = unseen[ident]
+            far.append(is_far)
+            if item.dtype.names is None:
+                keys.append(None)
+                continue
+            row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+            key = (
+                fmt.ident(item["arena"]),
+                int(item["slot"]),
+                int(item["generation"]),
+                (first + shape[0]) * row,
+            )
+            keys.append(key)
+            (remote if far[-1] else distinct).setdefault(key, index)
+        got: dict[_Key, np.ndarray] = {}
+        if remote:
+            if self.closed:
+                raise ValueError("this reader is closed")
+            # Before any lease here: a failure there leaves nothing taken.
+            assert self._offnode is not None  # _plan refused them otherwise
+            got = self._offnode.read(remote)
+            self.stats.offnode_references += len(got)
+            self.stats.offnode_bytes += sum(offnode.HEADER.itemsize + k[3] for k in got)
         with self._lock:
             if self.closed:
                 raise ValueError("this reader is closed")
             self._poll()
-            arena = self._open(arenas.pop()) if arenas else None
-            taken: list[tuple[int, tuple[Run, ...]]] = []  # (slot, runs)
-            read: list[tuple[int, int]] = []
+            opened: dict[bytes, _OpenArena] = {}
+            taken: dict[_Key, tuple[Run, ...]] = {}
             try:
-                for index, item in enumerate(items):
-                    if item.dtype.names is None:
-                        continue
-                    assert arena is not None
-                    dtype, shape = fmt.rows_of(item)
-                    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-                    slot, generation = int(item["slot"]), int(item["generation"])
+                # Every lease of the batch, of every arena, before any byte is read.
+                for key, index in distinct.items():
+                    ident, slot, generation, nbytes = key
                     try:
-                        taken.append((slot, arena.take(slot, generation, nbytes)))
+                        arena = opened.get(ident)
+                        if arena is None:
+                            arena = opened[ident] = self._open(ident)
+                        taken[key] = arena.take(slot, generation, nbytes)
                     except errors.ReferenceGone as gone:
                         self.stats.misses += 1
                         raise errors.ReferenceGone(str(gone), index) from None
-                    read.append((slot, generation))
             except BaseException:
-                for slot, _ in taken:
-                    arena.give_back(slot)  # type: ignore[union-attr]
+                for ident, slot, _, _ in taken:
+                    opened[ident].give_back(slot)
                 raise
-            if arena is not None:
-                arena.mark_read(read)  # only once every lease of the batch is taken
+            for ident, arena in opened.items():
+                # Only once every lease of the batch is taken.
+                arena.mark_read([(key[1], key[2]) for key in taken if key[0] == ident])
+            if got and self._offnode is not None and not self._offnode.mark_read(list(got)):
+                self.stats.offnode_marks_failed += 1
             self.stats.fetches += 1
-            self.stats.references += len(taken)
+            self.stats.references += sum(key is not None for key in keys)
             self._count_leases()
         mappings: list[tuple[mmap.mmap, Any]] = []
-        arrays = self._read(arena, items, plans, taken, out, mappings)
+        arrays = self._read(opened, items, plans, keys, far, taken, got, out, mappings)
         return Fetched(arrays, mappings)
 
     def renew(self, references: Sequence[Any], seconds: float = DEFAULT_RENEWAL) -> None:
@@ -522,15 +580,35 @@ class Reader:
         if not (seconds > 0 and seconds < float("inf")):
             raise ValueError(f"renew by a positive, finite number of seconds, not {seconds}")
         items = [fmt.parse(value) for value in references]
-        for item in items:
-            if item.dtype.names is not None:
-                self._plan(item, None)  # another node's reference: OtherNode
+        here = leases.boot_id()
+        far: dict[tuple[bytes, int, int], int] = {}  # renewed through Mooncake
+        for index, item in enumerate(items):
+            if item.dtype.names is None:
+                continue
+            ident = fmt.ident(item["arena"])
+            elsewhere = fmt.ident(item["boot"]) != here
+            if elsewhere and self._offnode is None:
+                raise errors.OtherNode(
+                    "renew of a reference from another node (or an earlier boot of this one): "
+                    f"set {offnode.SETTING} (a Mooncake client config) to renew it through "
+                    "Mooncake"
+                )
+            unseen = ident not in self._arenas and not os.path.exists(fmt.path(ident))
+            if elsewhere or (self._offnode is not None and unseen):
+                far.setdefault((ident, int(item["slot"]), int(item["generation"])), index)
+        if far:
+            if self.closed:
+                raise ValueError("this reader is closed")
+            assert self._offnode is not None
+            self._offnode.renew(far, seconds)
         with self._lock:
             if self.closed:
                 raise ValueError("this reader is closed")
             self._poll()
             for index, item in enumerate(items):
                 if item.dtype.names is None:
+                    continue
+                if (fmt.ident(item["arena"]), int(item["slot"]), int(item["generation"])) in far:
                     continue
                 arena = self._open(fmt.ident(item["arena"]))
                 slot = int(item["slot"])
@@ -558,6 +636,8 @@ class Reader:
             for arena in self._arenas.values():
                 arena.close()
             self._arenas.clear()
+            if self._offnode is not None:
+                self._offnode.close()
 
     def _open(self, arena: bytes) -> _OpenArena:
         """The arena, opened once; ``ReferenceGone`` if its frontend is gone (and then this
@@ -600,16 +680,18 @@ class Reader:
             raise ValueError(f"{len(starts)} starts for {n} references")
         return list(starts)
 
-    @staticmethod
-    def _plan(item: np.ndarray, start: int | None) -> tuple[np.dtype[Any], tuple[int, ...], int]:
+    def _plan(
+        self, item: np.ndarray, start: int | None
+    ) -> tuple[np.dtype[Any], tuple[int, ...], int]:
         """The rows' dtype, their shape from ``start`` on, and the first row to read."""
         if item.dtype.names is None:
             dtype, shape, token_start = item.dtype, item.shape, 0
         else:
-            if fmt.ident(item["boot"]) != leases.boot_id():
+            if self._offnode is None and fmt.ident(item["boot"]) != leases.boot_id():
                 raise errors.OtherNode(
                     "a reference from another node (or an earlier boot of this one): its rows "
-                    "are in that node's shared memory"
+                    f"are in that node's shared memory; set {offnode.SETTING} (a Mooncake "
+                    "client config) to read them through Mooncake"
                 )
             dtype, shape = fmt.rows_of(item)
             token_start = int(item["token_start"])
@@ -626,20 +708,25 @@ class Reader:
 
     def _read(
         self,
-        arena: _OpenArena | None,
+        opened: dict[bytes, _OpenArena],
         items: list[np.ndarray],
         plans: list[tuple[np.dtype[Any], tuple[int, ...], int]],
-        taken: list[tuple[int, tuple[Run, ...]]],
+        keys: list[_Key | None],
+        far: list[bool],
+        taken: dict[_Key, tuple[Run, ...]],
+        got: dict[_Key, np.ndarray],
         out: np.ndarray | None,
         mappings: list[tuple[mmap.mmap, Any]],
     ) -> list[np.ndarray]:
         arrays: list[np.ndarray] = []
-        handed = 0  # leases handed to a mapping's finalizer or given back after a copy
+        mapped: dict[_Key, mmap.mmap] = {}  # each distinct reference's mapping (views)
         at = 0
         try:
-            for item, (dtype, shape, first) in zip(items, plans, strict=True):
+            for item, (dtype, shape, first), key, remote in zip(
+                items, plans, keys, far, strict=True
+            ):
                 row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
-                if item.dtype.names is None:
+                if key is None:
                     rows = item[first:]
                     if out is not None:
                         out[at : at + shape[0]] = rows
@@ -647,9 +734,18 @@ class Reader:
                     arrays.append(rows)
                     at += shape[0]
                     continue
-                assert arena is not None
-                slot, runs = taken[handed]
-                length = (first + shape[0]) * row
+                if remote:  # another node's, read through Mooncake
+                    rows = got[key][first * row : key[3]].view(dtype).reshape(shape)
+                    if out is not None:
+                        out[at : at + shape[0]] = rows
+                        rows = out[at : at + shape[0]]
+                    else:
+                        rows.flags.writeable = False
+                    arrays.append(rows)
+                    self.stats.bytes += shape[0] * row
+                    at += shape[0]
+                    continue
+                arena, runs, length = opened[key[0]], taken[key], key[3]
                 if out is not None:
                     view = out[at : at + shape[0]]
                     into = view.reshape(-1).view(np.uint8)
@@ -659,25 +755,28 @@ class Reader:
                     # 2.5x a memcpy into cache).
                     parts = _parts(arena.rows(), runs, first * row, length)
                     copy_pages(parts, len(into), into, stream=out.nbytes >= STREAM_FROM)
-                    handed += 1
-                    self._give_back(arena, slot)
                     arrays.append(view)
                 else:
-                    mapped = _map_runs(arena, runs, length)
-                    # The lease ends with the mapping: at release(), or when no view is left.
-                    finalizer = weakref.finalize(mapped, self._give_back, arena, slot)
-                    handed += 1
-                    mappings.append((mapped, finalizer))
-                    arrays.append(np.ndarray(shape, dtype, buffer=mapped, offset=first * row))
+                    region = mapped.get(key)
+                    if region is None:
+                        region = mapped[key] = _map_runs(arena, runs, length)
+                        # The lease ends with the mapping: at release(), or when no view of any
+                        # of its places is left.
+                        finalizer = weakref.finalize(region, self._give_back, arena, key[1])
+                        mappings.append((region, finalizer))
+                    arrays.append(np.ndarray(shape, dtype, buffer=region, offset=first * row))
                 self.stats.bytes += shape[0] * row
                 at += shape[0]
         except BaseException:
             # A batch that fails part way (a mapping refused: ENOMEM) keeps no lease.
             del arrays
             _end_leases(mappings)
-            for slot, _ in taken[handed:]:
-                self._give_back(arena, slot)  # type: ignore[arg-type]
             raise
+        finally:
+            # Copies' leases (and those of references not mapped before a failure) end now.
+            for key in taken:
+                if key not in mapped:
+                    self._give_back(opened[key[0]], key[1])
         with self._lock:
             self._count_leases()
         return arrays

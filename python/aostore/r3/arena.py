@@ -149,6 +149,8 @@ class Arena:
         self._books = Placement(pages, slots)
         self.counts = ArenaStats()
         self.closed = False
+        self.offnode: Any = None
+        """An ``offnode.Publisher``: told of every reference made and every slot given up."""
         # A frontend that exits without close() removes its arena too, including one whose
         # process multiprocessing ends with os._exit (vLLM's API servers); one killed leaves it
         # to the next sweep.
@@ -191,6 +193,8 @@ class Arena:
                 self.counts.fallbacks += 1
                 return None
             self.counts.references += 1
+            if self.offnode is not None:
+                self.offnode.published(written[0], self._generation, nbytes)
             return fmt.make_reference(
                 self.id, written[0], self._generation, dtype, shape, token_start
             )
@@ -271,6 +275,8 @@ class Arena:
             self._slots["generation"][slot] = self._generation
             self._books.publish(slot, deadline)
             self.counts.references += 1
+            if self.offnode is not None:
+                self.offnode.published(slot, self._generation, int(self._slots["nbytes"][slot]))
             return fmt.make_reference(
                 self.id, slot, self._generation, reservation.dtype, reservation.shape, token_start
             )
@@ -420,6 +426,8 @@ class Arena:
                 self.counts.evictions += 1
             else:
                 self.counts.expiries += 1
+            if self.offnode is not None:
+                self.offnode.given_up(slot, int(record["generation"]))
             record["generation"] = 0  # no reference matches it from here
             leases.lock(self._fd, slot, leases.UNLOCK)
             books.release(slot)

@@ -16,8 +16,15 @@ class OtherNode(R3Error):
     """A reference from another node: its rows are in that node's shared memory."""
 
 
+class OffNodeError(R3Error):
+    """Another node's reference could not be read through Mooncake: no client could be made
+    (the master does not answer, the package is missing or lacks a call aostore uses), or a read
+    failed other than by a missing object (which is ``ReferenceGone``)."""
+
+
 class MixedArenas(R3Error, ValueError):
-    """One batch with references of several arenas: fetch each arena's apart."""
+    """No longer raised: ``fetch`` reads one batch of references of any arenas (since issue
+    49). Kept so that code which catches it still imports."""
 
 
 class ReferenceGone(R3Error):

@@ -136,7 +136,12 @@ def _register(settings: Settings) -> None:
         if decision.transport:
             delivery = None
             if decision.r3_delivery is not None:
-                delivery = Delivery(decision.r3_delivery, settings.r3_budget, settings.r3_ttl)
+                delivery = Delivery(
+                    decision.r3_delivery,
+                    settings.r3_budget,
+                    settings.r3_ttl,
+                    settings.r3_mooncake.config if settings.r3_mooncake else None,
+                )
             patched = sorted({*patched, *transport.install(swap, undo, delivery)})
         if FIXED_STORE in decision.replace:
             targeted = _log.add_growth_target(store_module_logger)

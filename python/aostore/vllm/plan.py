@@ -415,9 +415,16 @@ def _r3(decision: Plan, settings: Settings) -> tuple[str | None, str]:
             f"R3 by reference refused ({asked}): {RUST_FRONTEND}=1, and vLLM's Rust frontend "
             "finishes requests where aostore cannot keep their rows"
         )
+    published = ""
+    if settings.r3_mooncake is not None:
+        published = (
+            "; published for other nodes to Mooncake master "
+            f"{settings.r3_mooncake.config.master_server_address}"
+        )
     return settings.r3_delivery, (
         f"R3 by reference on (default {settings.r3_delivery}; arena of "
-        f"{settings.r3_budget:,} bytes, unread references kept {settings.r3_ttl:g} s)"
+        f"{settings.r3_budget:,} bytes, unread references kept {settings.r3_ttl:g} s"
+        f"{published})"
     )
 
 

@@ -48,6 +48,10 @@ ENV_R3_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
 as the Mooncake tier's sizes: ``parse_size``; default ``1G``)."""
 ENV_R3_TTL = "AOSTORE_VLLM_R3_TTL"
 """Seconds an unread reference's rows are kept (default 600; a reader can renew)."""
+ENV_R3_MOONCAKE = "AOSTORE_VLLM_R3_MOONCAKE"
+"""A Mooncake client config file (``MooncakeConfig``'s keys) for R3 across nodes: the frontend
+publishes every reference's rows to Mooncake, in a segment of its own sized from the budget
+(``aostore.r3.offnode``). Its own setting: ``AOSTORE_VLLM_MOONCAKE`` is vLLM's store's tier."""
 
 R3_BUDGET = 1 << 30
 R3_TTL = 600.0
@@ -63,6 +67,7 @@ VARIABLES = (
     ENV_R3_DELIVERY,
     ENV_R3_BUDGET,
     ENV_R3_TTL,
+    ENV_R3_MOONCAKE,
 )
 PROFILES = ("fail-closed", "grow")
 
@@ -115,6 +120,9 @@ class Settings:
     r3_ttl: float = R3_TTL
     r3_said: str = ""
     """Why an R3 setting is ignored; ``""``: none is."""
+    r3_mooncake: MooncakeTier | None = None
+    """``AOSTORE_VLLM_R3_MOONCAKE``: where references are published for other nodes; ``None``:
+    unset (references are read on this node only) or ignored."""
     ignored: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Every variable whose value was not taken, with why (the switches, the prefault, the
     profile, the tier and the R3 settings alike): ``aostore vllm-check`` lists them and a
@@ -144,6 +152,13 @@ class Settings:
             ignored[ENV_MOONCAKE] = tier_said
         r3_delivery, r3_budget, r3_ttl, r3_said, r3_ignored = _r3(env)
         ignored |= r3_ignored
+        r3_mooncake, why = _config_file(ENV_R3_MOONCAKE, env.get(ENV_R3_MOONCAKE, ""), "R3 off")
+        if why:
+            ignored[ENV_R3_MOONCAKE] = why
+            if r3_delivery is not None:
+                # Not rows readable on this node only when other nodes were asked for.
+                ignored.setdefault(ENV_R3_DELIVERY, f"ignored {r3_delivery!r}: R3 off: {why}")
+                r3_delivery, r3_said = None, f"R3 by reference off: {why}"
         return cls(
             enabled=switches[ENV_DISABLE],
             profile=profile,
@@ -158,6 +173,7 @@ class Settings:
             r3_budget=r3_budget,
             r3_ttl=r3_ttl,
             r3_said=r3_said,
+            r3_mooncake=r3_mooncake,
             ignored=ignored,
             raw={name: env[name] for name in VARIABLES if name in env},
         )
@@ -179,6 +195,12 @@ class Settings:
             ENV_R3_DELIVERY: f"{delivery} by default" if delivery else "off (rows in the answer)",
             ENV_R3_BUDGET: f"{self.r3_budget} bytes{unused}",
             ENV_R3_TTL: f"{self.r3_ttl:g} s{unused}",
+            ENV_R3_MOONCAKE: (
+                f"published to Mooncake master {self.r3_mooncake.config.master_server_address}"
+                f"{unused}"
+                if self.r3_mooncake
+                else "off (references are read on this node only)"
+            ),
         }
 
 
@@ -266,13 +288,18 @@ def _mooncake(raw: str) -> tuple[MooncakeTier | None, str]:
     installed (found, not imported); nothing connects here: an unreachable master is found
     when the first store is built (``MooncakeError`` naming the setting).
     """
+    return _config_file(ENV_MOONCAKE, raw, "Mooncake tier off")
+
+
+def _config_file(name: str, raw: str, off: str) -> tuple[MooncakeTier | None, str]:
+    """A Mooncake config file's variable read and validated: (it or ``None``, what to say)."""
     value = raw.strip()
     if not value:
         return None, ""
     path = os.path.abspath(os.path.expanduser(value))
 
     def ignored(why: str) -> tuple[None, str]:
-        return None, f"ignored {ENV_MOONCAKE}={raw!r} ({why}); Mooncake tier off"
+        return None, f"ignored {name}={raw!r} ({why}); {off}"
 
     try:
         installed = importlib.util.find_spec("mooncake") is not None

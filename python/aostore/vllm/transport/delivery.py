@@ -34,6 +34,7 @@ plugin undone (vLLM's class back) is delivery off, with nothing else to reset.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import logging
 import sys
 import threading
@@ -44,6 +45,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from aostore.r3 import format as r3_format
+from aostore.r3 import offnode
 from aostore.r3.arena import Arena, Reservation
 
 KEY = "aostore_r3_delivery"
@@ -51,6 +53,7 @@ MODES = ("rows", "reference")
 ENV_DELIVERY = "AOSTORE_VLLM_R3_DELIVERY"
 ENV_BUDGET = "AOSTORE_VLLM_R3_BUDGET"
 ENV_TTL = "AOSTORE_VLLM_R3_TTL"
+ENV_MOONCAKE = "AOSTORE_VLLM_R3_MOONCAKE"
 PREFIX = "aostore_r3_"
 ATTRIBUTE = "aostore_r3"
 """The class attribute of aostore's ``RequestState`` that holds its :class:`Delivery` (None:
@@ -90,13 +93,17 @@ class FinishingRows(Protocol):
 class Delivery:
     """This process's delivery: the default mode, and the arena once a frontend starts."""
 
-    def __init__(self, default: str, budget: int, ttl: float) -> None:
+    def __init__(self, default: str, budget: int, ttl: float, mooncake: Any = None) -> None:
         if default not in MODES:
             raise ValueError(f"{ENV_DELIVERY}={default!r}: one of {', '.join(MODES)}")
         self.default = default
         self.budget = budget
         self.ttl = ttl
+        self.mooncake = mooncake
+        """A ``MooncakeConfig`` (``AOSTORE_VLLM_R3_MOONCAKE``): references are published there
+        for other nodes; None: read on this node only."""
         self.arena: Arena | None = None
+        self.publisher: offnode.Publisher | None = None
         self._lock = threading.Lock()
         self._warned = False
 
@@ -105,7 +112,16 @@ class Delivery:
         as ``aostore_r3_*`` where ``prometheus_client`` is (vLLM's ``/metrics``)."""
         with self._lock:
             if self.arena is None or self.arena.closed:
-                self.arena = Arena(self.budget, self.ttl, setting=ENV_BUDGET)
+                arena = Arena(self.budget, self.ttl, setting=ENV_BUDGET)
+                if self.mooncake is not None:
+                    try:  # an unreachable master stops start-up, naming the setting
+                        self.publisher = offnode.connect_publisher(
+                            arena, self.mooncake, setting=ENV_MOONCAKE
+                        )
+                    except BaseException:
+                        arena.close()
+                        raise
+                self.arena = arena
                 _export()
             return self.arena
 
@@ -179,8 +195,15 @@ class Delivery:
             )
 
     def stats(self) -> dict[str, int] | None:
-        """The arena's figures (``Arena.stats``), or None before it starts."""
-        return None if self.arena is None else self.arena.stats()
+        """The arena's figures (``Arena.stats``) and, publishing for other nodes, the
+        publisher's (``offnode_*``); None before it starts."""
+        if self.arena is None:
+            return None
+        stats = self.arena.stats()
+        if self.publisher is not None:
+            published = dataclasses.asdict(self.publisher.stats)
+            stats |= {f"offnode_{key}": int(value) for key, value in published.items()}
+        return stats
 
 
 _exported = False

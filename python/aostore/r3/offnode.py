@@ -1,0 +1,879 @@
+"""R3 rows across nodes through Mooncake (docs/r3-reference.md, "Across nodes").
+
+A reference stays format version 1: the Mooncake key is derived from its arena, slot and
+generation (:func:`key`), never reused. The object is a 64-byte :data:`HEADER` followed by the
+rows; a reader checks the size Mooncake returns and every header field against the reference,
+so another output's bytes, a truncated object or a key the master no longer has read as
+``ReferenceGone``, never as rows.
+
+- :class:`Publisher`, the frontend's: the arena tells it of every reference made and every slot
+  given up; its thread puts the slot's bytes (header and page runs, no copy in Python) into the
+  frontend's own segment (``preferred_segment``) and removes the object when the slot goes.
+  Failures are counted and retried, never raised into the engine.
+- :class:`OffNodeReader`, the trainer's: one ``batch_get_into`` a batch into a buffer it owns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import errors, leases
+from . import format as fmt
+
+if TYPE_CHECKING:
+    from aostore.mooncake.config import MooncakeConfig
+
+    from .arena import Arena
+
+__all__ = [
+    "HEADER",
+    "SETTING",
+    "OffNodeReader",
+    "Publisher",
+    "PublisherStats",
+    "key",
+    "reader_config",
+]
+
+logger = logging.getLogger("aostore")
+
+SETTING = "AOSTORE_R3_MOONCAKE"
+"""The reader's Mooncake client: a JSON file's path, or the JSON object itself
+(``aostore.mooncake.MooncakeConfig``'s keys; ``local_hostname`` required)."""
+
+MAGIC = b"aostore r3 rows:"  # 16 bytes, no NUL (numpy strips trailing NULs of S16)
+OBJECT_VERSION = 1
+HEADER = np.dtype(
+    [
+        ("magic", "S16"),
+        ("version", "<u4"),
+        ("reserved", "<u4"),
+        ("arena", "u1", 16),
+        ("slot", "<u8"),
+        ("generation", "<u8"),
+        ("nbytes", "<u8"),
+    ]
+)
+"""What precedes the rows in a Mooncake object: 64 bytes."""
+assert HEADER.itemsize == 64
+
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+INVALID_PARAMS = -600
+
+MAX_WAITING = 1 << 17
+"""The most puts and removals a publisher keeps for a retry (the oldest go first)."""
+
+READER_CALLS = ("batch_get_into", "register_buffer", "unregister_buffer")
+PUBLISHER_CALLS = (
+    "batch_put_from_multi_buffers",
+    "batch_remove",
+    "batch_is_exist",
+    "put",
+    "get",
+    "get_hostname",
+)
+MARK_CALLS = ("batch_upsert_from",)
+
+
+def key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
+    """The Mooncake key of a reference's rows (unique: an arena's id is random, and every write
+    of a slot has a new generation)."""
+    return f"{prefix}aostore-r3/{arena.hex()}/{slot}/{generation}"
+
+
+def marker_key(prefix: str, arena: bytes) -> str:
+    """The arena's marker: which node and segment publish its references (hard-pinned; its
+    absence tells the publisher that the master restarted empty)."""
+    return f"{prefix}aostore-r3/{arena.hex()}/marker"
+
+
+def read_key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
+    """The key an off-node reader puts once it has read a reference's rows: the read channel
+    (Mooncake tells no one of reads), which the frontend's publisher polls."""
+    return f"{prefix}aostore-r3/{arena.hex()}/read/{slot}/{generation}"
+
+
+def renew_key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
+    """The key an off-node reader puts to renew an unread reference: 8 bytes, the seconds
+    (a float64: clocks are not shared across nodes), which the publisher polls."""
+    return f"{prefix}aostore-r3/{arena.hex()}/renew/{slot}/{generation}"
+
+
+def header(arena: bytes, slot: int, generation: int, nbytes: int) -> np.ndarray:
+    made = np.zeros((), HEADER)
+    made["magic"] = MAGIC
+    made["version"] = OBJECT_VERSION
+    made["arena"] = np.frombuffer(arena, np.uint8)
+    made["slot"] = slot
+    made["generation"] = generation
+    made["nbytes"] = nbytes
+    return made
+
+
+def _describe(code: int) -> str:
+    from aostore.mooncake.client import describe_code
+
+    return describe_code(code)
+
+
+def _missing_calls(client: Any, names: tuple[str, ...]) -> list[str]:
+    return [name for name in names if not callable(getattr(client, name, None))]
+
+
+def reader_config(value: Any = None) -> MooncakeConfig | None:
+    """The reader's Mooncake config from ``value`` (a ``MooncakeConfig``, a mapping, a JSON
+    file's path) or, with None, from :data:`SETTING` (None when that is unset). A mapping or
+    file must name ``local_hostname``: a trainer's node is not the frontend's, and 127.0.0.1
+    is no default there."""
+    from aostore.mooncake.config import MooncakeConfig
+
+    if isinstance(value, MooncakeConfig):
+        return value
+    where = "Reader(mooncake=...)"
+    if value is None:
+        text = os.environ.get(SETTING, "").strip()
+        if not text:
+            return None
+        where = SETTING
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{SETTING}: not valid JSON: {error}") from None
+        else:
+            value = text
+    if not isinstance(value, Mapping):
+        try:
+            with open(value, encoding="utf-8") as file:
+                value = json.load(file)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"{where}: {value!r} is not a readable JSON file: {error}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: a Mooncake config is a JSON object")
+    if "local_hostname" not in value:
+        raise ValueError(
+            f"{where}: the reader's Mooncake config needs local_hostname (this node's address "
+            "as the cluster reaches it; no default)"
+        )
+    try:
+        return MooncakeConfig.from_dict(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+PUBLISH_WAIT = 2.0
+"""Seconds an off-node read waits for a reference's object that is not in Mooncake yet while
+its arena's marker is (the frontend publishes; the answer may reach the trainer first)."""
+
+
+class OffNodeReader:
+    """Reads references of other nodes through a Mooncake client of the reader's own
+    (connected at the first read)."""
+
+    def __init__(self, config: MooncakeConfig, *, wait: float = PUBLISH_WAIT) -> None:
+        if not (wait >= 0 and wait < float("inf")):
+            raise ValueError(f"wait is a finite number of seconds, at least 0, not {wait}")
+        self.config = config
+        self.prefix = config.key_prefix
+        self.wait = wait
+        """Seconds a read waits for an object its arena's marker vouches for (a publication
+        in flight) before ``ReferenceGone``."""
+        self._client: Any = None
+        self._mark = np.ones(8, np.uint8)  # the read channel's object
+
+    def _connected(self) -> Any:
+        if self._client is None:
+            from aostore.mooncake.client import connect
+
+            try:
+                client = connect(self.config)
+            except Exception as error:  # MooncakeError, ImportError
+                raise errors.OffNodeError(
+                    f"no Mooncake client for another node's references ({SETTING}: master "
+                    f"{self.config.master_server_address}): {error}"
+                ) from None
+            missing = _missing_calls(client, READER_CALLS)
+            if missing:
+                with contextlib.suppress(Exception):
+                    client.close()
+                raise errors.OffNodeError(
+                    f"this Mooncake's client has no {', '.join(missing)}: aostore reads other "
+                    "nodes' references with them (tested with 0.3.13.post1)"
+                )
+            self._client = client
+        return self._client
+
+    def read(self, wanted: Mapping[tuple[bytes, int, int, int], int]) -> dict[Any, np.ndarray]:
+        """The rows of each ``(arena, slot, generation, nbytes)`` (an index in its batch with
+        each, for errors), as ``uint8`` arrays of one buffer; ``ReferenceGone`` naming the
+        first whose object is gone or not its own."""
+        if not wanted:
+            return {}
+        items = list(wanted.items())
+        sizes = [HEADER.itemsize + nbytes for (_, _, _, nbytes), _ in items]
+        offsets = []
+        total = 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // 64) * 64
+        staging = np.empty(total, np.uint8)
+        base = staging.ctypes.data
+        client = self._connected()
+        names = [key(self.prefix, arena, slot, gen) for (arena, slot, gen, _), _ in items]
+        registered = client.register_buffer(base, total) == 0
+        waited = False
+        try:
+            codes = client.batch_get_into(names, [base + o for o in offsets], sizes)
+            missing = [i for i, code in enumerate(codes) if code == OBJECT_NOT_FOUND]
+            if missing and self.wait > 0:
+                # Objects whose arena's marker is there may be in flight: read them again
+                # until they come or the wait is over.
+                arenas = sorted({items[i][0][0] for i in missing})
+                markers = client.batch_is_exist([marker_key(self.prefix, a) for a in arenas])
+                known = {a for a, code in zip(arenas, markers, strict=True) if code == 1}
+                missing = [i for i in missing if items[i][0][0] in known]
+                deadline = time.monotonic() + self.wait
+                while missing and time.monotonic() < deadline:
+                    waited = True
+                    time.sleep(0.01)
+                    again = client.batch_get_into(
+                        [names[i] for i in missing],
+                        [base + offsets[i] for i in missing],
+                        [sizes[i] for i in missing],
+                    )
+                    for i, code in zip(missing, again, strict=True):
+                        codes[i] = code
+                    missing = [i for i in missing if codes[i] == OBJECT_NOT_FOUND]
+        finally:
+            if registered:
+                client.unregister_buffer(base)
+        got: dict[Any, np.ndarray] = {}
+        for ((arena, slot, generation, nbytes), index), at, size, code, name in zip(
+            items, offsets, sizes, codes, names, strict=True
+        ):
+            if code == OBJECT_NOT_FOUND:
+                marker = marker_key(self.prefix, arena)
+                if client.batch_is_exist([marker])[0] == 0:
+                    raise errors.ReferenceGone(
+                        f"its rows are not in this Mooncake: it has no {marker} (the frontend "
+                        f"is gone or does not publish, or {SETTING} names another cluster "
+                        "than the frontend's, or another key_prefix)",
+                        index,
+                    )
+                late = f", nor within {self.wait:g} s" if waited else ""
+                raise errors.ReferenceGone(
+                    f"its rows are gone: Mooncake has no {name}{late} (the frontend gave them "
+                    "up, the master evicted them, or they are not published yet)",
+                    index,
+                )
+            if code == INVALID_PARAMS or (code >= 0 and code != size):
+                raise errors.ReferenceGone(
+                    f"{name} in Mooncake is not its rows: an object of another size", index
+                )
+            if code < 0:
+                from aostore.mooncake.client import describe_code
+
+                raise errors.OffNodeError(
+                    f"reference {index} of the batch: Mooncake's read of {name} failed with "
+                    f"{describe_code(code)}"
+                )
+            found = staging[at : at + HEADER.itemsize].view(HEADER)[0]
+            if (
+                bytes(found["magic"]) != MAGIC
+                or int(found["version"]) != OBJECT_VERSION
+                or fmt.ident(found["arena"]) != arena
+                or int(found["slot"]) != slot
+                or int(found["generation"]) != generation
+                or int(found["nbytes"]) != nbytes
+            ):
+                raise errors.ReferenceGone(
+                    f"{name} in Mooncake is not its rows: another output's object", index
+                )
+            got[(arena, slot, generation, nbytes)] = staging[
+                at + HEADER.itemsize : at + HEADER.itemsize + nbytes
+            ]
+        return got
+
+    def renew(self, wanted: Mapping[tuple[bytes, int, int], int], seconds: float) -> None:
+        """Ask the frontends to keep these unread references ``seconds`` more: ``ReferenceGone``
+        naming the first whose object Mooncake no longer has; the renewal object of each
+        (``batch_upsert_from``), which the frontend's publisher applies at its next poll."""
+        if not wanted:
+            return
+        client = self._connected()
+        if _missing_calls(client, (*MARK_CALLS, "batch_is_exist")):
+            raise errors.OffNodeError("this Mooncake's client cannot renew (batch_upsert_from)")
+        items = list(wanted.items())
+        names = [key(self.prefix, arena, slot, gen) for (arena, slot, gen), _ in items]
+        for (_, index), name, code in zip(items, names, client.batch_is_exist(names), strict=True):
+            if code != 1:
+                raise errors.ReferenceGone(f"its rows are gone: Mooncake has no {name}", index)
+        value = np.array([seconds], "<f8")
+        renewals = [renew_key(self.prefix, a, slot, gen) for (a, slot, gen), _ in items]
+        codes = client.batch_upsert_from(
+            renewals, [value.ctypes.data] * len(items), [value.nbytes] * len(items)
+        )
+        failed = [index for (_, index), code in zip(items, codes, strict=True) if code != 0]
+        if failed:
+            raise errors.OffNodeError(
+                f"reference {failed[0]} of the batch: Mooncake refused its renewal"
+            )
+
+    def mark_read(self, keys: list[tuple[bytes, int, int, int]]) -> bool:
+        """Tell the frontends that these references were read (one small object each, put
+        with ``batch_upsert_from``); False when Mooncake refused any (their rows then stay
+        until their deadline, as unread ones do)."""
+        if not keys:
+            return True
+        client = self._connected()
+        if _missing_calls(client, MARK_CALLS):
+            return False
+        names = [read_key(self.prefix, arena, slot, gen) for arena, slot, gen, _ in keys]
+        mark = self._mark
+        try:
+            codes = client.batch_upsert_from(
+                names, [mark.ctypes.data] * len(names), [mark.nbytes] * len(names)
+            )
+        except Exception:
+            return False
+        return all(code == 0 for code in codes)
+
+    def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            with contextlib.suppress(Exception):
+                client.close()
+
+
+@dataclass
+class PublisherStats:
+    """What a publisher did (counters since start)."""
+
+    published: int = 0
+    """Objects put."""
+    put_failures: int = 0
+    """Puts Mooncake refused or failed (each retried until the slot goes)."""
+    gone_before_put: int = 0
+    """References whose slot went before their put."""
+    removed: int = 0
+    """Objects removed (or found gone) after their slot went."""
+    read_offnode: int = 0
+    """References read off-node (the read channel), whose rows may now make way."""
+    renewed_offnode: int = 0
+    """Renewals of unread references asked off-node and applied."""
+    restarts: int = 0
+    """Times the arena's marker was gone from Mooncake: the master restarted empty."""
+    misplaced: int = 0
+    """Markers the master placed outside this frontend's segment (``preferred_segment`` is a
+    preference: a segment the master does not know, or none, sends objects elsewhere)."""
+    republished: int = 0
+    """References put again after a restart."""
+    remove_retries: int = 0
+    """Removals put off: the object was under a reader's Mooncake lease, or the call failed."""
+    pending: int = 0
+    """Puts and removals not done yet."""
+    dropped: int = 0
+    """Retries given up because more than :data:`MAX_WAITING` waited (a put's reference is
+    then readable on its node only; a removal's object stays until the master evicts it or the
+    frontend's client closes)."""
+    outages: int = 0
+    """Times Mooncake started failing (one WARNING each)."""
+
+
+MIN_SEGMENT = 16 << 20
+"""Mooncake 0.3.13.post1's ``setup`` refuses a segment under 16 MiB (-600, INVALID_PARAMS)."""
+SEGMENT_MARGIN = 1.1
+"""The frontend's segment is the arena's budget times this (each object is its rows and a
+64-byte header, in the master's allocation granularity)."""
+
+
+def connect_publisher(arena: Arena, config: MooncakeConfig, *, setting: str) -> Publisher:
+    """A publisher for ``arena`` on a Mooncake client of its own that mounts a segment sized
+    from the budget (at least ``config.global_segment_size``); ``OffNodeError`` naming
+    ``setting`` when no client can be made."""
+    import dataclasses
+    import math
+
+    from aostore.mooncake.client import connect
+
+    budget = int(arena._data.nbytes)
+    segment = -(-math.ceil(budget * SEGMENT_MARGIN) // fmt.PAGE) * fmt.PAGE
+    segment = max(config.global_segment_size, segment, MIN_SEGMENT)
+    try:
+        client = connect(dataclasses.replace(config, global_segment_size=segment))
+    except Exception as error:
+        raise errors.OffNodeError(
+            f"{setting}: no Mooncake client for publishing R3 rows (master "
+            f"{config.master_server_address}): {error}"
+        ) from None
+    try:
+        publisher = Publisher(arena, client, prefix=config.key_prefix, close_client=True)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.close()
+        raise
+    # At exit, bounded: the thread stopped, the client closed (its segment and the objects in
+    # it go with it, as the arena's rows do).
+    atexit.register(_close_at_exit, weakref.ref(publisher))
+    return publisher
+
+
+def _close_at_exit(ref: weakref.ref[Publisher]) -> None:
+    publisher = ref()
+    if publisher is not None and os.getpid() == publisher._pid:
+        with contextlib.suppress(Exception):
+            publisher.close(timeout=2.0)
+
+
+class Publisher:
+    """Publishes an arena's references to Mooncake from a thread of its own.
+
+    ``client`` is the frontend's connected ``MooncakeDistributedStore`` with a segment mounted
+    (``global_segment_size``): objects are put there (``preferred_segment``), so they stay on
+    this node until read and go with the client. Failures never reach the arena's caller: they
+    are counted (:attr:`stats`) and retried every ``retry`` seconds, a put until it succeeds or its
+    slot goes, a removal until the object is gone (never forced)."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        client: Any,
+        *,
+        prefix: str = "",
+        retry: float = 1.0,
+        poll: float = 1.0,
+        close_client: bool = False,
+    ) -> None:
+        missing = _missing_calls(client, PUBLISHER_CALLS)
+        if missing:
+            raise errors.OffNodeError(
+                f"this Mooncake's client has no {', '.join(missing)}: aostore publishes R3 "
+                "rows with them (tested with 0.3.13.post1)"
+            )
+        replicate_config = importlib.import_module("mooncake.store").ReplicateConfig
+
+        self._arena = arena
+        self._client = client
+        self.prefix = prefix
+        self.segment = str(client.get_hostname())
+        self._config = replicate_config()
+        self._config.replica_num = 1
+        self._config.preferred_segment = self.segment
+        self._retry = retry
+        self._close_client = close_client
+        self._pid = os.getpid()
+        self._poll = poll  # seconds between looks at the read channel
+        self._polled = time.monotonic()
+        self._unread: dict[tuple[int, int], None] = {}  # published, not read off-node yet
+        self._held: dict[tuple[int, int], int] = {}  # published, slot not given up: nbytes
+        self._again_put: set[tuple[int, int]] = set()  # republications under way
+        self._dropping: set[tuple[str, tuple[int, int]]] = set()  # read/renewal objects
+        self._marked = False  # the marker is in Mooncake (as far as this publisher knows)
+        self._marker_config = replicate_config()
+        self._marker_config.with_hard_pin = True
+        self._marker_config.replica_num = 1
+        self._marker_config.preferred_segment = self.segment
+        self._fd = leases.reopen(arena._fd)  # leases of its own, while it reads a slot
+        self._cond = threading.Condition()
+        self._puts: deque[tuple[int, int, int]] = deque()  # (slot, generation, nbytes)
+        self._removes: deque[tuple[int, int]] = deque()  # (slot, generation)
+        # Retries, due in the order they were put off (one interval for all).
+        self._later: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        self._failing = False
+        self._busy = False
+        self._stop = False
+        self.stats = PublisherStats()
+        self._thread = threading.Thread(target=self._run, name="aostore-r3-publish", daemon=True)
+        self._thread.start()
+        arena.offnode = self
+
+    # Called by the arena (under its lock): cheap, never raises ---------------------------
+
+    def published(self, slot: int, generation: int, nbytes: int) -> None:
+        with self._cond:
+            self._puts.append((slot, generation, nbytes))
+            self._cond.notify()
+
+    def given_up(self, slot: int, generation: int) -> None:
+        with self._cond:
+            self._removes.append((slot, generation))
+            self._cond.notify()
+
+    # --------------------------------------------------------------------------------------
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every put and removal due has been tried (retries not waited for)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._puts or self._removes or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (bounded); the arena is no longer told."""
+        if self._arena.offnode is self:
+            self._arena.offnode = None
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if not self._thread.is_alive() and self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            if self._close_client:  # its segment, and the objects in it, go with it
+                with contextlib.suppress(Exception):
+                    self._client.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                while not (self._puts or self._removes or self._stop or self._due()):
+                    waits = []
+                    if self._later:
+                        waits.append(self._later[0][0] - time.monotonic())
+                    if self._held:
+                        waits.append(self._polled + self._poll - time.monotonic())
+                    self._cond.wait(max(0.0, min(waits)) if waits else None)
+                if self._stop:
+                    return
+                puts, removes = list(self._puts), list(self._removes)
+                unmarks: list[tuple[int, int]] = []
+                unrenews: list[tuple[int, int]] = []
+                self._puts.clear()
+                self._removes.clear()
+                now = time.monotonic()
+                while self._later and self._later[0][0] <= now:
+                    _, what, args = self._later.popleft()
+                    if what == "put":
+                        puts.append((args[0], args[1], args[2]))
+                    elif what == "unmark":
+                        unmarks.append((args[0], args[1]))
+                    elif what == "unrenew":
+                        unrenews.append((args[0], args[1]))
+                    else:
+                        removes.append((args[0], args[1]))
+                self._busy = True
+                self.stats.pending = len(self._later) + len(puts) + len(removes)
+            try:
+                self._put(puts)
+            except Exception as error:  # never raised into the engine; counted, retried
+                self.stats.put_failures += len(puts)
+                self._failed("puts", repr(error))
+                for slot, generation, nbytes in puts:
+                    self._again("put", (slot, generation, nbytes))
+            try:
+                if self._held and time.monotonic() >= self._polled + self._poll:
+                    self._polled = time.monotonic()
+                    self._look()
+            except Exception as error:
+                self._failed("read channel polls", repr(error))
+            try:
+                if unmarks:
+                    self._unmark(unmarks)
+                if unrenews:
+                    self._unmark(unrenews, kind="unrenew")
+            except Exception:
+                for entry in unmarks:
+                    self._again("unmark", entry)
+                for entry in unrenews:
+                    self._again("unrenew", entry)
+            try:
+                self._remove(removes)
+            except Exception as error:
+                self.stats.remove_retries += len(removes)
+                self._failed("removals", repr(error))
+                for slot, generation in removes:
+                    self._again("remove", (slot, generation))
+            with self._cond:
+                self.stats.pending = len(self._later)
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        if self._held and now >= self._polled + self._poll:
+            return True
+        return bool(self._later) and self._later[0][0] <= now
+
+    def _again(self, what: str, args: tuple[int, ...]) -> None:
+        with self._cond:
+            self._later.append((time.monotonic() + self._retry, what, args))
+            while len(self._later) > MAX_WAITING:
+                self._later.popleft()
+                self.stats.dropped += 1
+
+    def _failed(self, what: str, detail: str) -> None:
+        """One WARNING per outage: from the first failure to the next success."""
+        if not self._failing:
+            self._failing = True
+            self.stats.outages += 1
+            logger.warning(
+                "aostore: Mooncake refused R3 rows' %s (%s): other nodes cannot read the "
+                "references made meanwhile until a retry succeeds (every %.3g s; the engine "
+                "goes on)",
+                what,
+                detail,
+                self._retry,
+            )
+
+    def _succeeded(self) -> None:
+        if self._failing:
+            self._failing = False
+            logger.warning("aostore: Mooncake takes R3 rows again")
+
+    def _put(self, puts: list[tuple[int, int, int]]) -> None:
+        arena = self._arena
+        held: list[int] = []
+        names: list[str] = []
+        pointers: list[list[int]] = []
+        sizes: list[list[int]] = []
+        headers: list[np.ndarray] = []
+        entries: list[tuple[int, int, int]] = []
+        try:
+            for slot, generation, nbytes in puts:
+                if slot in held:
+                    continue  # the same write twice in one batch: put once
+                if not leases.lock(self._fd, slot, leases.READ):
+                    # The frontend holds the slot's lock for a moment: giving it up, or only
+                    # looking (a renewed slot is kept). Still this write's: try again later.
+                    if int(arena._slots[slot]["generation"]) == generation:
+                        self._again("put", (slot, generation, nbytes))
+                    else:
+                        self.stats.gone_before_put += 1
+                    continue
+                held.append(slot)
+                record = arena._slots[slot]
+                if int(record["generation"]) != generation:
+                    self.stats.gone_before_put += 1
+                    continue
+                made = header(arena.id, slot, generation, nbytes)
+                headers.append(made)
+                parts, part_sizes = [made.ctypes.data], [HEADER.itemsize]
+                data = arena._data.ctypes.data
+                page, left = int(record["page"]), nbytes
+                for _ in range(int(record["runs"])):
+                    if left <= 0:
+                        break
+                    pages = int(arena._runs[page]["pages"])
+                    size = min(left, pages * fmt.PAGE)
+                    parts.append(data + page * fmt.PAGE)
+                    part_sizes.append(size)
+                    left -= size
+                    page = int(arena._runs[page]["next"])
+                names.append(key(self.prefix, arena.id, slot, generation))
+                pointers.append(parts)
+                sizes.append(part_sizes)
+                entries.append((slot, generation, nbytes))
+            if not names:
+                return
+            codes = self._client.batch_put_from_multi_buffers(names, pointers, sizes, self._config)
+        finally:
+            for slot in held:
+                leases.lock(self._fd, slot, leases.UNLOCK)
+        for entry, code in zip(entries, codes, strict=True):
+            if code in (0, OBJECT_ALREADY_EXISTS):
+                self.stats.published += 1
+                if entry[:2] in self._again_put:
+                    self._again_put.discard(entry[:2])
+                    self.stats.republished += 1
+                self._unread[entry[:2]] = None
+                self._held[entry[:2]] = entry[2]
+                self._succeeded()
+            else:
+                self.stats.put_failures += 1
+                self._failed("puts", _describe(code))
+                self._again("put", entry)
+        if self._held and not self._marked:
+            self._mark()
+
+    def _check_placement(self, name: str) -> None:
+        """Whether the master put ``name`` in this frontend's segment (one look a batch)."""
+        describe = getattr(self._client, "get_replica_desc", None)
+        if describe is None:
+            return
+        try:
+            where = [
+                replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                for replica in describe(name)
+                if replica.is_memory_replica()
+            ]
+        except Exception:
+            return
+        if where and self.segment not in where:
+            self.stats.misplaced += 1
+            if self.stats.misplaced == 1:
+                logger.warning(
+                    "aostore: Mooncake put R3 rows in segment %s, not this frontend's (%s): "
+                    "its segment is full or unknown to the master; they cross the network "
+                    "twice and live elsewhere (counted in offnode_misplaced)",
+                    where[0],
+                    self.segment,
+                )
+
+    def _look(self) -> None:
+        """One poll: the marker (gone: the master restarted empty; every reference held is put
+        again) and the read channel for every reference published and not read off-node yet:
+        the ones read are marked read in the arena as a reader here would (the read flag, then
+        the read log), so their rows may make way, and their read objects removed."""
+        arena = self._arena
+        unread = list(self._unread)
+        names = [marker_key(self.prefix, arena.id)]
+        names += [read_key(self.prefix, arena.id, slot, gen) for slot, gen in unread]
+        names += [renew_key(self.prefix, arena.id, slot, gen) for slot, gen in unread]
+        found = self._client.batch_is_exist(names)
+        renewed = [e for e, code in zip(unread, found[1 + len(unread) :], strict=True) if code == 1]
+        if found[0] == 0 and self._marked:
+            self.stats.restarts += 1
+            logger.warning(
+                "aostore: the Mooncake master lost this frontend's R3 objects (restarted "
+                "empty): publishing the %d references held again",
+                len(self._held),
+            )
+            with self._cond:
+                for (slot, generation), nbytes in self._held.items():
+                    self._puts.append((slot, generation, nbytes))
+                    self._again_put.add((slot, generation))
+            self._held.clear()
+            self._unread.clear()
+            self._marked = False
+            return
+        if found[0] == 0 and not self._marked:
+            self._mark()
+        if renewed:
+            self._renew(renewed)
+        read = [e for e, code in zip(unread, found[1 : 1 + len(unread)], strict=True) if code == 1]
+        if not read:
+            return
+        first: list[tuple[int, int]] = []
+        for slot, generation in read:
+            del self._unread[(slot, generation)]
+            if not leases.lock(self._fd, slot, leases.READ):
+                continue  # being given up: nothing to mark
+            try:
+                record = arena._slots[slot]
+                if int(record["generation"]) == generation and not record["read"]:
+                    record["read"] = 1
+                    first.append((slot, generation))
+            finally:
+                leases.lock(self._fd, slot, leases.UNLOCK)
+        self.stats.read_offnode += len(read)
+        if first:
+            _log_reads(arena, self._fd, first)
+        self._unmark(read)
+
+    def _mark(self) -> None:
+        """Put the arena's marker (hard-pinned: the master never evicts it)."""
+        arena = self._arena
+        payload = json.dumps(
+            {
+                "arena": arena.id.hex(),
+                "boot": leases.boot_id().hex(),
+                "segment": self.segment,
+                "budget": int(arena._data.nbytes),
+            }
+        ).encode()
+        name = marker_key(self.prefix, arena.id)
+        code = self._client.put(name, payload, self._marker_config)
+        self._marked = code in (0, OBJECT_ALREADY_EXISTS)
+        if code == 0:
+            # Where the marker went, the rows go (the same preference). Looked at on the marker
+            # alone: a look leases the object for Mooncake's lease time, which would put a
+            # row object's removal off as a read does.
+            self._check_placement(name)
+
+    def _renew(self, renewed: list[tuple[int, int]]) -> None:
+        """Apply off-node renewals: each slot's deadline moved to at least now + the seconds
+        asked (as a reader here does), then the renewal objects removed."""
+        arena = self._arena
+        renewed = [e for e in renewed if ("unrenew", e) not in self._dropping]  # applied
+        for slot, generation in renewed:
+            raw = self._client.get(renew_key(self.prefix, arena.id, slot, generation))
+            if len(raw) != 8:
+                continue  # not a renewal aostore wrote: ignored (and removed)
+            seconds = float(np.frombuffer(raw, "<f8")[0])
+            if not (seconds > 0 and seconds < float("inf")):
+                continue
+            if not leases.lock(self._fd, slot, leases.READ):
+                continue
+            try:
+                record = arena._slots[slot]
+                if int(record["generation"]) == generation:
+                    record["deadline"] = max(float(record["deadline"]), fmt.now() + seconds)
+                    self.stats.renewed_offnode += 1
+            finally:
+                leases.lock(self._fd, slot, leases.UNLOCK)
+        self._unmark(renewed, kind="unrenew")
+
+    def _unmark(self, read: list[tuple[int, int]], kind: str = "unmark") -> None:
+        """Remove read (or renewal) objects (retried like the rows' objects: a fresh one is
+        under a lease; one retry waits for each at a time)."""
+        made = read_key if kind == "unmark" else renew_key
+        names = [made(self.prefix, self._arena.id, slot, gen) for slot, gen in read]
+        codes = self._client.batch_remove(names, False)
+        for entry, code in zip(read, codes, strict=True):
+            if code in (0, OBJECT_NOT_FOUND):
+                self._dropping.discard((kind, entry))
+            elif (kind, entry) not in self._dropping:
+                self._dropping.add((kind, entry))
+                self._again(kind, entry)
+            else:
+                self._again(kind, entry)  # this was its retry: the next one
+
+    def _remove(self, removes: list[tuple[int, int]]) -> None:
+        for entry in removes:
+            self._unread.pop(entry, None)
+            self._held.pop(entry, None)
+            self._again_put.discard(entry)
+        if not removes:
+            return
+        names = [key(self.prefix, self._arena.id, slot, gen) for slot, gen in removes]
+        codes = self._client.batch_remove(names, False)  # never forced: a read may be in flight
+        for entry, code in zip(removes, codes, strict=True):
+            if code in (0, OBJECT_NOT_FOUND):
+                self.stats.removed += 1
+            else:
+                self.stats.remove_retries += 1
+                if code != OBJECT_HAS_LEASE:  # a lease is a reader's, not an outage
+                    self._failed("removals", _describe(code))
+                self._again("remove", entry)
+
+
+def _log_reads(arena: Arena, fd: int, first: list[tuple[int, int]]) -> None:
+    """Append first reads to the arena's read log, as a reader does (under the log's lock,
+    only tried: an entry left out only delays when those rows may go, to their deadline)."""
+    for _ in range(100):
+        if leases.lock_byte(fd, leases.LOG, leases.WRITE):
+            break
+        time.sleep(0.0001)
+    else:
+        return
+    try:
+        tail = int(arena._log_tail[0])
+        capacity = len(arena._log)
+        for slot, generation in first:
+            entry = arena._log[tail % capacity]
+            entry["slot"] = slot
+            entry["generation"] = generation
+            tail += 1
+        arena._log_tail[0] = tail
+    finally:
+        leases.lock_byte(fd, leases.LOG, leases.UNLOCK)
