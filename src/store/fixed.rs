@@ -349,7 +349,7 @@ impl Allocator for FixedSlots {
 
     fn make_room(
         &mut self,
-        core: &mut Core<()>,
+        core: &Core<()>,
         placed: &Placement,
         eligible: usize,
     ) -> Result<PutReport, StoreError> {
@@ -362,7 +362,6 @@ impl Allocator for FixedSlots {
         debug_assert_eq!(reserved, Some(num_slots), "reserve_room predicts every growth");
         self.map_slots(num_slots)?;
         self.num_slots = num_slots;
-        core.counters.growths += 1;
         Ok(PutReport { grown_to: Some(num_slots) })
     }
 

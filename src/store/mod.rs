@@ -100,10 +100,11 @@ mod sealed {
         fn charges(&self) -> Self::Charge;
         /// The refusal of a batch that does not fit.
         fn refusal(&self) -> StoreError;
-        /// Too few eligible keys for unit charges: grow (then all eligible go) or refuse.
+        /// Too few eligible keys for unit charges: grow (then all eligible go) or refuse. The
+        /// core counts a growth the report names.
         fn make_room(
             &mut self,
-            core: &mut Core<Self::Meta>,
+            core: &Core<Self::Meta>,
             placed: &Placement,
             eligible: usize,
         ) -> Result<Self::Report, StoreError>;
@@ -235,6 +236,9 @@ impl<A: Allocator> Store<A> {
             let eligible = placed.older + s.released.len();
             let chosen = if A::Charge::UNIT && eligible < need {
                 alloc.make_room(core, &placed, eligible).map(|grown| {
+                    if A::grown_to(&grown).is_some() {
+                        core.counters.growths += 1;
+                    }
                     report = grown;
                     core.take_victims(s, placed.older, eligible, &charge);
                 })

@@ -369,7 +369,7 @@ impl Allocator for ChunkChains {
         StoreError::CannotRetainBytes { limit: self.capacity_bytes() }
     }
 
-    fn make_room(&mut self, _: &mut Core<u32>, _: &Placement, _: usize) -> Result<(), StoreError> {
+    fn make_room(&mut self, _: &Core<u32>, _: &Placement, _: usize) -> Result<(), StoreError> {
         Err(self.refusal())
     }
 
