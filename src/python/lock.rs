@@ -119,17 +119,11 @@ pub(crate) fn detach<T: Send>(py: Python<'_>, f: impl Send + FnOnce(Unattached) 
 }
 
 /// A mutex that a thread holding the GIL never blocks on (tokenizers' `DetachedRwLock` is the
-/// model): with the GIL, `lock` tries, spins briefly, then releases the GIL to wait; without
-/// it, `lock_unattached` asks for the proof. So no holder can wait for the GIL while a thread
-/// with the GIL waits for it. A holder must still not run Python under it.
+/// model): with the GIL, `lock` tries, spins briefly, then waits with the GIL released for the
+/// lock to come free, without keeping it, and tries again with the GIL; without the GIL,
+/// `lock_unattached` asks for the proof. So no holder ever waits for the GIL, and a thread
+/// with the GIL never waits for a holder. A holder must still not run Python under it.
 pub(crate) struct DetachedMutex<T>(Mutex<T>);
-
-/// A guard crossing `py.detach`, which runs its closure on this same thread.
-struct SameThread<G>(G);
-
-// SAFETY: `py.detach` runs the closure on the calling thread and returns there: the guard is
-// made, and later dropped, on one thread.
-unsafe impl<G> Send for SameThread<G> {}
 
 /// `try_lock`s before the GIL is released to wait: the holders keep it for microseconds, and
 /// getting a released GIL back can cost a switch interval (5 ms).
@@ -140,15 +134,19 @@ impl<T: Send> DetachedMutex<T> {
         Self(Mutex::new(value))
     }
 
-    /// Takes the lock from a thread holding the GIL, released if it must wait.
+    /// Takes the lock from a thread holding the GIL, which it releases if it must wait.
     pub(crate) fn lock(&self, py: Python<'_>) -> MutexGuard<'_, T> {
-        for _ in 0..SPINS {
-            if let Some(guard) = self.try_lock() {
-                return guard;
+        loop {
+            for _ in 0..SPINS {
+                if let Some(guard) = self.try_lock() {
+                    return guard;
+                }
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
+            // Not kept across getting the GIL back: a holder waiting for the GIL would deadlock
+            // with a GIL holder waiting for this lock.
+            py.detach(|| drop(self.0.lock()));
         }
-        py.detach(|| SameThread(self.0.lock().unwrap_or_else(PoisonError::into_inner))).0
     }
 
     /// Takes the lock where the GIL is not held.
