@@ -1,4 +1,5 @@
-"""T16 (SPEC 10): R3 into the trainer's layout, aostore's one call against the framework's path.
+"""T16 (docs/performance.md): R3 into the trainer's layout, aostore's one call against the
+framework's path.
 
 A batch of W3 samples (GLM-4.5-Air rows, 46 x 8 uint8; 16 prompts of 200-1,200 tokens x 8
 samples with outputs of 1k-16k tokens, seeded) into verl's padded int16 layout

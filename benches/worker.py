@@ -767,8 +767,8 @@ def report(runs: list[dict[str, Any]], w3: bool = True) -> dict[str, Any]:
     if t12["per_block"]:
         t12["ratio"] = statistics.median(b["ratio"] for b in t12["per_block"])
         t12["p50_us"] = statistics.median(b["dataplane_p50_us"] for b in t12["per_block"])
-        # SPEC T12's p50 bound (0.5 ms) is W3's; on vLLM's scheduler metadata (about four
-        # times W3's tokens a step: drafts) the target is the ratio (the 0.34.0 issue, item 4).
+        # T12's p50 bound (0.5 ms, docs/workloads.md) is W3's; on vLLM's scheduler metadata
+        # (about four times W3's tokens a step: drafts) the target is the ratio.
         t12["p50_bound"] = w3
         t12["met"] = t12["ratio"] <= 0.25 and (not w3 or t12["p50_us"] <= 500)
     return {

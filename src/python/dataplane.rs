@@ -6,7 +6,7 @@
 //! (copied at hand-over); the rows and counts are read in `process_output` only.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyTypeError, PyValueError};
@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 use pyo3::PyTraverseError;
 
+use super::lock::{detach, DetachedMutex, Unattached};
 use super::writer::{NativeWriter, Refusal};
 use crate::dataplane::{
     Capture, DataPlane, EmittedRows, PlaneConfig, PlaneError, Processed, Publication,
@@ -28,6 +29,7 @@ struct WriterSink<'a> {
     writer: &'a NativeWriter,
     /// A Python caller's argument error is latched: the writer takes nothing more.
     input_failed: bool,
+    unattached: Unattached,
 }
 
 impl Sink for WriterSink<'_> {
@@ -37,21 +39,21 @@ impl Sink for WriterSink<'_> {
         if self.input_failed {
             return Err(Refusal::Failed);
         }
-        self.writer.hand_over(publication)
+        self.writer.hand_over(publication, self.unattached)
     }
 
     fn get_concatenated(&mut self, keys: &[&str], out: &mut Vec<u8>) -> Result<(), Refusal> {
         if self.input_failed {
             return Err(Refusal::Failed);
         }
-        self.writer.read_detached(keys, out)
+        self.writer.read_detached(keys, out, self.unattached)
     }
 }
 
 /// The data plane of one `AuxOutputWorkerConnector` (see `aostore.vllm.dataplane`).
 #[pyclass(module = "aostore._native", frozen, name = "NativeDataPlane")]
 pub struct NativeDataPlane {
-    plane: Mutex<DataPlane>,
+    plane: DetachedMutex<DataPlane>,
     writer: Py<NativeWriter>,
     /// vLLM's `AuxRequestOutput`.
     output_class: Py<PyAny>,
@@ -72,7 +74,8 @@ pub struct NativeDataPlane {
     steps: AtomicU64,
     outputs: AtomicU64,
     /// The type of vLLM's emit cursor once a step set it, and how to make one (touched only
-    /// with the GIL held, never with the plane's lock).
+    /// with the GIL held, never with the plane's lock). A plain mutex: only GIL holders take
+    /// it and none runs Python or lets the GIL go while holding it, so it is never contended.
     cursor: Mutex<Option<CursorType>>,
 }
 
@@ -146,10 +149,6 @@ unsafe fn numpy_integer<'py>(
 }
 
 impl NativeDataPlane {
-    fn lock(&self) -> MutexGuard<'_, DataPlane> {
-        self.plane.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// Runs `f` on the plane with the writer as its sink, under the lock, GIL released.
     fn with_plane<T: Send>(
         &self,
@@ -161,9 +160,9 @@ impl NativeDataPlane {
         // held by a parent thread that no longer exists: refuse before taking it.
         writer.ensure_same_process()?;
         let input_failed = writer.input_failed(py);
-        let result = py.detach(|| {
-            let mut sink = WriterSink { writer, input_failed };
-            f(&mut self.lock(), &mut sink)
+        let result = detach(py, |unattached| {
+            let mut sink = WriterSink { writer, input_failed, unattached };
+            f(&mut self.plane.lock_unattached(unattached), &mut sink)
         });
         result.map_err(|error| plane_error(py, writer, error))
     }
@@ -384,7 +383,7 @@ impl NativeDataPlane {
         let plane = DataPlane::new(config).map_err(PyValueError::new_err)?;
         let plain_output = plain_dataclass(output_class)?;
         Ok(Self {
-            plane: Mutex::new(plane),
+            plane: DetachedMutex::new(plane),
             writer: writer.clone().unbind(),
             output_class: output_class.clone().unbind(),
             plain_output,
@@ -493,7 +492,7 @@ impl NativeDataPlane {
     /// `close()`: nothing stays in flight; the connector closes its store itself.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.writer.get().ensure_same_process()?;
-        py.detach(|| self.lock().close());
+        detach(py, |unattached| self.plane.lock_unattached(unattached).close());
         Ok(())
     }
 
@@ -512,8 +511,8 @@ impl NativeDataPlane {
     /// Requests the plane tracks, steps in flight and free staging slots (for tests).
     fn counts(&self, py: Python<'_>) -> PyResult<(usize, usize, usize)> {
         self.writer.get().ensure_same_process()?;
-        Ok(py.detach(|| {
-            let plane = self.lock();
+        Ok(detach(py, |unattached| {
+            let plane = self.plane.lock_unattached(unattached);
             (plane.num_requests(), plane.steps_in_flight(), plane.free_slots())
         }))
     }

@@ -1,14 +1,18 @@
-//! The lock in front of a store's core, shared by both native stores.
+//! The locks of the binding: `StoreLock` in front of a store's core, shared by both native
+//! stores, and `DetachedMutex` for state that threads without the GIL share.
 //!
-//! It is taken only with the GIL released, so a thread holding it can always get the GIL back.
+//! The store lock is taken only with the GIL released, so a thread holding it can always get the GIL back.
 //! The one exception is a victim policy, which runs Python while the lock is held; two rules
 //! keep that from deadlocking: a policy that calls back into its own store (same thread) gets
 //! an error at once, and a thread that waits while a policy callback holds the lock gives up
 //! after `POLICY_WAIT_LIMIT` (the callback may be waiting for that very thread).
 
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
+
+use pyo3::Python;
 
 use crate::error::StoreError;
 
@@ -92,6 +96,70 @@ impl<'a, T> StoreLock<'a, T> {
                 }
             }
             last = now;
+        }
+    }
+}
+
+/// Proof that this thread does not hold the GIL: given by `detach` to the code it runs with the
+/// GIL released, or by `Unattached::native_thread` on a thread that never attaches to Python.
+/// Not `Send`, so it cannot be carried out of the place that made it.
+#[derive(Clone, Copy)]
+pub(crate) struct Unattached(PhantomData<*const ()>);
+
+impl Unattached {
+    /// For a thread the crate started that never attaches to Python (the writer's).
+    pub(crate) fn native_thread() -> Self {
+        Self(PhantomData)
+    }
+}
+
+/// `py.detach(f)`, with the proof that `f` runs without the GIL.
+pub(crate) fn detach<T: Send>(py: Python<'_>, f: impl Send + FnOnce(Unattached) -> T) -> T {
+    py.detach(|| f(Unattached(PhantomData)))
+}
+
+/// A mutex that a thread holding the GIL never blocks on (tokenizers' `DetachedRwLock` is the
+/// model): with the GIL, `lock` tries, spins briefly, then waits with the GIL released for the
+/// lock to come free, without keeping it, and tries again with the GIL; without the GIL,
+/// `lock_unattached` asks for the proof. So no holder ever waits for the GIL, and a thread
+/// with the GIL never waits for a holder. A holder must still not run Python under it.
+pub(crate) struct DetachedMutex<T>(Mutex<T>);
+
+/// `try_lock`s before the GIL is released to wait: the holders keep it for microseconds, and
+/// getting a released GIL back can cost a switch interval (5 ms).
+const SPINS: usize = 64;
+
+impl<T: Send> DetachedMutex<T> {
+    pub(crate) const fn new(value: T) -> Self {
+        Self(Mutex::new(value))
+    }
+
+    /// Takes the lock from a thread holding the GIL, which it releases if it must wait.
+    pub(crate) fn lock(&self, py: Python<'_>) -> MutexGuard<'_, T> {
+        loop {
+            for _ in 0..SPINS {
+                if let Some(guard) = self.try_lock() {
+                    return guard;
+                }
+                std::hint::spin_loop();
+            }
+            // Not kept across getting the GIL back: a holder waiting for the GIL would deadlock
+            // with a GIL holder waiting for this lock.
+            py.detach(|| drop(self.0.lock()));
+        }
+    }
+
+    /// Takes the lock where the GIL is not held.
+    pub(crate) fn lock_unattached(&self, _: Unattached) -> MutexGuard<'_, T> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The lock if it is free now (`__traverse__`, a forked child's drop: they must not block).
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        match self.0.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
         }
     }
 }

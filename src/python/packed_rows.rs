@@ -17,9 +17,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyType};
+use pyo3::PyTraverseError;
 
 use super::row_pages::{bytes_of, ndarray, RowPages};
 use super::step_rows::StepRowsSpan;
@@ -82,6 +84,20 @@ impl PackedRows {
             output.bind(py).setattr(intern!(py, "routed_experts"), rows)?;
         }
         Ok(())
+    }
+
+    // The outputs may hold this object (a caller may keep it on one).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.frame)?;
+        for (output, rows) in &self.taken {
+            visit.call(output)?;
+            visit.call(rows)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.taken.clear();
     }
 }
 

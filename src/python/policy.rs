@@ -142,6 +142,7 @@ unsafe impl Send for CandidateWalk {}
 /// The lazy iterable of eligible keys given to `select_victims`, oldest first.
 #[pyclass(module = "aostore._native", frozen, name = "VictimCandidates")]
 pub(crate) struct CandidateKeys {
+    /// A plain mutex: taken only with the GIL held, and no Python runs while it is held.
     walk: Mutex<Option<CandidateWalk>>,
 }
 

@@ -9,9 +9,11 @@
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
+use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
+use pyo3::PyTraverseError;
 
 use super::holds_objects;
 
@@ -339,6 +341,21 @@ impl RowPages {
     #[getter]
     fn row(&self) -> usize {
         self.row
+    }
+
+    // Its pages cannot reach it; its dtype is the caller's object, which might.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for page in &self.pages {
+            visit.call(page)?;
+        }
+        if let Some(dtype) = &self.dtype {
+            visit.call(dtype)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        *self = Self::new();
     }
 }
 

@@ -23,6 +23,7 @@ use pyo3::PyTraverseError;
 
 use super::gather::RawBytes;
 use super::gather::{batch_views, Gathered, OwnedViews, Owners};
+use super::lock::{detach, DetachedMutex, Unattached};
 use super::variable::NativeVariableStore;
 use super::{fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore};
 use crate::dataplane::Publication;
@@ -62,7 +63,8 @@ struct State {
 }
 
 struct Shared {
-    state: Mutex<State>,
+    /// Taken by the writer thread (never attached) and by callers with or without the GIL.
+    state: DetachedMutex<State>,
     /// Signalled when a job is queued or the writer must stop.
     work: Condvar,
     /// Signalled when a job finishes or `close()` does.
@@ -80,13 +82,9 @@ struct Shared {
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// Finished jobs and growths, taken under the lock and dropped after it.
-    fn take_done(&self) -> (Vec<Job>, Vec<usize>) {
-        let mut state = self.lock();
+    fn take_done(&self, py: Python<'_>) -> (Vec<Job>, Vec<usize>) {
+        let mut state = self.state.lock(py);
         (std::mem::take(&mut state.done), std::mem::take(&mut state.growths))
     }
 }
@@ -122,7 +120,7 @@ pub struct NativeWriter {
     store: Py<PyAny>,
     /// The fixed store's object size, for `put_blocks`; `None` for the variable store.
     object_nbytes: Option<usize>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: DetachedMutex<Option<JoinHandle<()>>>,
     /// An argument error from a caller's thread, latched; touched only with the GIL.
     input_error: PyOnceLock<Py<PyBaseException>>,
     /// `fork_generation()` at construction: in a forked child the thread does not exist.
@@ -145,10 +143,11 @@ pub(crate) enum Refusal {
 }
 
 fn run(shared: &Arc<Shared>, core: &dyn Target) {
+    let unattached = Unattached::native_thread();
     crate::sched::yield_to_running_threads();
     loop {
         let (views, skip) = {
-            let mut state = shared.lock();
+            let mut state = shared.state.lock_unattached(unattached);
             let idle_since = Instant::now();
             loop {
                 if let Some(Job { views, owners }) = state.queue.pop_front() {
@@ -171,7 +170,7 @@ fn run(shared: &Arc<Shared>, core: &dyn Target) {
         } else {
             Some(std::panic::catch_unwind(AssertUnwindSafe(|| apply(core, &views))))
         };
-        let mut state = shared.lock();
+        let mut state = shared.state.lock_unattached(unattached);
         match outcome {
             Some(Ok(Ok(Some(num_slots)))) => state.growths.push(num_slots),
             Some(Ok(Err(error))) => {
@@ -297,11 +296,11 @@ extern "C" fn release_done(arg: *mut c_void) -> c_int {
         return 0;
     }
     shared.release_scheduled.store(false, Ordering::Release);
-    let (done, growths) = shared.take_done();
+    // SAFETY: pending calls run with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    let (done, growths) = shared.take_done(py);
     drop(done);
     if !growths.is_empty() {
-        // SAFETY: pending calls run with the GIL held.
-        let py = unsafe { Python::assume_attached() };
         for num_slots in growths {
             log_growth(py, num_slots);
         }
@@ -323,7 +322,7 @@ impl NativeWriter {
 
     /// Drops finished jobs and logs growths; needs the GIL, which every caller holds.
     fn collect(&self, py: Python<'_>) {
-        self.drop_finished(py, self.shared.take_done());
+        self.drop_finished(py, self.shared.take_done(py));
     }
 
     fn drop_finished(&self, py: Python<'_>, (done, growths): (Vec<Job>, Vec<usize>)) {
@@ -339,7 +338,7 @@ impl NativeWriter {
             Some(PyErr::from_value(error.bind(py).clone().into_any()))
         } else {
             let (error, panic) = {
-                let state = self.shared.lock();
+                let state = self.shared.state.lock(py);
                 (state.error.clone(), state.panic.clone())
             };
             match (error, panic) {
@@ -363,9 +362,8 @@ impl NativeWriter {
     fn enqueue(&self, py: Python<'_>, job: Job) -> PyResult<()> {
         let shared = &self.shared;
         let input_failed = self.input_error.get(py).is_some();
-        // Hand over with the GIL held: no holder of this lock waits for the GIL, so this cannot
-        // deadlock; checks, drops and hand-over share this one lock a put.
-        let mut state = shared.lock();
+        // Checks, drops and hand-over share this one lock a put.
+        let mut state = shared.state.lock(py);
         let finished = (std::mem::take(&mut state.done), std::mem::take(&mut state.growths));
         let refused = if state.closing {
             Some(Err(closed_error()))
@@ -398,9 +396,11 @@ impl NativeWriter {
         drop(state);
         self.drop_finished(py, finished);
         let job = {
-            let mut state = shared.lock();
+            let mut state = shared.state.lock(py);
             // Full: the writer frees a place without the GIL, so wait briefly with it held;
-            // getting a released GIL back can cost a whole switch interval (5 ms).
+            // getting a released GIL back can cost a whole switch interval (5 ms). The one wait
+            // on this lock with the GIL: the condvar takes it back from a holder that never
+            // waits for the GIL (the writer thread, or a caller for microseconds).
             shared.work.notify_one();
             let deadline = Instant::now() + FULL_QUEUE_WAIT_WITH_GIL;
             while state.queue.len() >= shared.capacity && !state.closing {
@@ -428,8 +428,8 @@ impl NativeWriter {
             job
         };
         // Full: wait with the GIL released; a refused job comes back and is dropped with the GIL.
-        let refused = py.detach(move || {
-            let mut state = shared.lock();
+        let refused = detach(py, move |unattached| {
+            let mut state = shared.state.lock_unattached(unattached);
             while state.queue.len() >= shared.capacity && !state.closing {
                 state = shared.finished.wait(state).unwrap_or_else(PoisonError::into_inner);
             }
@@ -459,13 +459,13 @@ impl NativeWriter {
     }
 
     fn wait_idle(&self, py: Python<'_>) {
-        py.detach(|| self.wait_idle_detached());
+        detach(py, |unattached| self.wait_idle_detached(unattached));
     }
 
-    /// Waits until every queued job is applied; called with the GIL released.
-    fn wait_idle_detached(&self) {
+    /// Waits until every queued job is applied, with the GIL released.
+    fn wait_idle_detached(&self, unattached: Unattached) {
         let shared = &self.shared;
-        let mut state = shared.lock();
+        let mut state = shared.state.lock_unattached(unattached);
         if !state.queue.is_empty() {
             // A reader waits: do not leave the queue to the writer's next poll.
             shared.work.notify_one();
@@ -487,7 +487,11 @@ impl NativeWriter {
 
     /// Queues one data-plane call, owned whole, with the GIL released: the job holds no Python
     /// object, so a refused one may be dropped here. Waits while the queue is full.
-    pub(crate) fn hand_over(&self, publication: Publication) -> Result<(), Refusal> {
+    pub(crate) fn hand_over(
+        &self,
+        publication: Publication,
+        unattached: Unattached,
+    ) -> Result<(), Refusal> {
         if self.generation != fork_generation() {
             return Err(Refusal::Forked);
         }
@@ -505,7 +509,7 @@ impl NativeWriter {
         // The views point into the publication's heap buffers, which moving it does not move.
         let owners = Owners::holding(publication);
         let shared = &self.shared;
-        let mut state = shared.lock();
+        let mut state = shared.state.lock_unattached(unattached);
         loop {
             if state.closing {
                 return Err(Refusal::Closed);
@@ -526,20 +530,25 @@ impl NativeWriter {
             shared.work.notify_one();
         }
         if shared.synchronous.load(Ordering::Relaxed) {
-            self.wait_idle_detached();
+            self.wait_idle_detached(unattached);
         }
         Ok(())
     }
 
     /// `get_concatenated(keys)` with the GIL released: waits for queued jobs, refuses after a
     /// latched error, then reads the store.
-    pub(crate) fn read_detached(&self, keys: &[&str], out: &mut Vec<u8>) -> Result<(), Refusal> {
+    pub(crate) fn read_detached(
+        &self,
+        keys: &[&str],
+        out: &mut Vec<u8>,
+        unattached: Unattached,
+    ) -> Result<(), Refusal> {
         if self.generation != fork_generation() {
             return Err(Refusal::Forked);
         }
-        self.wait_idle_detached();
+        self.wait_idle_detached(unattached);
         {
-            let state = self.shared.lock();
+            let state = self.shared.state.lock_unattached(unattached);
             if state.error.is_some() || state.panic.is_some() {
                 return Err(Refusal::Failed);
             }
@@ -564,24 +573,24 @@ impl NativeWriter {
         }
     }
 
-    fn is_closed(&self) -> bool {
-        self.shared.lock().closing
+    fn is_closed(&self, py: Python<'_>) -> bool {
+        self.shared.state.lock(py).closing
     }
 
     /// Stops the thread once the queue is empty and joins it, with the GIL released.
     fn stop_and_join(&self, py: Python<'_>) {
         self.wait_idle(py);
-        self.shared.lock().stop = true;
+        self.shared.state.lock(py).stop = true;
         self.shared.work.notify_all();
-        let thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let thread = self.thread.lock(py).take();
         if let Some(thread) = thread {
             // A panic outside `apply` is a bug here; `apply`'s are latched.
             let _ = py.detach(|| thread.join());
         }
     }
 
-    fn finish_close(&self) {
-        let mut state = self.shared.lock();
+    fn finish_close(&self, py: Python<'_>) {
+        let mut state = self.shared.state.lock(py);
         state.closed = true;
         state.closer = None;
         drop(state);
@@ -622,7 +631,7 @@ impl NativeWriter {
                 )));
             };
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
+            state: DetachedMutex::new(State::default()),
             work: Condvar::new(),
             finished: Condvar::new(),
             capacity: max_pending_batches,
@@ -640,7 +649,7 @@ impl NativeWriter {
             shared,
             store: store.clone().unbind(),
             object_nbytes,
-            thread: Mutex::new(Some(thread)),
+            thread: DetachedMutex::new(Some(thread)),
             input_error: PyOnceLock::new(),
             generation: fork_generation(),
             fixed_core,
@@ -698,7 +707,7 @@ impl NativeWriter {
         self.ensure_same_process()?;
         let me = std::thread::current().id();
         let first = {
-            let mut state = self.shared.lock();
+            let mut state = self.shared.state.lock(py);
             if state.closing {
                 // Finished before: idempotent, as vLLM's. From inside the first close: return.
                 if state.closed || state.closer == Some(me) {
@@ -713,8 +722,8 @@ impl NativeWriter {
         };
         if !first {
             let shared = &self.shared;
-            py.detach(|| {
-                let mut state = shared.lock();
+            detach(py, |unattached| {
+                let mut state = shared.state.lock_unattached(unattached);
                 while !state.closed {
                     state = shared.finished.wait(state).unwrap_or_else(PoisonError::into_inner);
                 }
@@ -727,7 +736,7 @@ impl NativeWriter {
         self.stop_and_join(py);
         self.collect(py);
         let closed = self.store.bind(py).call_method0("close");
-        self.finish_close();
+        self.finish_close(py);
         closed?;
         self.raise_if_failed(py)
     }
@@ -755,14 +764,14 @@ impl NativeWriter {
     /// thread drops those itself, so 0. Collects nothing (`wait` would drop them).
     fn _parked_owned_jobs(&self, py: Python<'_>) -> PyResult<usize> {
         self.ensure_same_process()?;
-        py.detach(|| self.wait_idle_detached());
-        Ok(self.shared.lock().done.iter().filter(|job| !job.owners.hold_python()).count())
+        detach(py, |unattached| self.wait_idle_detached(unattached));
+        Ok(self.shared.state.lock(py).done.iter().filter(|job| !job.owners.hold_python()).count())
     }
 
     /// Whether `close()` was called.
     #[getter]
-    fn closed(&self) -> bool {
-        self.is_closed()
+    fn closed(&self, py: Python<'_>) -> bool {
+        self.is_closed(py)
     }
 
     /// The store the writer applies batches to.
@@ -777,7 +786,7 @@ impl NativeWriter {
             visit.call(error)?;
         }
         // Skipped while the writer holds the lock (traversal must not block), for this pass only.
-        if let Ok(state) = self.shared.state.try_lock() {
+        if let Some(state) = self.shared.state.try_lock() {
             let jobs = state.queue.iter().chain(&state.done).map(|job| &job.owners);
             for owners in jobs.chain(&state.in_flight) {
                 for object in &owners.objects {
@@ -805,7 +814,7 @@ impl NativeWriter {
                 let (views, owners) = batch.into_owned();
                 self.enqueue(py, Job { views, owners })
             }
-            Err(_) if self.is_closed() => Err(closed_error()),
+            Err(_) if self.is_closed(py) => Err(closed_error()),
             Err(error)
                 if error.is_instance_of::<PyTypeError>(py)
                     || error.is_instance_of::<PyValueError>(py) =>
@@ -821,7 +830,7 @@ impl Drop for NativeWriter {
     fn drop(&mut self) {
         if self.generation != fork_generation() {
             // A forked child: the thread is not here and its lock may be held: leak the handle.
-            if let Ok(mut thread) = self.thread.try_lock() {
+            if let Some(mut thread) = self.thread.try_lock() {
                 std::mem::forget(thread.take());
             }
             return;

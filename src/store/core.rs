@@ -258,6 +258,25 @@ fn same_keys(objects: &[BlockRef<'_>], keys: &[&str]) -> bool {
     objects.len() == keys.len() && objects.iter().zip(keys).all(|(o, k)| o.key == *k)
 }
 
+/// What an allocator's `write_batch` wrote, for the core to count: objects written (new keys
+/// and replaced ones), how many of them replaced a stored key's bytes, and their bytes.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Written {
+    pub(super) objects: usize,
+    pub(super) replaced: usize,
+    pub(super) bytes: u64,
+}
+
+impl Written {
+    /// One object of `nbytes`, new or (`replaced`) over a stored key's bytes.
+    #[inline]
+    pub(super) fn add(&mut self, nbytes: usize, replaced: bool) {
+        self.objects += 1;
+        self.replaced += usize::from(replaced);
+        self.bytes += nbytes as u64;
+    }
+}
+
 /// Keys, counts, the LRU and the figures every store keeps about them.
 #[derive(Debug)]
 pub struct Core<M> {
@@ -294,6 +313,14 @@ impl<M: Copy + Default> Core<M> {
             self.counters.puts += 1;
         }
         result
+    }
+
+    /// Counts what `write_batch` wrote: a replaced object was stored before and is again.
+    pub(super) fn count_written(&mut self, written: Written) {
+        self.stored += written.objects - written.replaced;
+        self.ledger.replaced += written.replaced as u64;
+        self.counters.objects_written += written.objects as u64;
+        self.counters.bytes_written += written.bytes;
     }
 
     pub(super) fn count_references(&mut self, s: &Scratch) {

@@ -1,7 +1,7 @@
 //! The fixed store's allocator: fixed-size slots in one arena, profile `grow` with in-place
 //! replacement, and a one-lock read that prefetches every slot before copying.
 
-use super::core::{BlockRef, Charge, Core, Counters, Placement, Scratch};
+use super::core::{BlockRef, Charge, Core, Counters, Placement, Scratch, Written};
 use super::{Allocator, BlockStore, Profile, Store, StoreOptions};
 use crate::arena::{Arena, Prefault};
 use crate::error::StoreError;
@@ -349,7 +349,7 @@ impl Allocator for FixedSlots {
 
     fn make_room(
         &mut self,
-        core: &mut Core<()>,
+        core: &Core<()>,
         placed: &Placement,
         eligible: usize,
     ) -> Result<PutReport, StoreError> {
@@ -362,7 +362,6 @@ impl Allocator for FixedSlots {
         debug_assert_eq!(reserved, Some(num_slots), "reserve_room predicts every growth");
         self.map_slots(num_slots)?;
         self.num_slots = num_slots;
-        core.counters.growths += 1;
         Ok(PutReport { grown_to: Some(num_slots) })
     }
 
@@ -422,7 +421,13 @@ impl Allocator for FixedSlots {
     }
 
     /// Writes the new keys into free slots and, profile `grow`, replaced keys' bytes in place.
-    fn write_batch(&mut self, core: &mut Core<()>, s: &Scratch, objects: &[BlockRef<'_>]) {
+    fn write_batch(
+        &mut self,
+        core: &mut Core<()>,
+        s: &Scratch,
+        objects: &[BlockRef<'_>],
+    ) -> Written {
+        let mut written = Written::default();
         debug_assert_eq!(self.reserved.take(), None, "a growth reserve_room predicted happened");
         let arena = self.arena.as_mut().expect("checked open");
         for &(idx, position) in &s.batch {
@@ -440,20 +445,17 @@ impl Allocator for FixedSlots {
             };
             entry.slot = slot;
             arena.write_slot(slot, objects[position].payload);
-            core.stored += 1;
-            core.counters.objects_written += 1;
-            core.counters.bytes_written += self.object_nbytes as u64;
+            written.add(self.object_nbytes, false);
         }
         for &(idx, position) in &s.replaced {
             // A replaced key this call released may have been evicted.
             if core.keys.slab.is_live(idx) && core.keys.slab[idx].has_slot() {
                 arena.write_slot(core.keys.slab[idx].slot, objects[position].payload);
-                core.ledger.replaced += 1;
-                core.counters.objects_written += 1;
-                core.counters.bytes_written += self.object_nbytes as u64;
+                written.add(self.object_nbytes, true);
             }
         }
         arena.flush_writes();
+        written
     }
 }
 

@@ -8,7 +8,7 @@ mod variable;
 use std::borrow::Cow;
 
 pub use self::core::{BlockRef, Counters, RemoveReason, VictimPolicy};
-use self::core::{Call, Charge, Core, Placement, Scratch};
+use self::core::{Call, Charge, Core, Placement, Scratch, Written};
 use crate::arena::Prefault;
 use crate::error::StoreError;
 pub use fixed::{FixedSlots, PutReport, Stats, MAX_SLOTS};
@@ -57,7 +57,7 @@ impl StoreOptions {
 mod sealed {
     use std::borrow::Cow;
 
-    use super::{BlockRef, Charge, Core, Placement, Scratch, StoreError};
+    use super::{BlockRef, Charge, Core, Placement, Scratch, StoreError, Written};
     use crate::slab::Entry;
 
     /// What an allocator supplies to the put sequence; monomorphized, so no `dyn` call per object.
@@ -100,10 +100,11 @@ mod sealed {
         fn charges(&self) -> Self::Charge;
         /// The refusal of a batch that does not fit.
         fn refusal(&self) -> StoreError;
-        /// Too few eligible keys for unit charges: grow (then all eligible go) or refuse.
+        /// Too few eligible keys for unit charges: grow (then all eligible go) or refuse. The
+        /// core counts a growth the report names.
         fn make_room(
             &mut self,
-            core: &mut Core<Self::Meta>,
+            core: &Core<Self::Meta>,
             placed: &Placement,
             eligible: usize,
         ) -> Result<Self::Report, StoreError>;
@@ -115,13 +116,14 @@ mod sealed {
         fn grown_to(report: &Self::Report) -> Option<usize>;
         /// The bytes of the stored object `entry`.
         fn object<'a>(&'a self, entry: &Entry<Self::Meta>) -> Cow<'a, [u8]>;
-        /// Writes the batch; the put can no longer fail.
+        /// Writes the batch; the put can no longer fail. Reports what it wrote: the core
+        /// counts it.
         fn write_batch(
             &mut self,
             core: &mut Core<Self::Meta>,
             s: &Scratch,
             objects: &[BlockRef<'_>],
-        );
+        ) -> Written;
     }
 }
 pub(crate) use sealed::Allocator;
@@ -234,6 +236,9 @@ impl<A: Allocator> Store<A> {
             let eligible = placed.older + s.released.len();
             let chosen = if A::Charge::UNIT && eligible < need {
                 alloc.make_room(core, &placed, eligible).map(|grown| {
+                    if A::grown_to(&grown).is_some() {
+                        core.counters.growths += 1;
+                    }
                     report = grown;
                     core.take_victims(s, placed.older, eligible, &charge);
                 })
@@ -254,7 +259,8 @@ impl<A: Allocator> Store<A> {
         if let Some(written) = written {
             core.writes_ahead::<A>(s, written);
         }
-        alloc.write_batch(core, s, objects);
+        let written = alloc.write_batch(core, s, objects);
+        core.count_written(written);
         if UNDO {
             core.keys.forget_orphans(&s.orphans);
             core.keys.forget_orphans(&s.created);

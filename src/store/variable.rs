@@ -3,7 +3,7 @@
 //! put undone whole) is in docs/semantics.md; eviction walks past the victims only, and since
 //! objects need not be contiguous, the first prefix whose chunks cover the shortfall makes room.
 
-use super::core::{BlockRef, Charge, Core, Counters, Placement, Scratch};
+use super::core::{BlockRef, Charge, Core, Counters, Placement, Scratch, Written};
 use super::{Allocator, Store, StoreOptions, VariableStore};
 use crate::chunks::{ChunkArena, EMPTY_CHAIN, MAX_CHUNKS};
 use crate::digest::Probe;
@@ -369,7 +369,7 @@ impl Allocator for ChunkChains {
         StoreError::CannotRetainBytes { limit: self.capacity_bytes() }
     }
 
-    fn make_room(&mut self, _: &mut Core<u32>, _: &Placement, _: usize) -> Result<(), StoreError> {
+    fn make_room(&mut self, _: &Core<u32>, _: &Placement, _: usize) -> Result<(), StoreError> {
         Err(self.refusal())
     }
 
@@ -427,7 +427,14 @@ impl Allocator for ChunkChains {
     }
 
     /// Frees the chains of replaced keys, then writes every batch key that was not evicted.
-    fn write_batch(&mut self, core: &mut Core<u32>, s: &Scratch, objects: &[BlockRef<'_>]) {
+    fn write_batch(
+        &mut self,
+        core: &mut Core<u32>,
+        s: &Scratch,
+        objects: &[BlockRef<'_>],
+    ) -> Written {
+        let mut written = Written::default();
+        let mut replaced = 0;
         let chunks = self.chunks.as_mut().expect("checked open");
         // Free every replaced chain before writing any, so the writes always find their room.
         for &(idx, _) in &s.batch {
@@ -439,10 +446,9 @@ impl Allocator for ChunkChains {
                 let nbytes = entry.meta as usize;
                 chunks.free(entry.slot, nbytes);
                 entry.slot = PENDING_SLOT;
-                core.stored -= 1;
                 self.stored_bytes -= nbytes as u64;
                 self.used_chunks -= nbytes.div_ceil(self.chunk_nbytes);
-                core.ledger.replaced += 1;
+                replaced += 1;
             }
         }
         for (&(idx, position), &charge) in s.batch.iter().zip(&s.charges) {
@@ -453,14 +459,15 @@ impl Allocator for ChunkChains {
             let entry = &mut core.keys.slab[idx];
             entry.slot = chunks.store(payload);
             entry.meta = payload.len() as u32;
-            core.stored += 1;
             self.stored_bytes += payload.len() as u64;
             self.used_chunks += charge;
-            core.counters.objects_written += 1;
-            core.counters.bytes_written += payload.len() as u64;
+            written.add(payload.len(), false);
         }
         chunks.flush_writes();
         debug_assert!(self.used_chunks <= self.capacity_chunks);
+        // Every replaced chain was freed above and is written again below.
+        written.replaced = replaced;
+        written
     }
 }
 

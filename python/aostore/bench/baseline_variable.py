@@ -1,11 +1,11 @@
 """A pure-Python variable-size store that benchmarks measure aostore against, in the same run.
 
-``PythonVariableBlockObjectStore`` has ``aostore.VariableBlockObjectStore``'s contract (SPEC
-section 13: a byte budget counted in chunks, replacement on re-put, refused puts change nothing)
-in the design a Python implementation would use, as the vLLM branches' replica does: dicts for
-objects and counts, an ``OrderedDict`` LRU of evictable keys, and an ``mmap`` arena cut into
-chunks, each object a list of chunk indices. A put checks that the batch fits before changing
-anything, so a refusal needs no undo.
+``PythonVariableBlockObjectStore`` has ``aostore.VariableBlockObjectStore``'s contract
+(docs/variable-store.md: a byte budget counted in chunks, replacement on re-put, refused puts
+change nothing) in the design a Python implementation would use, as the vLLM branches'
+replica does: dicts for objects and counts, an ``OrderedDict`` LRU of evictable keys, and an
+``mmap`` arena cut into chunks, each object a list of chunk indices. A put checks that the
+batch fits before changing anything, so a refusal needs no undo.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ._reader import DEFAULT_RENEWAL, Fetched, Reader, ReaderStats
+from ._reader import process_reader as reader
 from .errors import (
     BadLayout,
     ForeignReference,
@@ -60,17 +61,6 @@ __all__ = [
     "reader",
     "renew",
 ]
-
-_process_reader: Reader | None = None
-
-
-def reader() -> Reader:
-    """This process's reader (what :func:`fetch` and :func:`renew` use; a forked child keeps
-    using it, with leases of its own)."""
-    global _process_reader
-    if _process_reader is None or _process_reader.closed:
-        _process_reader = Reader()
-    return _process_reader
 
 
 def fetch(

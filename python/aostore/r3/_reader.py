@@ -813,6 +813,18 @@ _readers: weakref.WeakSet[Reader] = weakref.WeakSet()
 _forking: list[Reader] = []
 
 
+_process_reader: Reader | None = None
+
+
+def process_reader() -> Reader:
+    """This process's reader (what :func:`fetch` and :func:`renew` use; a forked child keeps
+    using it, with leases of its own)."""
+    global _process_reader
+    if _process_reader is None or _process_reader.closed:
+        _process_reader = Reader()
+    return _process_reader
+
+
 def _before_fork() -> None:
     _forking[:] = list(_readers)
     for reader in _forking:

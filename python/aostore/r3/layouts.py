@@ -1,5 +1,5 @@
 """R3 rows in the trainer's own layout: one call from a batch of references (or vLLM's rows) to
-the tensor a trainer replays (SPEC 19; docs/r3-trainer.md).
+the tensor a trainer replays (docs/r3-trainer.md).
 
 :func:`padded` makes ``[batch, length, layers, top_k]`` (verl, NeMo-RL, SkyRL's padded batch),
 :func:`packed` makes ``[tokens, layers, top_k]`` with ``cu_seqlens`` (SkyRL's packed batch).
@@ -29,7 +29,7 @@ import numpy as np
 from .._native import widen_routes
 from . import errors, leases
 from . import format as fmt
-from ._reader import STREAM_FROM, Reader
+from ._reader import STREAM_FROM, Reader, process_reader
 
 DTYPES = ("uint8", "uint16", "int8", "int16", "int32", "int64")
 """The dtypes a trainer may ask for."""
@@ -459,8 +459,6 @@ def _make(
     lead = shape_of(plan)
     shape = (*lead, kept, top_k) if not layer_major else _layer_major(lead, kept, top_k)
     destination = _Destination(shape, target, into, out, device)
-
-    from . import reader as process_reader  # the package's; imported late: it imports us
 
     fetched = contextlib.ExitStack()  # the batches' leases, ended when the layout is made
     try:
