@@ -60,7 +60,11 @@ import tiny_moe  # noqa: E402
 
 START_TIMEOUT_S = 600
 ARENA_PAGES = 48  # the reference arm's arena: its budget in 4 KiB pages
-UNREAD_TTL_S = 3
+UNREAD_TTL_S = 8
+"""The reference arm's unread lifetime. The lifecycle's fill must outrun it (six requests of
+eight references fill the arena; the seventh falls back only if the first six have not yet
+expired): at 3 s a slower run (about 0.5 s a request on this 2-core VM) let them expire first,
+and nothing fell back."""
 REQUEST_TIMEOUT_S = 300
 MASKED = ("id", "created", "request_id")
 PACKED = "aostore data plane: on for vLLM's worker connector; rows as one buffer a step"
