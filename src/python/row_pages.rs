@@ -36,11 +36,35 @@ pub(crate) struct RowPages {
     size: usize,
     /// The last page's end, over all pages.
     room_end: usize,
+    /// The last page, exported for as long as it is the last: rows are written through this
+    /// address without touching the `bytearray` object (a cache line per output in the
+    /// frontend's loop), and the export keeps Python from resizing the page under it.
+    tail: Option<Tail>,
     dtype: Option<Py<PyAny>>,
     /// One row's shape (the chunk's shape after its first dimension).
     shape: Vec<usize>,
     /// One row's bytes.
     row: usize,
+}
+
+/// An export of a page and its first byte's address.
+struct Tail {
+    export: PyUntypedBuffer,
+    data: *mut u8,
+}
+
+// SAFETY: the address is the export's, which pyo3 lets cross threads; it is written only under
+// the GIL, through `&mut RowPages`.
+unsafe impl Send for Tail {}
+// SAFETY: as for `Send`: a shared `Tail` is only read (its address), never written through.
+unsafe impl Sync for Tail {}
+
+impl Tail {
+    fn of(page: &Bound<'_, PyByteArray>) -> PyResult<Self> {
+        let export = PyUntypedBuffer::get(page)?;
+        let data = export.buf_ptr().cast::<u8>();
+        Ok(Self { export, data })
+    }
 }
 
 impl RowPages {
@@ -85,33 +109,34 @@ impl RowPages {
 
     fn write(&mut self, py: Python<'_>, mut data: &[u8]) -> PyResult<()> {
         while !data.is_empty() {
-            let page = self.room(py, data.len())?;
-            let start = *self.starts.last().expect("a page");
-            let at = self.size - start;
-            let bound = page.bind(py);
-            let take = (bound.len() - at).min(data.len());
-            // SAFETY: the GIL is held and the page is never resized, so its storage stays put;
-            // these bytes are past every chunk written, which no reader has been given.
-            unsafe { bound.as_bytes_mut()[at..at + take].copy_from_slice(&data[..take]) };
+            if self.size >= self.room_end {
+                self.open_page(py, data.len())?;
+            }
+            let tail = self.tail.as_ref().expect("a page");
+            let at = self.size - *self.starts.last().expect("a page");
+            let take = (self.room_end - self.size).min(data.len());
+            debug_assert!(at + take <= tail.export.len_bytes());
+            // SAFETY: the GIL is held and the page is exported (Python cannot resize it), so
+            // `at + take` bytes from `data` stay inside it; these bytes are past every chunk
+            // written, which no reader has been given.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), tail.data.add(at), take) };
             data = &data[take..];
             self.size += take;
         }
         Ok(())
     }
 
-    /// The last page if it has room, else a new one.
-    fn room(&mut self, py: Python<'_>, wanted: usize) -> PyResult<Py<PyByteArray>> {
-        if self.size < self.room_end {
-            return Ok(self.pages.last().expect("a page").clone_ref(py));
-        }
+    /// A new last page, with room for at least a row.
+    fn open_page(&mut self, py: Python<'_>, wanted: usize) -> PyResult<()> {
         let row = self.row.max(1);
         // A large chunk gets a page of its own size.
         let size = PAGE.min(FIRST_PAGE.max(self.size)).max(wanted);
-        let page = PyByteArray::new_with(py, row.max(size / row * row), |_| Ok(()))?.unbind();
-        self.room_end = self.size + page.bind(py).len();
+        let page = PyByteArray::new_with(py, row.max(size / row * row), |_| Ok(()))?;
+        self.tail = Some(Tail::of(&page)?);
+        self.room_end = self.size + page.len();
         self.starts.push(self.size);
-        self.pages.push(page.clone_ref(py));
-        Ok(page)
+        self.pages.push(page.unbind());
+        Ok(())
     }
 
     fn truncate(&mut self, py: Python<'_>, size: usize) {
@@ -127,6 +152,12 @@ impl RowPages {
             (Some(&start), Some(page)) => start + page.bind(py).len(),
             _ => 0,
         };
+        // The last page's export is held, or no page is: a page with an export cannot have
+        // been resized, so it is exported again as it is.
+        self.tail = self.pages.last().and_then(|page| Tail::of(page.bind(py)).ok());
+        if self.tail.is_none() {
+            self.room_end = size;
+        }
         self.size = size;
     }
 
@@ -172,6 +203,7 @@ impl RowPages {
             ends: Vec::new(),
             size: 0,
             room_end: 0,
+            tail: None,
             dtype: None,
             shape: Vec::new(),
             row: 0,

@@ -298,3 +298,22 @@ def test_rows_are_held_at_their_size() -> None:
     per_row_view = sys.getsizeof(theirs) / len(theirs) + sys.getsizeof(decode[:1])
     assert per_row_view > 100  # what the list costs beyond the rows: the point of the buffer
     same(np.concatenate(ours.joined()), np.concatenate(theirs))
+
+
+def test_the_page_being_written_cannot_be_resized_from_python() -> None:
+    # Rows are written through the last page's address: that page stays exported, so Python
+    # cannot move it (a resize would leave the next write pointing at freed memory).
+    chunks = RowChunks()
+    chunks.append(rows(5, 1))
+    pages = chunks._pages
+    assert pages is not None
+    page, used = pages.pages()[-1]
+    with pytest.raises(BufferError):
+        page.extend(b"\0" * 4096)
+    with pytest.raises(BufferError):
+        del page[used:]
+    chunks.append(rows(3, 2))
+    chunks[-1] = rows(2, 3)  # a trim re-exports the page it ends on
+    with pytest.raises(BufferError):
+        pages.pages()[-1][0].extend(b"\0")
+    same(np.concatenate(chunks, axis=0), np.concatenate([rows(5, 1), rows(2, 3)]))
