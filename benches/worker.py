@@ -62,7 +62,9 @@ Stores, each run in its own forked child (vLLM imported once, before any swap), 
 - ``vllm``: vLLM's classes as shipped (``AOSTORE_VLLM_PLUGIN=0``, the plugin not called);
 - ``aostore``: ``aostore.vllm_plugin.register()``, as vLLM calls it at start-up, puts
   aostore's classes in vLLM's modules (its arena committed in the background, as the plugin
-  does; the run waits until the process's RSS settles, i.e. start-up is over);
+  does; the run waits until the process's RSS settles, i.e. start-up is over; with ``--cold``
+  the steps start as soon as the connector is built, as in a vLLM worker, while the arena is
+  still being committed);
 - ``noop``: a store and writer with the same methods that do nothing (a read returns zeros),
   swapped into vLLM's worker module the same way.
 
@@ -372,7 +374,7 @@ def build_timed(
     if classes["data_plane"] != (store == "dataplane"):
         why = connector.__dict__.get("_aostore_why_not")
         raise RuntimeError(f"{store}: data plane on = {classes['data_plane']} ({why})")
-    settle_s = settle()
+    settle_s = 0.0 if args.cold else settle()
     build_s = time.perf_counter() - built
     in_store = [0]  # ns the engine thread spends inside the writer's put and get_concatenated
     clock = time.perf_counter_ns
@@ -911,6 +913,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.7,
         help="vllm-scheduler: each draft's chance of acceptance (until the first rejection)",
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="start the steps as soon as the connector is built (as a vLLM worker does), not "
+        "once the arena's background commit is over",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")

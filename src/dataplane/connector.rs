@@ -49,7 +49,7 @@ impl<C: Capture> Plane<C> {
             staging: Staging::new(&config)?,
             requests: Requests::default(),
             generation: 0,
-            publisher: Publisher::new(C::key_prefix(0)),
+            publisher: Publisher::new(C::key_prefix(0), config.step_nbytes()),
             in_flight: VecDeque::new(),
             next_token: 0,
             store_open: true,

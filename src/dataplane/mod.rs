@@ -53,6 +53,11 @@ impl PlaneConfig {
     pub fn block_nbytes(&self) -> usize {
         self.block_size * self.row_nbytes
     }
+
+    /// Bytes of the full blocks one step can complete: the largest payload of a step's call.
+    pub fn step_nbytes(&self) -> usize {
+        self.max_num_batched_tokens.div_ceil(self.block_size).saturating_mul(self.block_nbytes())
+    }
 }
 
 /// Why a call failed, by the Python exception vLLM's code raises at that point.

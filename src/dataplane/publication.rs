@@ -38,6 +38,7 @@ impl Publication {
 
 /// Payload buffers pooled: at most this many, of at most this capacity each.
 const POOLED_PAYLOADS: usize = 4;
+/// The least a pooled buffer may hold; a plane pools buffers as large as a step's blocks.
 pub(super) const POOLED_PAYLOAD_BYTES: usize = 2 << 20;
 
 /// Payload buffers back from applied calls, for the next calls: a call's payloads are then
@@ -46,6 +47,10 @@ pub(super) const POOLED_PAYLOAD_BYTES: usize = 2 << 20;
 #[derive(Debug, Default)]
 struct PayloadPool {
     buffers: Mutex<Vec<Vec<u8>>>,
+    /// The largest buffer kept: a prefill step's payload is megabytes, and a buffer that is
+    /// not kept is a fresh allocation for the next such step, faulted in page by page while
+    /// the engine thread copies into it (the worst steps of a run on vLLM's schedule).
+    largest: usize,
 }
 
 impl PayloadPool {
@@ -59,7 +64,7 @@ impl PayloadPool {
     }
 
     fn give(&self, buffer: Vec<u8>) {
-        if buffer.capacity() == 0 || buffer.capacity() > POOLED_PAYLOAD_BYTES {
+        if buffer.capacity() == 0 || buffer.capacity() > self.largest {
             return;
         }
         let mut buffers = self.buffers.lock().unwrap_or_else(PoisonError::into_inner);
@@ -138,8 +143,10 @@ pub(super) struct Publisher {
 }
 
 impl Publisher {
-    pub(super) fn new(prefix: String) -> Self {
-        Self { prefix, payloads: Arc::default() }
+    /// `largest`: the bytes of the largest payload buffer to keep for later calls.
+    pub(super) fn new(prefix: String, largest: usize) -> Self {
+        let largest = largest.max(POOLED_PAYLOAD_BYTES);
+        Self { prefix, payloads: Arc::new(PayloadPool { buffers: Mutex::default(), largest }) }
     }
 
     /// A new generation's keys.
