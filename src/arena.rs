@@ -103,15 +103,22 @@ impl Arena {
     }
 
     /// Commits the pages from a thread with `MADV_POPULATE_WRITE`, which puts may race safely.
+    /// In 4 KiB pages: huge pages asked for here are made while the engine runs its first
+    /// steps, and the kernel compacts memory for them (`defrag=madvise` by default), which
+    /// stalled vLLM's engine thread: the first 100 steps of `benches/worker.py --schedule
+    /// vllm-scheduler --cold` took 470-590 ms with the advice, 90-110 ms without (97 ms once
+    /// the commit is over), and reads are no slower once committed.
     fn populate_in_background(&mut self) {
-        self.advise_huge_pages();
         let stop = Arc::new(AtomicBool::new(false));
         let (base, len) = (self.base.as_ptr() as usize, self.len);
         let flag = Arc::clone(&stop);
         let spawned =
             std::thread::Builder::new().name("aostore-prefault".to_owned()).spawn(move || {
                 crate::sched::yield_to_running_threads();
-                const CHUNK: usize = 32 << 20;
+                // 2 MiB a call: the call holds the address space's lock, and a thread that maps
+                // or unmaps meanwhile (numpy freeing a large array in vLLM's engine thread)
+                // waits for the whole call, and every fault after it waits too.
+                const CHUNK: usize = 2 << 20;
                 let mut offset = 0;
                 while offset < len && !flag.load(Ordering::Acquire) {
                     let n = CHUNK.min(len - offset);
