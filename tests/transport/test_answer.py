@@ -208,6 +208,38 @@ def test_an_answer_without_routed_experts_made_for_it_is_starlettes_render_unwal
     contextvars.Context().run(fresh)
 
 
+def test_starlettes_render_is_written_in_and_any_other_render_is_called() -> None:
+    """An answer without routed experts costs Starlette's render and one context-variable read:
+    Starlette's body is written in, not called, where the render wrapped is Starlette's own
+    (this vLLM's Starlette: recognized); a render of anyone else's (another plugin's, a
+    Starlette that renders otherwise) is called, and its bytes are the answer's."""
+    import contextvars
+    import types
+
+    from aostore.vllm.transport.answer import is_starlettes_render
+
+    assert is_starlettes_render(VLLM_RENDER)
+    content = {"choices": [{"index": 0, "token_ids": [1, 2, 3], "text": "é\u2028"}], "x": None}
+
+    def indented(self: Any, content: Any) -> bytes:
+        return json.dumps(content, indent=2).encode()
+
+    # Starlette's code over another module's json: not Starlette's render.
+    other_json = types.FunctionType(VLLM_RENDER.__code__, {"json": types.SimpleNamespace()})
+    assert not is_starlettes_render(other_json)
+    assert not is_starlettes_render(indented)
+    assert not is_starlettes_render(len)
+    response = object.__new__(starlette.responses.JSONResponse)
+
+    def fresh() -> None:
+        assert render(response, content) == VLLM_RENDER(response, content)
+        assert render_over(indented)(response, content) == indented(response, content)
+        with pytest.raises(ValueError):  # Starlette's allow_nan=False, inline too
+            render(response, {"x": float("nan")})
+
+    contextvars.Context().run(fresh)
+
+
 def test_a_body_vllm_cannot_render_fails_the_same_way() -> None:
     routed = VLLM_NUMPY2BASE64(np.zeros((2_000, 46, 8), np.uint8))
     for bad in (body(choice(0, routed), x=float("nan")), body(choice(0, routed), x=object())):
