@@ -12,18 +12,20 @@
 //! `OutputProcessor.process_outputs` loop, writes them where vLLM's loop would have appended
 //! them: the request's `RowChunks`.
 
-use std::collections::{HashMap, HashSet};
+// foldhash, not SipHash: the keys are addresses of our own objects, not anyone's input.
+use foldhash::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::ffi;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyType};
 use pyo3::PyTraverseError;
 
-use super::row_pages::{bytes_of, ndarray, RowPages};
+use super::row_pages::{bytes_of, ndarray, owners, RowPages};
 use super::step_rows::StepRowsSpan;
 use super::{holds_objects, type_name};
 
@@ -424,44 +426,179 @@ fn deliver_rows(
             }
         }
     }
-    let mut delivered = Vec::with_capacity(arrived.len());
-    for (output, rows) in arrived {
-        let Some(state) = request_states.get_item(output.getattr(intern!(py, "request_id"))?)?
-        else {
-            continue; // a late output: vLLM ignores it
-        };
-        // vLLM 0.33's loop skips a rejected request's output before it appends rows.
-        if let Ok(error) = output.getattr(intern!(py, "error")) {
-            if !error.is_none() && !state.getattr(intern!(py, "queue"))?.is_none() {
-                continue;
+    // First every output's request state, by address, without touching the state: a state
+    // whose pages are bound to it (`RowPages.bind`) is written without reading it or its
+    // chunks, and the pages of the whole batch are fetched together (one wait for memory per
+    // batch, not three per output in a frontend whose heap holds every running request's rows).
+    let mut states = Vec::with_capacity(arrived.len());
+    for (output, _) in &arrived {
+        let request_id = output.getattr(intern!(py, "request_id"))?;
+        // SAFETY: a dict and a key, both alive; a borrowed reference or null.
+        let state =
+            unsafe { ffi::PyDict_GetItemWithError(request_states.as_ptr(), request_id.as_ptr()) };
+        if state.is_null() {
+            if let Some(error) = PyErr::take(py) {
+                return Err(error);
             }
+            states.push(None); // a late output: vLLM ignores it
+            continue;
         }
+        // vLLM 0.33's loop skips a rejected request's output before it appends rows: such an
+        // output (rare) goes the way that reads the state.
+        let rejected = match output.getattr(intern!(py, "error")) {
+            Ok(error) => !error.is_none(),
+            Err(_) => false,
+        };
+        states.push(Some((state as usize, rejected)));
+    }
+    let bound: Vec<Option<usize>> = {
+        let owners = owners();
+        let owners = owners.as_ref().expect("made by owners");
+        states
+            .iter()
+            .map(|state| match state {
+                Some((state, false)) => owners.get(state).copied(),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut targets = Vec::with_capacity(arrived.len());
+    for (state, pages) in states.iter().zip(&bound) {
+        targets.push(match (state, pages) {
+            (None, _) => Target::Gone,
+            // SAFETY: a bound `RowPages` is alive (its drop ends the binding); the reference
+            // taken keeps it so while this call runs Python.
+            (_, Some(pages)) => Target::Pages(unsafe {
+                let pages = Bound::from_borrowed_ptr(py, *pages as *mut ffi::PyObject);
+                prefetch_object(pages.as_ptr().cast());
+                pages.cast_into_unchecked::<RowPages>()
+            }),
+            (Some((state, _)), None) => {
+                // SAFETY: the state is alive: `request_states` holds it and no Python ran since.
+                let state = unsafe { Bound::from_borrowed_ptr(py, *state as *mut ffi::PyObject) };
+                Target::State(state)
+            }
+        });
+    }
+    let mut delivered = Vec::with_capacity(arrived.len());
+    for ((output, rows), target) in arrived.into_iter().zip(targets) {
         let step = &rows.step;
         let bytes = &bytes_of(&step.buffer)
             [step.data + rows.rows.start * step.row..step.data + rows.rows.end * step.row];
-        let chunks = state.getattr(intern!(py, "routed_experts_chunks"))?;
         let dtype = step.dtype.bind(py);
-        let mut paged = false;
-        if chunks.get_type().is(row_chunks) {
-            if let Ok(pages) = chunks.getattr(intern!(py, "_pages"))?.cast::<RowPages>() {
-                paged = pages.borrow_mut().push_step_rows(dtype, &step.shape, step.row, bytes)?;
+        match target {
+            Target::Gone => continue,
+            Target::Pages(pages) => {
+                if !pages.borrow_mut().push_step_rows(dtype, &step.shape, step.row, bytes)? {
+                    append_array(
+                        py,
+                        &pages_owner_chunks(&pages)?,
+                        bytes,
+                        &rows,
+                        dtype,
+                        &step.shape,
+                    )?;
+                }
             }
-        }
-        if !paged {
-            // What vLLM's decoder gives for an inline array of a read-only message.
-            let numpy = py.import(intern!(py, "numpy"))?;
-            let mut shape = vec![rows.rows.len()];
-            shape.extend_from_slice(&step.shape);
-            let array = numpy
-                .call_method1(intern!(py, "frombuffer"), (PyBytes::new(py, bytes), dtype))?
-                .call_method1(intern!(py, "reshape"), (shape,))?;
-            chunks.call_method1(intern!(py, "append"), (array,))?;
+            Target::State(state) => {
+                if !deliver_to_state(&output, &state, row_chunks, bytes, &rows, dtype, &step.shape)?
+                {
+                    continue;
+                }
+            }
         }
         delivered.push(output.as_ptr() as usize);
     }
     let count = delivered.len();
     lock(&DELIVERED).as_mut().expect("made by lock").extend(delivered);
     Ok(count)
+}
+
+/// Where `deliver_rows` writes an output's rows.
+enum Target<'py> {
+    /// Nowhere: the request is no longer in `request_states` (vLLM ignores the output).
+    Gone,
+    /// The pages bound to the output's request state.
+    Pages(Bound<'py, RowPages>),
+    /// A state with no bound pages, read as vLLM's loop reads it.
+    State(Bound<'py, PyAny>),
+}
+
+/// What `deliver_rows` does for a state whose pages are not bound to it (vLLM's own list, a
+/// `RowChunks` turned into a list, a rejected request's output): reads the state as vLLM's
+/// loop would. False when vLLM's loop would skip the output.
+fn deliver_to_state(
+    output: &Bound<'_, PyAny>,
+    state: &Bound<'_, PyAny>,
+    row_chunks: &Bound<'_, PyType>,
+    bytes: &[u8],
+    rows: &Pending,
+    dtype: &Bound<'_, PyAny>,
+    shape: &[usize],
+) -> PyResult<bool> {
+    let py = output.py();
+    if let Ok(error) = output.getattr(intern!(py, "error")) {
+        if !error.is_none() && !state.getattr(intern!(py, "queue"))?.is_none() {
+            return Ok(false);
+        }
+    }
+    let chunks = state.getattr(intern!(py, "routed_experts_chunks"))?;
+    if chunks.get_type().is(row_chunks) {
+        if let Ok(pages) = chunks.getattr(intern!(py, "_pages"))?.cast::<RowPages>() {
+            if pages.borrow_mut().push_step_rows(dtype, shape, rows.step.row, bytes)? {
+                return Ok(true);
+            }
+        }
+    }
+    append_array(py, &chunks, bytes, rows, dtype, shape)?;
+    Ok(true)
+}
+
+/// The chunks of the state bound pages belong to (rows the pages cannot hold: another dtype
+/// or shape than theirs).
+fn pages_owner_chunks<'py>(pages: &Bound<'py, RowPages>) -> PyResult<Bound<'py, PyAny>> {
+    let py = pages.py();
+    let owner = pages.borrow().owner_address();
+    // SAFETY: a bound owner is alive while `request_states` holds it, which `deliver_rows`
+    // found it in.
+    let state = unsafe { Bound::from_borrowed_ptr(py, owner as *mut ffi::PyObject) };
+    state.getattr(intern!(py, "routed_experts_chunks"))
+}
+
+/// Appends to `chunks` what vLLM's decoder gives for an inline array of a read-only message.
+fn append_array(
+    py: Python<'_>,
+    chunks: &Bound<'_, PyAny>,
+    bytes: &[u8],
+    rows: &Pending,
+    dtype: &Bound<'_, PyAny>,
+    row_shape: &[usize],
+) -> PyResult<()> {
+    let numpy = py.import(intern!(py, "numpy"))?;
+    let mut shape = vec![rows.rows.len()];
+    shape.extend_from_slice(row_shape);
+    let array = numpy
+        .call_method1(intern!(py, "frombuffer"), (PyBytes::new(py, bytes), dtype))?
+        .call_method1(intern!(py, "reshape"), (shape,))?;
+    chunks.call_method1(intern!(py, "append"), (array,))?;
+    Ok(())
+}
+
+/// Asks for an object's first cache lines (a `RowPages`: its header and the fields a write
+/// reads) ahead of their use; a hint only.
+#[inline]
+fn prefetch_object(object: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    for line in 0..4 {
+        // SAFETY: a prefetch is a hint that never faults, whatever the address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                object.wrapping_add(64 * line).cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = object;
 }
 
 /// Whether the current `process_outputs` call delivered `output`'s rows from a packed frame.

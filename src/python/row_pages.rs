@@ -7,6 +7,9 @@
 //! `copy_pages` read them as they are; a page is never resized, so a view of it stays valid
 //! while later rows are written past its end.
 
+use std::sync::{Mutex, MutexGuard};
+
+use foldhash::{HashMap, HashMapExt};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::gc::PyVisit;
@@ -22,6 +25,24 @@ use super::holds_objects;
 const PAGE: usize = 64 * 1024;
 /// The first page; each next one is as large as all before it, up to `PAGE`.
 const FIRST_PAGE: usize = 4 * 1024;
+
+/// The pages bound to an owner (`bind`), by the owner's address: the `RowPages` object's
+/// address. The frontend's `RequestState` binds its pages when it makes them, so the packed
+/// hop finds a request's pages from the state's address (which `request_states` gives without
+/// touching the state) instead of through three Python objects scattered in a large heap,
+/// each a cache miss per output per step. An entry lives exactly as long as both: the pages'
+/// `Drop` (or `unbind`) removes it; a new binding of the same owner replaces it.
+static OWNERS: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
+
+pub(super) fn owners() -> MutexGuard<'static, Option<HashMap<usize, usize>>> {
+    // Only taken under the GIL, with no call into Python while held: never contended, never
+    // poisoned half written.
+    let mut owners = OWNERS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if owners.is_none() {
+        *owners = Some(HashMap::new());
+    }
+    owners
+}
 
 /// One request's rows: pages, each chunk's end, and the rows' dtype and shape once the first
 /// chunk set them.
@@ -45,6 +66,12 @@ pub(crate) struct RowPages {
     shape: Vec<usize>,
     /// One row's bytes.
     row: usize,
+    /// The last page's first byte, over all pages (`starts`' last, kept beside the fields each
+    /// write reads: `starts` lives elsewhere on the heap).
+    tail_start: usize,
+    /// The address of the owner it is bound to (0: none) and its own object's address.
+    owner: usize,
+    this: usize,
 }
 
 /// An export of a page and its first byte's address.
@@ -100,7 +127,7 @@ impl RowPages {
             self.dtype = Some(dtype.clone().unbind());
             self.shape = shape.to_vec();
             self.row = row;
-        } else if shape != self.shape.as_slice() || !self.same_dtype(dtype)? {
+        } else if row != self.row || !self.same_dtype(dtype)? || shape != self.shape.as_slice() {
             return Ok(false);
         }
         self.push_bytes(dtype.py(), rows)?;
@@ -113,7 +140,7 @@ impl RowPages {
                 self.open_page(py, data.len())?;
             }
             let tail = self.tail.as_ref().expect("a page");
-            let at = self.size - *self.starts.last().expect("a page");
+            let at = self.size - self.tail_start;
             let take = (self.room_end - self.size).min(data.len());
             debug_assert!(at + take <= tail.export.len_bytes());
             // SAFETY: the GIL is held and the page is exported (Python cannot resize it), so
@@ -131,10 +158,11 @@ impl RowPages {
         let row = self.row.max(1);
         // A large chunk gets a page of its own size.
         let size = PAGE.min(FIRST_PAGE.max(self.size)).max(wanted);
-        let page = PyByteArray::new_with(py, row.max(size / row * row), |_| Ok(()))?;
+        let page = uninitialized_bytearray(py, row.max(size / row * row))?;
         self.tail = Some(Tail::of(&page)?);
         self.room_end = self.size + page.len();
         self.starts.push(self.size);
+        self.tail_start = self.size;
         self.pages.push(page.unbind());
         Ok(())
     }
@@ -152,6 +180,7 @@ impl RowPages {
             (Some(&start), Some(page)) => start + page.bind(py).len(),
             _ => 0,
         };
+        self.tail_start = self.starts.last().copied().unwrap_or(0);
         // The last page's export is held, or no page is: a page with an export cannot have
         // been resized, so it is exported again as it is.
         self.tail = self.pages.last().and_then(|page| Tail::of(page.bind(py)).ok());
@@ -182,6 +211,22 @@ impl RowPages {
     }
 }
 
+/// A `bytearray` of `len` bytes left as the allocator gives them: every byte is written (a
+/// row) before any is read, and zeroing first would write a fresh page twice.
+fn uninitialized_bytearray(py: Python<'_>, len: usize) -> PyResult<Bound<'_, PyByteArray>> {
+    let len = pyo3::ffi::Py_ssize_t::try_from(len)
+        .map_err(|_| PyValueError::new_err("a page too large"))?;
+    // SAFETY: a null source asks CPython for `len` bytes it leaves unwritten; the result is a
+    // new reference or null with an exception set.
+    unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            pyo3::ffi::PyByteArray_FromStringAndSize(std::ptr::null(), len),
+        )
+        .map(|page| page.cast_into_unchecked::<PyByteArray>())
+    }
+}
+
 /// numpy's `ndarray` type, looked up once (here and by the packed hop).
 pub(super) fn ndarray(py: Python<'_>) -> PyResult<&Bound<'_, pyo3::types::PyType>> {
     static NDARRAY: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
@@ -207,7 +252,40 @@ impl RowPages {
             dtype: None,
             shape: Vec::new(),
             row: 0,
+            tail_start: 0,
+            owner: 0,
+            this: 0,
         }
+    }
+
+    /// Binds the pages to `owner` (the `RequestState` whose `routed_experts_chunks` they hold):
+    /// the packed hop then writes a step's rows for that state here directly. Replaces any
+    /// binding of either.
+    fn bind(slf: &Bound<'_, Self>, owner: &Bound<'_, PyAny>) {
+        let mut pages = slf.borrow_mut();
+        pages.unbind();
+        let (owner, this) = (owner.as_ptr() as usize, slf.as_ptr() as usize);
+        pages.owner = owner;
+        pages.this = this;
+        owners().as_mut().expect("made by owners").insert(owner, this);
+    }
+
+    /// Ends the binding, if any (the owner's chunks are no longer these pages).
+    fn unbind(&mut self) {
+        if self.owner != 0 {
+            let mut owners = owners();
+            let owners = owners.as_mut().expect("made by owners");
+            if owners.get(&self.owner) == Some(&self.this) {
+                owners.remove(&self.owner);
+            }
+            self.owner = 0;
+        }
+    }
+
+    /// Whether the pages are bound to an owner.
+    #[getter]
+    fn bound(&self) -> bool {
+        self.owner != 0
     }
 
     /// Sets the rows' dtype and one row's shape and bytes (the first chunk's); once only.
@@ -387,7 +465,21 @@ impl RowPages {
     }
 
     fn __clear__(&mut self) {
+        self.unbind();
         *self = Self::new();
+    }
+}
+
+impl RowPages {
+    /// The address of the owner the pages are bound to (0: none).
+    pub(super) fn owner_address(&self) -> usize {
+        self.owner
+    }
+}
+
+impl Drop for RowPages {
+    fn drop(&mut self) {
+        self.unbind();
     }
 }
 

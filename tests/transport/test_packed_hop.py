@@ -24,7 +24,7 @@ if importlib.util.find_spec("vllm") is None:
 import zmq
 from aostore._native import deliver_rows, end_delivery, pending_step_rows, rows_arrived
 from aostore.vllm.transport import StepRows, wire
-from aostore.vllm.transport.frontend import RowChunks
+from aostore.vllm.transport.frontend import RowChunks, request_state_subclass
 from vllm.v1 import engine as v1_engine
 from vllm.v1 import serial_utils
 
@@ -155,6 +155,81 @@ def test_vllms_list_gets_what_vllms_decoder_gives(sockets: tuple[Any, Any]) -> N
     assert len(listed) == 1 and type(listed[0]) is np.ndarray
     assert listed[0].dtype == np.uint8 and not listed[0].flags.writeable
     np.testing.assert_array_equal(listed[0], rows["listed"])
+
+
+class _VllmState:
+    """What ``request_state_subclass`` builds on of vLLM's ``RequestState``."""
+
+    def __init__(self) -> None:
+        self.routed_experts_chunks: Any = []
+        self.queue = None
+
+    @classmethod
+    def from_new_request(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls()
+
+    def _new_completion_output(self, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+
+def deliver(sockets: tuple[Any, Any], rows: dict[str, np.ndarray], states: dict[str, Any]) -> int:
+    """One step's rows over real frames into ``states``, as ``process_outputs`` delivers them."""
+    push, pull = sockets
+    push.send_multipart(
+        packed_encode()(serial_utils.MsgpackEncoder(), step(rows), bytearray()), copy=False
+    )
+    decoded = decoder().decode(pull.recv_multipart(copy=False))
+    try:
+        return int(deliver_rows(decoded.outputs, states, RowChunks))
+    finally:
+        end_delivery()
+
+
+def test_rows_reach_whatever_chunks_the_state_holds_now(sockets: tuple[Any, Any]) -> None:
+    """aostore's state binds its pages to itself, and the packed hop writes a bound state's rows
+    without reading the state; so chunks put in their place (a list, another state's chunks),
+    and chunks turned into a list, end the binding, and each step's rows reach what the state
+    holds at that step, as in vLLM's loop."""
+    state_class = request_state_subclass(_VllmState)
+    a, b = state_class(), state_class()
+    first = a.routed_experts_chunks
+    assert type(first) is RowChunks and first._pages is not None and first._pages.bound
+    rng = np.random.default_rng(1)
+    sent = [rng.integers(0, 128, (i + 1, *SHAPE), np.uint8) for i in range(6)]
+
+    assert deliver(sockets, {"a": sent[0], "b": sent[1]}, {"a": a, "b": b}) == 2
+    listed: list[Any] = []
+    a.routed_experts_chunks = listed  # the pages a held are no longer its chunks
+    assert not first._pages.bound and b.routed_experts_chunks._pages.bound
+    assert deliver(sockets, {"a": sent[2]}, {"a": a}) == 1
+    assert len(first) == 1 and len(listed) == 1
+    np.testing.assert_array_equal(first.finished(), sent[0])
+    np.testing.assert_array_equal(listed[0], sent[2])
+
+    shared = b.routed_experts_chunks
+    a.routed_experts_chunks = shared  # one RowChunks held by two states: bound to the last
+    assert deliver(sockets, {"a": sent[3], "b": sent[4]}, {"a": a, "b": b}) == 2
+    np.testing.assert_array_equal(shared.finished(), np.concatenate([sent[1], sent[3], sent[4]]))
+
+    shared.append(np.zeros((1, 2), np.int64))  # rows the pages cannot hold: a plain list now
+    assert not shared.paged
+    assert deliver(sockets, {"b": sent[5]}, {"b": b}) == 1
+    assert len(shared) == 5
+    np.testing.assert_array_equal(shared[-1], sent[5])
+    np.testing.assert_array_equal(
+        np.concatenate([shared[0], shared[1], shared[2]]),
+        np.concatenate([sent[1], sent[3], sent[4]]),
+    )
+    assert listed == [listed[0]]  # a's old list got nothing more
+
+
+def test_a_bound_state_gone_from_request_states_gets_no_rows(sockets: tuple[Any, Any]) -> None:
+    """A finished or aborted request's state may live on (bound to its pages) after vLLM took
+    it out of ``request_states``: a late output for it is dropped, as vLLM ignores it."""
+    state_class = request_state_subclass(_VllmState)
+    done = state_class()
+    assert deliver(sockets, {"done": np.ones((2, *SHAPE), np.uint8)}, {}) == 0
+    assert len(done.routed_experts_chunks) == 0 and done.routed_experts_chunks._pages.bound
 
 
 def frame_for(rows: dict[str, np.ndarray]) -> tuple[Any, bytes]:

@@ -118,6 +118,18 @@ class RowChunks:
         self.copy_into(rows.reshape(-1).view(np.uint8))
         return rows
 
+    def bind(self, owner: Any) -> None:
+        """Binds the pages to the ``RequestState`` that holds these chunks: the packed hop then
+        writes that state's rows into them without reading the state (see
+        :func:`request_state_subclass`)."""
+        if self._pages is not None:
+            self._pages.bind(owner)
+
+    def unbind(self) -> None:
+        """Ends :meth:`bind` (the state holds other chunks now)."""
+        if self._pages is not None:
+            self._pages.unbind()
+
     @property
     def paged(self) -> bool:
         """Whether the pages hold every row (else it has turned into a plain list)."""
@@ -203,6 +215,7 @@ class RowChunks:
         if self._list is None:
             pages = cast(RowPages, self._pages)
             self._list = self._chunks(pages) if pages.dtype is not None else []
+            pages.unbind()  # the packed hop appends to the list from now on
             self._pages = None
         return self._list
 
@@ -216,7 +229,7 @@ def request_state_subclass(vllm_request_state: Any, r3: delivery.Delivery | None
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         vllm_init(self, *args, **kwargs)
-        self.routed_experts_chunks = RowChunks()
+        self.routed_experts_chunks = RowChunks()  # bound to this state by the setter below
         self.aostore_r3_delivery = "rows"
         self.aostore_r3_over_http = False
 
@@ -269,6 +282,21 @@ def request_state_subclass(vllm_request_state: Any, r3: delivery.Delivery | None
         output.routed_experts = rows
         return output
 
+    def get_chunks(self: Any) -> Any:
+        return self._aostore_row_chunks
+
+    def set_chunks(self: Any, chunks: Any) -> None:
+        # The pages of the chunks a state holds are bound to it, and only those: the packed hop
+        # writes a bound state's rows into its pages without reading the state, so any other
+        # chunks put there (vLLM's list, a test's, aostore's own during a finish) end the
+        # binding first, and the rows reach what the state holds, as in vLLM's loop.
+        held = getattr(self, "_aostore_row_chunks", None)
+        if type(held) is RowChunks and held is not chunks:
+            held.unbind()
+        self._aostore_row_chunks = chunks
+        if type(chunks) is RowChunks:
+            chunks.bind(self)
+
     vllm_init = vllm_request_state.__init__
     vllm_new_completion_output = vllm_request_state._new_completion_output
     vllm_from_new_request = vars(vllm_request_state)["from_new_request"].__func__
@@ -279,6 +307,7 @@ def request_state_subclass(vllm_request_state: Any, r3: delivery.Delivery | None
             "__init__": __init__,
             "_new_completion_output": _new_completion_output,
             "from_new_request": classmethod(from_new_request),
+            "routed_experts_chunks": property(get_chunks, set_chunks),
             delivery.ATTRIBUTE: r3,
             "__module__": __name__,
             "__qualname__": vllm_request_state.__qualname__,
