@@ -23,6 +23,8 @@ use super::holds_objects;
 /// The largest page: a request's rows live in pages of at most this many bytes (whole rows), so
 /// at most one page per request is part full.
 const PAGE: usize = 64 * 1024;
+/// Dimensions of a row's shape kept inline (routed experts: 2, layers and top-k).
+const INLINE_SHAPE: usize = 4;
 /// The first page; each next one is as large as all before it, up to `PAGE`.
 const FIRST_PAGE: usize = 4 * 1024;
 
@@ -64,6 +66,9 @@ pub(crate) struct RowPages {
     dtype: Option<Py<PyAny>>,
     /// One row's shape (the chunk's shape after its first dimension).
     shape: Vec<usize>,
+    /// The same, beside the fields each write reads, when it has at most `INLINE_SHAPE`
+    /// dimensions (`shape`'s own block is elsewhere on the heap: a cache miss per output).
+    inline_shape: [usize; INLINE_SHAPE],
     /// One row's bytes.
     row: usize,
     /// The last page's first byte, over all pages (`starts`' last, kept beside the fields each
@@ -104,6 +109,26 @@ impl RowPages {
         }
     }
 
+    fn set_shape(&mut self, shape: Vec<usize>) {
+        self.inline_shape = [0; INLINE_SHAPE];
+        if shape.len() <= INLINE_SHAPE {
+            self.inline_shape[..shape.len()].copy_from_slice(&shape);
+        }
+        self.shape = shape;
+    }
+
+    /// Whether `shape` is one row's, read inline where it fits (`shape`'s length lives in the
+    /// `Vec` header, beside the fields).
+    fn same_shape(&self, shape: &[usize]) -> bool {
+        if shape.len() != self.shape.len() {
+            return false;
+        }
+        if shape.len() <= INLINE_SHAPE {
+            return shape == &self.inline_shape[..shape.len()];
+        }
+        shape == self.shape.as_slice()
+    }
+
     /// Appends `rows` (whole rows of the held dtype and shape) as one chunk.
     pub(crate) fn push_bytes(&mut self, py: Python<'_>, rows: &[u8]) -> PyResult<()> {
         self.write(py, rows)?;
@@ -125,9 +150,9 @@ impl RowPages {
                 return Ok(false);
             }
             self.dtype = Some(dtype.clone().unbind());
-            self.shape = shape.to_vec();
+            self.set_shape(shape.to_vec());
             self.row = row;
-        } else if row != self.row || !self.same_dtype(dtype)? || shape != self.shape.as_slice() {
+        } else if row != self.row || !self.same_dtype(dtype)? || !self.same_shape(shape) {
             return Ok(false);
         }
         self.push_bytes(dtype.py(), rows)?;
@@ -251,6 +276,7 @@ impl RowPages {
             tail: None,
             dtype: None,
             shape: Vec::new(),
+            inline_shape: [0; INLINE_SHAPE],
             row: 0,
             tail_start: 0,
             owner: 0,
@@ -294,7 +320,7 @@ impl RowPages {
             return Err(PyValueError::new_err("the rows' dtype is set once, to rows of bytes"));
         }
         self.dtype = Some(dtype.unbind());
-        self.shape = shape;
+        self.set_shape(shape);
         self.row = row;
         Ok(())
     }
