@@ -255,6 +255,10 @@ def copy_pages(pages: Sequence[_Buffer], nbytes: int, out: _Buffer, stream: bool
     exactly ``nbytes``), with streaming stores or plain ones; ``TypeError``/``ValueError``
     write nothing."""
 
+def unwritten_bytearray(size: int) -> bytearray:
+    """A ``bytearray`` of ``size`` bytes left unwritten, its memory committed in one call: for
+    buffers written whole before they are read."""
+
 @final
 class RowPages:
     """One request's routed-experts rows in the frontend, in pages that never move

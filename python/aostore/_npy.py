@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ._native import unwritten_bytearray
+
 
 def header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
     """The header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape``: format
@@ -59,9 +61,10 @@ def lay_out(dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
     """An array of a :func:`plain` ``dtype`` and ``shape``, its bytes not yet written, that
     follows its ``.npy`` header in one :class:`LaidOut` buffer."""
     head = header(dtype, shape)
-    # The buffer owns its memory, uninitialised (a bytearray would zero bytes about to be
-    # written); a view of a plain array would make the plain array the owner.
-    buffer = np.ndarray.__new__(LaidOut, (len(head) + dtype.itemsize * math.prod(shape),), np.uint8)
+    size = len(head) + dtype.itemsize * math.prod(shape)
+    # Memory left unwritten and committed at once (not numpy's own: see unwritten_bytearray);
+    # the buffer is a LaidOut over it, so no plain array stands between it and its views.
+    buffer = np.ndarray.__new__(LaidOut, (size,), np.uint8, buffer=unwritten_bytearray(size))
     flat = buffer.view(np.ndarray)
     flat[: len(head)] = np.frombuffer(head, np.uint8)
     rows: np.ndarray = flat[len(head) :].view(dtype)

@@ -106,8 +106,8 @@ def test_numpy2base64_of_rows_laid_out_after_their_header_is_vllms() -> None:
     odd.append(np.concatenate([want]))  # no header before it
     for array in odd:
         assert ours(array) == VLLM_NUMPY2BASE64(array)
-    buffer = finished.base
-    while buffer.base is not None:  # type: ignore[union-attr]
+    buffer = finished.base  # up to the LaidOut buffer that holds the header and the rows
+    while isinstance(buffer.base, np.ndarray):  # type: ignore[union-attr]
         buffer = buffer.base  # type: ignore[union-attr]
     buffer[10] ^= 1  # type: ignore[index]  # its header no longer the array's: vLLM's string all the same
     assert ours(finished) == VLLM_NUMPY2BASE64(finished)

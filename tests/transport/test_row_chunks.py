@@ -182,8 +182,8 @@ def test_the_finished_rows_follow_their_npy_header_and_are_the_callers() -> None
     got = ours.finished()
     assert got is not None
     same(got, want)
-    buffer = got.base
-    while buffer.base is not None:  # type: ignore[union-attr]
+    buffer = got.base  # up to the LaidOut buffer (its memory a bytearray of its own)
+    while isinstance(buffer.base, np.ndarray):  # type: ignore[union-attr]
         buffer = buffer.base  # type: ignore[union-attr]
     saved = io.BytesIO()
     np.save(saved, want, allow_pickle=False)
@@ -317,3 +317,22 @@ def test_the_page_being_written_cannot_be_resized_from_python() -> None:
     with pytest.raises(BufferError):
         pages.pages()[-1][0].extend(b"\0")
     same(np.concatenate(chunks, axis=0), np.concatenate([rows(5, 1), rows(2, 3)]))
+
+
+def test_an_unwritten_bytearray_is_a_plain_bytearray_of_its_size() -> None:
+    """The finish's and the pages' memory: a ``bytearray`` of exactly the size asked (its bytes
+    whatever they were, written before read), that behaves as any other; a size that is no
+    size is refused."""
+    from aostore._native import unwritten_bytearray
+
+    for size in (0, 1, 4095, 4096, 5 << 20):
+        page = unwritten_bytearray(size)
+        assert type(page) is bytearray and len(page) == size
+        page[:] = b"\x07" * size
+        assert page.count(7) == size
+        page.extend(b"ab")  # resizable like any bytearray with no export
+        assert len(page) == size + 2 and page[-2:] == b"ab"
+    with pytest.raises(OverflowError):
+        unwritten_bytearray(-1)
+    with pytest.raises((OverflowError, ValueError, MemoryError)):
+        unwritten_bytearray(1 << 62)
