@@ -775,9 +775,11 @@ class Publisher:
                     first.append((slot, generation))
             finally:
                 leases.lock(self._fd, slot, leases.UNLOCK)
-        self.stats.read_offnode += len(read)
         if first:
             _log_reads(arena, self._fd, first)
+        # Counted once the reads are in the log, so a caller that sees the count may rely on
+        # the rows making way (counting first let a deliver race the log).
+        self.stats.read_offnode += len(read)
         self._unmark(read)
 
     def _mark(self) -> None:
