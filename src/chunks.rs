@@ -54,9 +54,8 @@ pub struct ChunkArena {
 
 impl ChunkArena {
     #[cfg(test)]
-    pub fn new(num_chunks: usize, chunk_nbytes: usize, prefault: bool) -> Result<Self, StoreError> {
-        let prefault = if prefault { Prefault::Now } else { Prefault::OnWrite };
-        Self::with_commit(num_chunks, chunk_nbytes, prefault)
+    pub fn new(num_chunks: usize, chunk_nbytes: usize) -> Result<Self, StoreError> {
+        Self::with_commit(num_chunks, chunk_nbytes, Prefault::OnWrite)
     }
 
     pub fn with_commit(
@@ -469,7 +468,7 @@ mod tests {
 
     #[test]
     fn objects_round_trip_and_chunks_come_back() {
-        let mut arena = ChunkArena::new(10, 4, false).unwrap();
+        let mut arena = ChunkArena::new(10, 4).unwrap();
         let a = arena.store(&bytes(1, 9)); // 3 chunks
         let e = arena.store(&[]);
         let b = arena.store(&bytes(50, 8)); // 2 chunks
@@ -492,7 +491,7 @@ mod tests {
 
     #[test]
     fn scattered_chains_read_back_whole() {
-        let mut arena = ChunkArena::new(12, 4, false).unwrap();
+        let mut arena = ChunkArena::new(12, 4).unwrap();
         let small: Vec<u32> = (0..6).map(|i| arena.store(&bytes(i, 7))).collect();
         for &first in small.iter().step_by(2) {
             arena.free(first, 7);
@@ -511,7 +510,7 @@ mod tests {
 
     #[test]
     fn freed_neighbours_merge_into_one_run_and_fit_whole() {
-        let mut arena = ChunkArena::new(16, 4, false).unwrap();
+        let mut arena = ChunkArena::new(16, 4).unwrap();
         let a = arena.store(&bytes(1, 8)); // chunks 0-1
         let b = arena.store(&bytes(2, 12)); // 2-4
         let c = arena.store(&bytes(3, 8)); // 5-6
@@ -533,7 +532,7 @@ mod tests {
     #[test]
     fn random_churn_keeps_bytes_and_invariants() {
         for chunk in [1, 4, 64, 256] {
-            let mut arena = ChunkArena::new(4_096 / chunk * 8, chunk, false).unwrap();
+            let mut arena = ChunkArena::new(4_096 / chunk * 8, chunk).unwrap();
             let mut live: Vec<(u32, Vec<u8>)> = Vec::new();
             let mut state = 11u64;
             for step in 0..3_000u32 {
@@ -561,7 +560,7 @@ mod tests {
 
     #[test]
     fn validate_names_overlap_and_lost_chunks() {
-        let mut arena = ChunkArena::new(4, 2, false).unwrap();
+        let mut arena = ChunkArena::new(4, 2).unwrap();
         let a = arena.store(&bytes(0, 4));
         let err = arena.validate([(a, 4), (a, 2)].into_iter()).unwrap_err();
         assert!(err.contains("no overlap"), "{err}");

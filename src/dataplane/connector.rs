@@ -265,7 +265,8 @@ impl<C: Capture> Plane<C> {
                 return assertion(C::PROFILE_CHANGED);
             }
             let state = &mut self.requests[index];
-            let completed = self.staging.capture(state, capture_start, rows.clone(), input.rows)?;
+            let completed =
+                self.staging.capture(&mut state.staged, capture_start, rows.clone(), input.rows)?;
             let token_end = capture_start + rows.len() as i64;
             state.capture_cursor = Some(token_end);
             state.scheduled_cursor = token_start + num_tokens;
@@ -336,7 +337,7 @@ impl<C: Capture> Plane<C> {
             Some(emit_start..token_end)
         };
         if let Some(rows) = staged {
-            self.staging.read(state, rows, pending_blocks, &mut processed.owned)?;
+            self.staging.read(&state.staged, rows, pending_blocks, &mut processed.owned)?;
         }
         let last = processed.owned.len() / row;
         let state = &mut self.requests[index];
@@ -369,8 +370,13 @@ impl<C: Capture> Plane<C> {
         let mut ready: Vec<(u32, i64, Block)> = Vec::new();
         for (index, completed) in batches {
             let state = &mut self.requests[index];
-            self.staging
-                .settle(state, completed, input, |start, data| ready.push((index, start, data)))?;
+            self.staging.settle(
+                &mut state.staged,
+                state.keys.len(),
+                completed,
+                input,
+                |start, data| ready.push((index, start, data)),
+            )?;
         }
         if ready.is_empty() && retains.is_empty() && releases.is_empty() {
             return Ok(());
@@ -395,7 +401,7 @@ impl<C: Capture> Plane<C> {
     fn teardown(&mut self, finished: &[u32]) {
         for &index in finished {
             let state = self.requests.remove(index);
-            self.staging.release(&state);
+            self.staging.release(&state.staged);
         }
     }
 

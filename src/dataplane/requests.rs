@@ -5,7 +5,7 @@ use std::ops::{Index, IndexMut};
 
 use foldhash::HashMap;
 
-use super::staging::{Slot, Tail};
+use super::staging::Staged;
 use super::PlaneError;
 
 #[derive(Debug)]
@@ -14,8 +14,8 @@ pub(super) struct RequestState {
     /// Insertion order of the request map (Python dict order).
     pub(super) seq: u64,
     pub(super) keys: Vec<Box<str>>,
-    /// Full blocks whose hash has not arrived: always staged.
-    pub(super) pending_blocks: Vec<(i64, Slot)>,
+    /// Its rows in the staging buffer: unkeyed full blocks and the incomplete one.
+    pub(super) staged: Staged,
     pub(super) capture_cursor: Option<i64>,
     pub(super) scheduled_cursor: i64,
     pub(super) emit_cursor: i64,
@@ -23,7 +23,6 @@ pub(super) struct RequestState {
     pub(super) cursor_from_step: bool,
     pub(super) pending_outputs: u32,
     pub(super) finished: bool,
-    pub(super) tail: Option<Tail>,
 }
 
 /// Request states by index, with the free indices for reuse and the ids' index.
@@ -54,14 +53,13 @@ impl Requests {
             id: id.into(),
             seq: self.next_seq,
             keys: Vec::new(),
-            pending_blocks: Vec::new(),
+            staged: Staged::default(),
             capture_cursor: None,
             scheduled_cursor: 0,
             emit_cursor,
             cursor_from_step: false,
             pending_outputs: 0,
             finished: false,
-            tail: None,
         };
         self.next_seq += 1;
         let index = match self.free.pop() {

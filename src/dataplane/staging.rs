@@ -4,7 +4,6 @@
 
 use std::ops::Range;
 
-use super::requests::RequestState;
 use super::{assertion, python_slice, PlaneConfig, PlaneError};
 
 pub(super) type Slot = u32;
@@ -15,6 +14,14 @@ pub(super) struct Tail {
     slot: Slot,
     block_start: i64,
     length: usize,
+}
+
+/// A request's rows in the buffer: its full blocks whose hash has not arrived (always staged)
+/// and its incomplete block. The request state holds it; only the staging reads or changes it.
+#[derive(Debug, Default)]
+pub(super) struct Staged {
+    pending_blocks: Vec<(i64, Slot)>,
+    tail: Option<Tail>,
 }
 
 /// A full block: still rows of the step's input (aligned, never staged), or a staging slot.
@@ -123,11 +130,11 @@ impl Staging {
         }
     }
 
-    /// `RoutedExpertsBuffer.capture`: stages `rows` (of `input`) from `token_start` for
-    /// `state`; returns the blocks it completed, not yet retained.
+    /// `RoutedExpertsBuffer.capture`: stages `rows` (of `input`) from `token_start` into a
+    /// request's `state`; returns the blocks it completed, not yet retained.
     pub(super) fn capture<E>(
         &mut self,
-        state: &mut RequestState,
+        state: &mut Staged,
         token_start: i64,
         rows: Range<usize>,
         input: &[u8],
@@ -185,17 +192,18 @@ impl Staging {
         Ok(completed)
     }
 
-    /// A step's completed blocks of `state`, after those it kept unkeyed: each keyed one goes to
-    /// `ready`, the others stay (in a slot, copied there if still rows of `input`) until their
+    /// A step's completed blocks of `state`, after those it kept unkeyed: each keyed one (below
+    /// `keyed_blocks`, the hashes the request has) goes to `ready`, the others stay (in a slot, copied there if still rows of `input`) until their
     /// hash arrives. A failure leaves the request's unkeyed blocks as they were.
     pub(super) fn settle<E>(
         &mut self,
-        state: &mut RequestState,
+        state: &mut Staged,
+        keyed_blocks: usize,
         completed: Vec<(i64, Block)>,
         input: &[u8],
         mut ready: impl FnMut(i64, Block),
     ) -> Result<(), PlaneError<E>> {
-        let keyed_end = state.keys.len() as i64 * self.block_size as i64;
+        let keyed_end = keyed_blocks as i64 * self.block_size as i64;
         if state.pending_blocks.is_empty() && completed.iter().all(|&(start, _)| start < keyed_end)
         {
             // Nothing staged and every completed block keyed (a decode's usual step): all
@@ -226,7 +234,7 @@ impl Staging {
     /// over its tail alone.
     pub(super) fn read<E>(
         &self,
-        state: &RequestState,
+        state: &Staged,
         rows: Range<i64>,
         pending_blocks: bool,
         out: &mut Vec<u8>,
@@ -245,7 +253,7 @@ impl Staging {
     }
 
     /// A dropped request's unkeyed blocks and tail back in the pool.
-    pub(super) fn release(&mut self, state: &RequestState) {
+    pub(super) fn release(&mut self, state: &Staged) {
         self.free.extend(state.pending_blocks.iter().map(|&(_, slot)| slot));
         if let Some(tail) = state.tail {
             self.free.push(tail.slot);
@@ -260,7 +268,7 @@ impl Staging {
 }
 
 /// 0.32.0 and 0.33.0: rows `[from, to)` of the request's tail.
-fn tail_rows<E>(state: &RequestState, rows: Range<i64>) -> Result<Pieces, PlaneError<E>> {
+fn tail_rows<E>(state: &Staged, rows: Range<i64>) -> Result<Pieces, PlaneError<E>> {
     let Some(tail) = state.tail else {
         return assertion("auxiliary output buffer is missing the request");
     };
@@ -275,11 +283,7 @@ fn tail_rows<E>(state: &RequestState, rows: Range<i64>) -> Result<Pieces, PlaneE
 /// run of rows from the first block's start (vLLM concatenates them and assumes they are
 /// contiguous), and rows `[from, to)` of it, sliced as Python slices it. No staged row:
 /// vLLM's `np.concatenate([])`, a `ValueError`.
-fn staged_rows<E>(
-    state: &RequestState,
-    rows: Range<i64>,
-    block: usize,
-) -> Result<Pieces, PlaneError<E>> {
+fn staged_rows<E>(state: &Staged, rows: Range<i64>, block: usize) -> Result<Pieces, PlaneError<E>> {
     let Range { start: from, end: to } = rows;
     let parts: Vec<(i64, Slot, usize)> = state
         .pending_blocks
