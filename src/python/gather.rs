@@ -109,17 +109,9 @@ pub(crate) struct Owners {
     pub(crate) objects: Vec<Py<PyAny>>,
     /// Held only so the exports stay alive and in place.
     buffers: Vec<PyUntypedBuffer>,
-    /// A data-plane call's own copy of its keys and payloads (no Python object owns them).
-    #[expect(dead_code, reason = "held only so the views stay valid")]
-    pub(crate) publication: Option<crate::dataplane::Publication>,
 }
 
 impl Owners {
-    /// The owners of a data-plane call: its own bytes, no Python object.
-    pub(crate) fn holding(publication: crate::dataplane::Publication) -> Self {
-        Self { objects: Vec::new(), buffers: Vec::new(), publication: Some(publication) }
-    }
-
     /// Whether dropping these needs the GIL (a Python object or buffer export among them).
     pub(crate) fn hold_python(&self) -> bool {
         !self.objects.is_empty() || !self.buffers.is_empty()
@@ -374,7 +366,7 @@ impl<'py> Gathered<'py> {
 
     /// Splits into the raw views and owned owners, for a batch that another thread applies.
     pub(crate) fn into_owned(self) -> (OwnedViews, Owners) {
-        let owners = Owners { objects: self.objects, buffers: self.buffers, publication: None };
+        let owners = Owners { objects: self.objects, buffers: self.buffers };
         (OwnedViews { blocks: self.blocks, retains: self.retains, releases: self.releases }, owners)
     }
 }

@@ -21,8 +21,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::PyTraverseError;
 
-use super::gather::RawBytes;
-use super::gather::{batch_views, Gathered, OwnedViews, Owners};
+use super::gather::{batch_views, BatchViews, Gathered, OwnedViews, Owners};
 use super::lock::{detach, DetachedMutex, Unattached};
 use super::variable::NativeVariableStore;
 use super::{fork_generation, log_growth, to_py_err, BlockObjectStoreError, NativeStore};
@@ -31,9 +30,18 @@ use crate::error::StoreError;
 use crate::store::BlockRef;
 use crate::store::{Allocator, BlockStore, Store};
 
-/// One queued `put` or `put_blocks`: views into Python memory, and the objects that own it.
+/// What a queued job applies.
+enum Batch {
+    /// A `put` or `put_blocks`: views into Python memory, owned by the job's `owners`.
+    Borrowed(OwnedViews),
+    /// A data-plane call: its own keys and payloads, no Python object (no owners), read as
+    /// they are, and dropped on the writer thread once applied.
+    Owned(Publication),
+}
+
+/// One queued batch, and the Python objects that own its memory, if any.
 struct Job {
-    views: OwnedViews,
+    batch: Batch,
     /// Keep the memory alive and in place; dropped only with the GIL.
     owners: Owners,
 }
@@ -146,14 +154,14 @@ fn run(shared: &Arc<Shared>, core: &dyn Target) {
     let unattached = Unattached::native_thread();
     crate::sched::yield_to_running_threads();
     loop {
-        let (views, skip) = {
+        let (batch, skip) = {
             let mut state = shared.state.lock_unattached(unattached);
             let idle_since = Instant::now();
             loop {
-                if let Some(Job { views, owners }) = state.queue.pop_front() {
+                if let Some(Job { batch, owners }) = state.queue.pop_front() {
                     state.busy = true;
                     state.in_flight = Some(owners);
-                    break (views, state.error.is_some() || state.panic.is_some());
+                    break (batch, state.error.is_some() || state.panic.is_some());
                 }
                 if state.stop {
                     return;
@@ -168,7 +176,7 @@ fn run(shared: &Arc<Shared>, core: &dyn Target) {
         let outcome = if skip {
             None
         } else {
-            Some(std::panic::catch_unwind(AssertUnwindSafe(|| apply(core, &views))))
+            Some(std::panic::catch_unwind(AssertUnwindSafe(|| apply(core, &batch))))
         };
         let mut state = shared.state.lock_unattached(unattached);
         match outcome {
@@ -186,7 +194,7 @@ fn run(shared: &Arc<Shared>, core: &dyn Target) {
             }
             _ => {}
         }
-        let job = Job { views, owners: state.in_flight.take().unwrap_or_default() };
+        let job = Job { batch, owners: state.in_flight.take().unwrap_or_default() };
         state.busy = false;
         // A data-plane call owns its bytes and no Python object: this thread drops it at once,
         // not parked until the main thread runs Python (it may wait in C for the whole run).
@@ -236,11 +244,40 @@ const FULL_QUEUE_WAIT_WITH_GIL: Duration = Duration::from_millis(1);
 /// The writer's polling period once the engine has been quiet for 2 ms.
 const POLL_PERIOD: Duration = Duration::from_millis(1);
 
-fn apply(core: &dyn Target, views: &OwnedViews) -> Result<Option<usize>, StoreError> {
-    // SAFETY: the views borrow from this job's owners, kept in `State::in_flight` until after this.
-    let (blocks, retains, releases) =
-        unsafe { batch_views(&views.blocks, &views.retains, &views.releases) }?;
+fn apply(core: &dyn Target, batch: &Batch) -> Result<Option<usize>, StoreError> {
+    let (blocks, retains, releases) = match batch {
+        Batch::Borrowed(views) => {
+            // SAFETY: the views borrow from this job's owners, kept in `State::in_flight` until
+            // after this.
+            unsafe { batch_views(&views.blocks, &views.retains, &views.releases) }?
+        }
+        Batch::Owned(publication) => publication_views(publication)?,
+    };
     core.put(&blocks, &retains, &releases)
+}
+
+/// A data-plane call as the store takes it, borrowed from the publication itself; one too
+/// large for memory is refused (`OutOfMemory`), as `batch_views` refuses it.
+fn publication_views(publication: &Publication) -> Result<BatchViews<'_>, StoreError> {
+    let mut blocks = Vec::new();
+    let mut keys = Vec::new();
+    let wanted = publication.objects.len();
+    let references = publication.retains.len() + publication.releases.len();
+    if blocks.try_reserve_exact(wanted).is_err() || keys.try_reserve_exact(references).is_err() {
+        return Err(StoreError::OutOfMemory {
+            what: "call's keys",
+            bytes: wanted.saturating_mul(std::mem::size_of::<BlockRef<'_>>()),
+        });
+    }
+    blocks.extend(publication.objects.iter().map(|(key, payload)| BlockRef {
+        key: publication.key(key),
+        payload: &publication.payload[payload.clone()],
+    }));
+    keys.extend(
+        publication.retains.iter().chain(&publication.releases).map(|k| publication.key(k)),
+    );
+    let releases = keys.split_off(publication.retains.len());
+    Ok((blocks, keys, releases))
 }
 
 /// Whether the interpreter may still take a pending call, and how many writer threads are
@@ -495,19 +532,6 @@ impl NativeWriter {
         if self.generation != fork_generation() {
             return Err(Refusal::Forked);
         }
-        let text = publication.text.as_bytes();
-        let key = |range: &std::ops::Range<usize>| RawBytes::of(&text[range.clone()]);
-        let views = OwnedViews {
-            blocks: publication
-                .objects
-                .iter()
-                .map(|(k, p)| (key(k), RawBytes::of(&publication.payload[p.clone()])))
-                .collect(),
-            retains: publication.retains.iter().map(key).collect(),
-            releases: publication.releases.iter().map(key).collect(),
-        };
-        // The views point into the publication's heap buffers, which moving it does not move.
-        let owners = Owners::holding(publication);
         let shared = &self.shared;
         let mut state = shared.state.lock_unattached(unattached);
         loop {
@@ -523,7 +547,7 @@ impl NativeWriter {
             shared.work.notify_one();
             state = shared.finished.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
-        state.queue.push_back(Job { views, owners });
+        state.queue.push_back(Job { batch: Batch::Owned(publication), owners: Owners::default() });
         let wake = !state.polling || 2 * state.queue.len() >= shared.capacity;
         drop(state);
         if wake {
@@ -812,7 +836,7 @@ impl NativeWriter {
             Ok(batch) => {
                 // `enqueue` refuses it on a closed store, under its lock.
                 let (views, owners) = batch.into_owned();
-                self.enqueue(py, Job { views, owners })
+                self.enqueue(py, Job { batch: Batch::Borrowed(views), owners })
             }
             Err(_) if self.is_closed(py) => Err(closed_error()),
             Err(error)
