@@ -28,7 +28,7 @@ use super::{fork_generation, log_growth, to_py_err, BlockObjectStoreError, Nativ
 use crate::dataplane::Publication;
 use crate::error::StoreError;
 use crate::store::BlockRef;
-use crate::store::{Allocator, BlockStore, Store};
+use crate::store::{Allocator, BlockStore, Store, VariableStore};
 
 /// What a queued job applies.
 enum Batch {
@@ -97,7 +97,8 @@ impl Shared {
     }
 }
 
-/// The store a writer applies batches to, either kind: one `dyn` call per batch.
+/// The store a writer applies batches to, either kind: one `dyn` call per batch. The writer's
+/// one handle on it: the thread's puts and the data plane's reads both go through it.
 trait Target: Send + Sync {
     /// Applies one batch; the fixed store in profile `grow` reports the slots it grew to.
     fn put(
@@ -106,17 +107,52 @@ trait Target: Send + Sync {
         retains: &[&str],
         releases: &[&str],
     ) -> Result<Option<usize>, StoreError>;
+
+    /// `get_concatenated(keys)` into `out`, for the data plane; `None` from the variable
+    /// store, which the plane does not use.
+    fn read(&self, keys: &[&str], out: &mut Vec<u8>) -> Option<Result<(), StoreError>>;
 }
 
-impl<A: Allocator> Target for Mutex<Store<A>> {
+fn put_into<A: Allocator>(
+    store: &Mutex<Store<A>>,
+    blocks: &[BlockRef<'_>],
+    retains: &[&str],
+    releases: &[&str],
+) -> Result<Option<usize>, StoreError> {
+    let mut store = store.lock().unwrap_or_else(PoisonError::into_inner);
+    store.put(blocks, retains, releases).map(|report| A::grown_to(&report))
+}
+
+impl Target for Mutex<BlockStore> {
     fn put(
         &self,
         blocks: &[BlockRef<'_>],
         retains: &[&str],
         releases: &[&str],
     ) -> Result<Option<usize>, StoreError> {
+        put_into(self, blocks, retains, releases)
+    }
+
+    fn read(&self, keys: &[&str], out: &mut Vec<u8>) -> Option<Result<(), StoreError>> {
         let mut store = self.lock().unwrap_or_else(PoisonError::into_inner);
-        store.put(blocks, retains, releases).map(|report| A::grown_to(&report))
+        out.clear();
+        out.resize(keys.len() * store.object_nbytes(), 0);
+        Some(store.get_into(keys, out))
+    }
+}
+
+impl Target for Mutex<VariableStore> {
+    fn put(
+        &self,
+        blocks: &[BlockRef<'_>],
+        retains: &[&str],
+        releases: &[&str],
+    ) -> Result<Option<usize>, StoreError> {
+        put_into(self, blocks, retains, releases)
+    }
+
+    fn read(&self, _keys: &[&str], _out: &mut Vec<u8>) -> Option<Result<(), StoreError>> {
+        None
     }
 }
 
@@ -133,8 +169,8 @@ pub struct NativeWriter {
     input_error: PyOnceLock<Py<PyBaseException>>,
     /// `fork_generation()` at construction: in a forked child the thread does not exist.
     generation: u64,
-    /// The fixed store's core, for the data plane's reads without the GIL.
-    fixed_core: Option<Arc<Mutex<BlockStore>>>,
+    /// The store's core, shared with the thread: the data plane's reads without the GIL.
+    core: Arc<dyn Target>,
 }
 
 /// Why the writer refused a data-plane call; the binding raises it once it holds the GIL.
@@ -514,7 +550,7 @@ impl NativeWriter {
 
     /// Whether the writer can take a data-plane call: a fixed store, in this process.
     pub(crate) fn serves_data_plane(&self) -> bool {
-        self.fixed_core.is_some() && self.generation == fork_generation()
+        self.object_nbytes.is_some() && self.generation == fork_generation()
     }
 
     /// Whether an argument error from a Python caller is latched (needs the GIL).
@@ -577,11 +613,10 @@ impl NativeWriter {
                 return Err(Refusal::Failed);
             }
         }
-        let core = self.fixed_core.as_ref().ok_or(Refusal::Closed)?;
-        let mut store = core.lock().unwrap_or_else(PoisonError::into_inner);
-        out.clear();
-        out.resize(keys.len() * store.object_nbytes(), 0);
-        store.get_into(keys, out).map_err(Refusal::Store)
+        match self.core.read(keys, out) {
+            Some(read) => read.map_err(Refusal::Store),
+            None => Err(Refusal::Closed),
+        }
     }
 
     /// The Python error for a refusal (with the GIL).
@@ -640,11 +675,9 @@ impl NativeWriter {
         if max_pending_batches == 0 {
             return Err(PyValueError::new_err("max_pending_batches must be at least 1"));
         }
-        let mut fixed_core = None;
         let (core, object_nbytes): (Arc<dyn Target>, _) =
             if let Ok(fixed) = store.cast::<NativeStore>() {
                 let core = fixed.get().handle.core()?;
-                fixed_core = Some(Arc::clone(&core));
                 (core, Some(fixed.get().object_nbytes()))
             } else if let Ok(variable) = store.cast::<NativeVariableStore>() {
                 (variable.get().handle.core()?, None)
@@ -665,9 +698,10 @@ impl NativeWriter {
             synchronous: AtomicBool::new(false),
         });
         let thread_shared = Arc::clone(&shared);
+        let thread_core = Arc::clone(&core);
         let thread = std::thread::Builder::new()
             .name("aostore-writer".to_owned())
-            .spawn(move || run(&thread_shared, &*core))
+            .spawn(move || run(&thread_shared, &*thread_core))
             .map_err(|e| PyRuntimeError::new_err(format!("cannot start the writer thread: {e}")))?;
         Ok(Self {
             shared,
@@ -676,7 +710,7 @@ impl NativeWriter {
             thread: DetachedMutex::new(Some(thread)),
             input_error: PyOnceLock::new(),
             generation: fork_generation(),
-            fixed_core,
+            core,
         })
     }
 
