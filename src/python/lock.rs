@@ -163,3 +163,37 @@ impl<T: Send> DetachedMutex<T> {
         }
     }
 }
+
+/// Books kept only with the GIL held and no call into Python under them (the frontend's tables
+/// of bindings and pending rows): the `Python` token each `lock` asks for is the proof, so the
+/// lock is never contended, and never poisoned half written. Made on first use.
+pub(crate) struct GilBooks<T>(Mutex<Option<T>>);
+
+/// The books, borrowed for as long as the token's GIL is held.
+pub(crate) struct Books<'a, T>(MutexGuard<'a, Option<T>>);
+
+impl<T: Default> GilBooks<T> {
+    pub(crate) const fn new() -> Self {
+        Self(Mutex::new(None))
+    }
+
+    pub(crate) fn lock<'a>(&'a self, _: Python<'a>) -> Books<'a, T> {
+        let mut guard = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        guard.get_or_insert_with(T::default);
+        Books(guard)
+    }
+}
+
+impl<T> std::ops::Deref for Books<'_, T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        self.0.as_ref().expect("made by lock")
+    }
+}
+
+impl<T> std::ops::DerefMut for Books<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.0.as_mut().expect("made by lock")
+    }
+}

@@ -14,7 +14,7 @@
 
 // foldhash, not SipHash: the keys are addresses of our own objects, not anyone's input.
 use foldhash::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -25,7 +25,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyMemoryView, PyType};
 use pyo3::PyTraverseError;
 
-use super::row_pages::{bytes_of, ndarray, owners, RowPages};
+use super::lock::GilBooks;
+use super::row_pages::{bytes_of, ndarray, RowPages, OWNERS};
 use super::step_rows::StepRowsSpan;
 use super::{holds_objects, type_name};
 
@@ -52,18 +53,10 @@ struct Pending {
 }
 
 /// Outputs decoded and not yet processed, by the address of their (alive) object.
-static PENDING: Mutex<Option<HashMap<usize, Pending>>> = Mutex::new(None);
+static PENDING: GilBooks<HashMap<usize, Pending>> = GilBooks::new();
 /// Outputs whose rows the current `process_outputs` call delivered (its `_trim_surplus_tokens`
 /// asks), by address; emptied by `end_delivery` when the call returns.
-static DELIVERED: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
-
-fn lock<T: Default>(books: &Mutex<Option<T>>) -> MutexGuard<'_, Option<T>> {
-    // Only ever taken under the GIL with no call into Python while held: never contended,
-    // never poisoned by a panic that leaves the books half written.
-    let mut guard = books.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    guard.get_or_insert_with(T::default);
-    guard
-}
+static DELIVERED: GilBooks<HashSet<usize>> = GilBooks::new();
 
 /// What `pack_step_rows` took out of the outputs: the frame, and the rows to put back.
 #[pyclass(module = "aostore._native")]
@@ -389,8 +382,7 @@ fn rows_arrived(
     }
     let mut replaced = Vec::new(); // dropped once the books are let go
     {
-        let mut pending = lock(&PENDING);
-        let pending = pending.as_mut().expect("made by lock");
+        let mut pending = PENDING.lock(py);
         for (key, output, rows) in arrived {
             let step = Arc::clone(&step);
             replaced.extend(pending.insert(key, Pending { _output: output, step, rows }));
@@ -414,8 +406,7 @@ fn deliver_rows(
     let py = outputs.py();
     let mut arrived = Vec::new();
     {
-        let mut pending = lock(&PENDING);
-        let pending = pending.as_mut().expect("made by lock");
+        let mut pending = PENDING.lock(py);
         if pending.is_empty() {
             return Ok(0);
         }
@@ -452,8 +443,7 @@ fn deliver_rows(
         states.push(Some((state as usize, rejected)));
     }
     let bound: Vec<Option<usize>> = {
-        let owners = owners();
-        let owners = owners.as_ref().expect("made by owners");
+        let owners = OWNERS.lock(py);
         states
             .iter()
             .map(|state| match state {
@@ -510,7 +500,7 @@ fn deliver_rows(
         delivered.push(output.as_ptr() as usize);
     }
     let count = delivered.len();
-    lock(&DELIVERED).as_mut().expect("made by lock").extend(delivered);
+    DELIVERED.lock(py).extend(delivered);
     Ok(count)
 }
 
@@ -604,19 +594,19 @@ fn prefetch_object(object: *const u8) {
 /// Whether the current `process_outputs` call delivered `output`'s rows from a packed frame.
 #[pyfunction]
 fn rows_delivered(output: &Bound<'_, PyAny>) -> bool {
-    lock(&DELIVERED).as_ref().expect("made by lock").contains(&(output.as_ptr() as usize))
+    DELIVERED.lock(output.py()).contains(&(output.as_ptr() as usize))
 }
 
 /// Ends a `process_outputs` call: `rows_delivered` answers no for its outputs.
 #[pyfunction]
-fn end_delivery() {
-    lock(&DELIVERED).as_mut().expect("made by lock").clear();
+fn end_delivery(py: Python<'_>) {
+    DELIVERED.lock(py).clear();
 }
 
 /// Outputs whose packed rows wait for `deliver_rows`.
 #[pyfunction]
-fn pending_step_rows() -> usize {
-    lock(&PENDING).as_ref().expect("made by lock").len()
+fn pending_step_rows(py: Python<'_>) -> usize {
+    PENDING.lock(py).len()
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -7,9 +7,7 @@
 //! `copy_pages` read them as they are; a page is never resized, so a view of it stays valid
 //! while later rows are written past its end.
 
-use std::sync::{Mutex, MutexGuard};
-
-use foldhash::{HashMap, HashMapExt};
+use foldhash::HashMap;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::gc::PyVisit;
@@ -19,6 +17,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
 use pyo3::PyTraverseError;
 
 use super::holds_objects;
+use super::lock::GilBooks;
 
 /// The largest page: a request's rows live in pages of at most this many bytes (whole rows), so
 /// at most one page per request is part full.
@@ -34,17 +33,7 @@ const FIRST_PAGE: usize = 4 * 1024;
 /// touching the state) instead of through three Python objects scattered in a large heap,
 /// each a cache miss per output per step. An entry lives exactly as long as both: the pages'
 /// `Drop` (or `unbind`) removes it; a new binding of the same owner replaces it.
-static OWNERS: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
-
-pub(super) fn owners() -> MutexGuard<'static, Option<HashMap<usize, usize>>> {
-    // Only taken under the GIL, with no call into Python while held: never contended, never
-    // poisoned half written.
-    let mut owners = OWNERS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if owners.is_none() {
-        *owners = Some(HashMap::new());
-    }
-    owners
-}
+pub(super) static OWNERS: GilBooks<HashMap<usize, usize>> = GilBooks::new();
 
 /// One request's rows: pages, each chunk's end, and the rows' dtype and shape once the first
 /// chunk set them.
@@ -305,18 +294,17 @@ impl RowPages {
     /// binding of either.
     fn bind(slf: &Bound<'_, Self>, owner: &Bound<'_, PyAny>) {
         let mut pages = slf.borrow_mut();
-        pages.unbind();
+        pages.unbind(slf.py());
         let (owner, this) = (owner.as_ptr() as usize, slf.as_ptr() as usize);
         pages.owner = owner;
         pages.this = this;
-        owners().as_mut().expect("made by owners").insert(owner, this);
+        OWNERS.lock(slf.py()).insert(owner, this);
     }
 
     /// Ends the binding, if any (the owner's chunks are no longer these pages).
-    fn unbind(&mut self) {
+    fn unbind(&mut self, py: Python<'_>) {
         if self.owner != 0 {
-            let mut owners = owners();
-            let owners = owners.as_mut().expect("made by owners");
+            let mut owners = OWNERS.lock(py);
             if owners.get(&self.owner) == Some(&self.this) {
                 owners.remove(&self.owner);
             }
@@ -507,12 +495,22 @@ impl RowPages {
     }
 
     fn __clear__(&mut self) {
-        self.unbind();
+        self.end_binding();
         *self = Self::new();
     }
 }
 
 impl RowPages {
+    /// `unbind` where no token is at hand (GC's clear, a drop).
+    fn end_binding(&mut self) {
+        if self.owner != 0 {
+            // SAFETY: only bound pages get here, and those are a Python object's, which Python
+            // clears and deallocates with the GIL held.
+            let py = unsafe { Python::assume_attached() };
+            self.unbind(py);
+        }
+    }
+
     /// The address of the owner the pages are bound to (0: none).
     pub(super) fn owner_address(&self) -> usize {
         self.owner
@@ -521,7 +519,7 @@ impl RowPages {
 
 impl Drop for RowPages {
     fn drop(&mut self) {
-        self.unbind();
+        self.end_binding();
     }
 }
 
