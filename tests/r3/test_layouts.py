@@ -8,6 +8,7 @@ belongs or a route wrapped into the dtype shows as a difference.
 
 from __future__ import annotations
 
+import sys
 import tracemalloc
 from typing import Any
 
@@ -529,3 +530,30 @@ def test_the_native_widening_copy_lets_other_threads_run() -> None:
         widen_routes(routes[:10], out[:11], True)
     with pytest.raises(TypeError, match="uint8"):
         widen_routes(out[:10], routes[:20], True)
+
+
+def _anonymous_resident() -> int:
+    """This process's resident anonymous bytes (RssAnon of /proc/self/status)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_fresh_dense_layout_is_committed_at_once_and_a_padded_one_is_not() -> None:
+    """A packed layout writes every byte, so its fresh output is committed in one call (no
+    fault a page); a padded one leaves its zero padding unwritten and uncommitted. Both are
+    zeros as given."""
+    from aostore.r3 import layouts
+
+    size = 4 * layouts.MAP_FROM
+    before = _anonymous_resident()
+    sparse, sparse_zeroed = layouts._allocate((size // 2,), np.dtype(np.int16), False)
+    assert _anonymous_resident() - before <= 0.1 * size
+    before = _anonymous_resident()
+    dense, dense_zeroed = layouts._allocate((size // 2,), np.dtype(np.int16), True)
+    assert _anonymous_resident() - before >= 0.9 * size
+    assert dense_zeroed and sparse_zeroed
+    assert not dense.any() and not sparse.any()
