@@ -28,7 +28,7 @@ use super::{fork_generation, log_growth, to_py_err, BlockObjectStoreError, Nativ
 use crate::dataplane::Publication;
 use crate::error::StoreError;
 use crate::store::BlockRef;
-use crate::store::{Allocator, BlockStore, Store, VariableStore};
+use crate::store::{Allocator, BlockStore, ChunkChains, FixedSlots, Store, VariableStore};
 
 /// What a queued job applies.
 enum Batch {
@@ -113,46 +113,47 @@ trait Target: Send + Sync {
     fn read(&self, keys: &[&str], out: &mut Vec<u8>) -> Option<Result<(), StoreError>>;
 }
 
-fn put_into<A: Allocator>(
-    store: &Mutex<Store<A>>,
-    blocks: &[BlockRef<'_>],
-    retains: &[&str],
-    releases: &[&str],
-) -> Result<Option<usize>, StoreError> {
-    let mut store = store.lock().unwrap_or_else(PoisonError::into_inner);
-    store.put(blocks, retains, releases).map(|report| A::grown_to(&report))
+/// What the data plane may read back from a store kind: the fixed store's
+/// `get_concatenated`; the variable store, which the plane does not use, reads nothing.
+trait PlaneReads: Allocator + Sized {
+    fn read(
+        store: &mut Store<Self>,
+        keys: &[&str],
+        out: &mut Vec<u8>,
+    ) -> Option<Result<(), StoreError>>;
 }
 
-impl Target for Mutex<BlockStore> {
-    fn put(
-        &self,
-        blocks: &[BlockRef<'_>],
-        retains: &[&str],
-        releases: &[&str],
-    ) -> Result<Option<usize>, StoreError> {
-        put_into(self, blocks, retains, releases)
-    }
-
-    fn read(&self, keys: &[&str], out: &mut Vec<u8>) -> Option<Result<(), StoreError>> {
-        let mut store = self.lock().unwrap_or_else(PoisonError::into_inner);
+impl PlaneReads for FixedSlots {
+    fn read(
+        store: &mut BlockStore,
+        keys: &[&str],
+        out: &mut Vec<u8>,
+    ) -> Option<Result<(), StoreError>> {
         out.clear();
         out.resize(keys.len() * store.object_nbytes(), 0);
         Some(store.get_into(keys, out))
     }
 }
 
-impl Target for Mutex<VariableStore> {
+impl PlaneReads for ChunkChains {
+    fn read(_: &mut VariableStore, _: &[&str], _: &mut Vec<u8>) -> Option<Result<(), StoreError>> {
+        None
+    }
+}
+
+impl<A: PlaneReads> Target for Mutex<Store<A>> {
     fn put(
         &self,
         blocks: &[BlockRef<'_>],
         retains: &[&str],
         releases: &[&str],
     ) -> Result<Option<usize>, StoreError> {
-        put_into(self, blocks, retains, releases)
+        let mut store = self.lock().unwrap_or_else(PoisonError::into_inner);
+        store.put(blocks, retains, releases).map(|report| A::grown_to(&report))
     }
 
-    fn read(&self, _keys: &[&str], _out: &mut Vec<u8>) -> Option<Result<(), StoreError>> {
-        None
+    fn read(&self, keys: &[&str], out: &mut Vec<u8>) -> Option<Result<(), StoreError>> {
+        A::read(&mut self.lock().unwrap_or_else(PoisonError::into_inner), keys, out)
     }
 }
 
