@@ -71,10 +71,13 @@ HEADER = np.dtype(
 """What precedes the rows in a Mooncake object: 64 bytes."""
 assert HEADER.itemsize == 64
 
+REPLICA_IS_NOT_READY = -703
+"""A read of an object whose put has begun and not ended: a publication in flight."""
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
 INVALID_PARAMS = -600
+_NOT_YET = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY)
 
 MAX_WAITING = 1 << 17
 """The most puts and removals a publisher keeps for a retry (the oldest go first)."""
@@ -240,14 +243,19 @@ class OffNodeReader:
         waited = False
         try:
             codes = client.batch_get_into(names, [base + o for o in offsets], sizes)
-            missing = [i for i, code in enumerate(codes) if code == OBJECT_NOT_FOUND]
+            missing = [i for i, code in enumerate(codes) if code in _NOT_YET]
             if missing and self.wait > 0:
                 # Objects whose arena's marker is there may be in flight: read them again
-                # until they come or the wait is over.
+                # until they come or the wait is over. One whose put has begun (not ready)
+                # is in flight whatever the marker says.
                 arenas = sorted({items[i][0][0] for i in missing})
                 markers = client.batch_is_exist([marker_key(self.prefix, a) for a in arenas])
                 known = {a for a, code in zip(arenas, markers, strict=True) if code == 1}
-                missing = [i for i in missing if items[i][0][0] in known]
+                missing = [
+                    i
+                    for i in missing
+                    if items[i][0][0] in known or codes[i] == REPLICA_IS_NOT_READY
+                ]
                 deadline = time.monotonic() + self.wait
                 while missing and time.monotonic() < deadline:
                     waited = True
@@ -259,7 +267,7 @@ class OffNodeReader:
                     )
                     for i, code in zip(missing, again, strict=True):
                         codes[i] = code
-                    missing = [i for i in missing if codes[i] == OBJECT_NOT_FOUND]
+                    missing = [i for i in missing if codes[i] in _NOT_YET]
         finally:
             if registered:
                 client.unregister_buffer(base)
@@ -280,6 +288,13 @@ class OffNodeReader:
                 raise errors.ReferenceGone(
                     f"its rows are gone: Mooncake has no {name}{late} (the frontend gave them "
                     "up, the master evicted them, or they are not published yet)",
+                    index,
+                )
+            if code == REPLICA_IS_NOT_READY:
+                late = f" after {self.wait:g} s" if waited else ""
+                raise errors.ReferenceGone(
+                    f"its rows are not readable yet: Mooncake's put of {name} is still in "
+                    f"flight{late} (read again later, or give the reader a longer wait)",
                     index,
                 )
             if code == INVALID_PARAMS or (code >= 0 and code != size):
