@@ -643,9 +643,7 @@ class NotReady:
 
 
 @pytest.mark.mooncake
-def test_an_object_mid_put_is_read_once_its_put_ends_or_named_in_flight(
-    cluster, frontend
-) -> None:
+def test_an_object_mid_put_is_read_once_its_put_ends_or_named_in_flight(cluster, frontend) -> None:
     arena, publisher = frontend
     want = rows(7, 31)
     reference = elsewhere(arena.deliver(want))
