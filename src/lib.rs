@@ -17,6 +17,7 @@ mod sched;
 pub mod slab;
 mod store;
 pub mod widen;
+pub mod writer;
 
 #[cfg(feature = "python")]
 mod python;

@@ -17,36 +17,36 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 use pyo3::PyTraverseError;
 
-use super::lock::{detach, DetachedMutex, Unattached};
-use super::writer::{NativeWriter, Refusal};
+use super::lock::{detach, DetachedMutex};
+use super::writer::{NativeWriter, PlaneWriter};
 use crate::dataplane::{
     Capture, DataPlane, EmittedRows, PlaneConfig, PlaneError, Processed, Publication,
     RoutedExperts, Sink, StepInput, StepMetadata,
 };
+use crate::writer::Refusal;
 
 /// The store side of the plane: the connector's Rust writer, used with the GIL released.
 struct WriterSink<'a> {
-    writer: &'a NativeWriter,
+    writer: &'a PlaneWriter,
     /// A Python caller's argument error is latched: the writer takes nothing more.
     input_failed: bool,
-    unattached: Unattached,
 }
 
 impl Sink for WriterSink<'_> {
     type Error = Refusal;
 
     fn put(&mut self, publication: Publication) -> Result<(), Refusal> {
-        if self.input_failed {
-            return Err(Refusal::Failed);
+        match self.input_failed {
+            true => Err(Refusal::Failed),
+            false => self.writer.put(publication),
         }
-        self.writer.hand_over(publication, self.unattached)
     }
 
     fn get_concatenated(&mut self, keys: &[&str], out: &mut Vec<u8>) -> Result<(), Refusal> {
-        if self.input_failed {
-            return Err(Refusal::Failed);
+        match self.input_failed {
+            true => Err(Refusal::Failed),
+            false => self.writer.get_concatenated(keys, out),
         }
-        self.writer.read_detached(keys, out, self.unattached)
     }
 }
 
@@ -161,7 +161,7 @@ impl NativeDataPlane {
         writer.ensure_same_process()?;
         let input_failed = writer.input_failed(py);
         let result = detach(py, |unattached| {
-            let mut sink = WriterSink { writer, input_failed, unattached };
+            let mut sink = WriterSink { writer: writer.core(), input_failed };
             f(&mut self.plane.lock_unattached(unattached), &mut sink)
         });
         result.map_err(|error| plane_error(py, writer, error))

@@ -10,6 +10,7 @@ use pyo3::{ffi, intern};
 use super::{holds_objects, key_text, reserve, size_hint, type_name, BlockObject};
 use crate::error::StoreError;
 use crate::store::BlockRef;
+use crate::writer::{reserved, BatchViews};
 
 /// Bytes owned by a Python object that the same batch keeps alive.
 #[derive(Clone, Copy)]
@@ -371,9 +372,6 @@ impl<'py> Gathered<'py> {
     }
 }
 
-/// A batch as the store takes it: objects, retains, releases.
-pub(crate) type BatchViews<'a> = (Vec<BlockRef<'a>>, Vec<&'a str>, Vec<&'a str>);
-
 /// The store's view of recorded keys and payloads; a batch too large for memory is refused
 /// (`OutOfMemory`) rather than aborting.
 /// # Safety
@@ -383,16 +381,8 @@ pub(crate) unsafe fn batch_views<'a>(
     retains: &'a [RawBytes],
     releases: &'a [RawBytes],
 ) -> Result<BatchViews<'a>, StoreError> {
-    fn room<T>(n: usize) -> Result<Vec<T>, StoreError> {
-        let mut v = Vec::new();
-        v.try_reserve_exact(n).map_err(|_| StoreError::OutOfMemory {
-            what: "call's keys",
-            bytes: n.saturating_mul(std::mem::size_of::<T>()),
-        })?;
-        Ok(v)
-    }
     let (mut block_refs, mut retain_keys, mut release_keys) =
-        (room(blocks.len())?, room(retains.len())?, room(releases.len())?);
+        (reserved(blocks.len())?, reserved(retains.len())?, reserved(releases.len())?);
     // SAFETY: the caller's contract: every view stays valid for `'a`.
     unsafe {
         block_refs.extend(

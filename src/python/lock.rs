@@ -101,17 +101,10 @@ impl<'a, T> StoreLock<'a, T> {
 }
 
 /// Proof that this thread does not hold the GIL: given by `detach` to the code it runs with the
-/// GIL released, or by `Unattached::native_thread` on a thread that never attaches to Python.
+/// GIL released.
 /// Not `Send`, so it cannot be carried out of the place that made it.
 #[derive(Clone, Copy)]
 pub(crate) struct Unattached(PhantomData<*const ()>);
-
-impl Unattached {
-    /// For a thread the crate started that never attaches to Python (the writer's).
-    pub(crate) fn native_thread() -> Self {
-        Self(PhantomData)
-    }
-}
 
 /// `py.detach(f)`, with the proof that `f` runs without the GIL.
 pub(crate) fn detach<T: Send>(py: Python<'_>, f: impl Send + FnOnce(Unattached) -> T) -> T {
@@ -136,17 +129,7 @@ impl<T: Send> DetachedMutex<T> {
 
     /// Takes the lock from a thread holding the GIL, which it releases if it must wait.
     pub(crate) fn lock(&self, py: Python<'_>) -> MutexGuard<'_, T> {
-        loop {
-            for _ in 0..SPINS {
-                if let Some(guard) = self.try_lock() {
-                    return guard;
-                }
-                std::hint::spin_loop();
-            }
-            // Not kept across getting the GIL back: a holder waiting for the GIL would deadlock
-            // with a GIL holder waiting for this lock.
-            py.detach(|| drop(self.0.lock()));
-        }
+        lock_attached(py, &self.0)
     }
 
     /// Takes the lock where the GIL is not held.
@@ -156,11 +139,32 @@ impl<T: Send> DetachedMutex<T> {
 
     /// The lock if it is free now (`__traverse__`, a forked child's drop: they must not block).
     pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
-        match self.0.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
+        try_lock(&self.0)
+    }
+}
+
+/// `DetachedMutex::lock` over a mutex the core owns (the writer's state): tries, spins, then
+/// waits with the GIL released for it to come free, and tries again with the GIL.
+pub(crate) fn lock_attached<'a, T: Send>(py: Python<'_>, mutex: &'a Mutex<T>) -> MutexGuard<'a, T> {
+    loop {
+        for _ in 0..SPINS {
+            if let Some(guard) = try_lock(mutex) {
+                return guard;
+            }
+            std::hint::spin_loop();
         }
+        // Not kept across getting the GIL back: a holder waiting for the GIL would deadlock
+        // with a GIL holder waiting for this lock.
+        py.detach(|| drop(mutex.lock()));
+    }
+}
+
+/// The lock if it is free now.
+pub(crate) fn try_lock<T>(mutex: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match mutex.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
     }
 }
 
