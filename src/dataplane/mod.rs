@@ -2,7 +2,7 @@
 //! (`begin_step`, `prepare_output`, `process_output`) and `RoutedExpertsBuffer` do per request
 //! per step, with the same observable behaviour (outputs, store calls in order, the error kind
 //! at the same point). The engine's Python hands over a step's arrays once; the per-request
-//! loops run here. No PyO3: the binding (`python/dataplane.rs`) converts and locks.
+//! loops run here. No PyO3: the binding (`python/dataplane/`) converts and locks.
 //!
 //! Names follow vLLM's: a *request state* (cursors, keys, staged blocks), a *tail* (a request's
 //! incomplete block, staged in a slot), *slots* (the staging pool, sized as vLLM's buffer, whose
