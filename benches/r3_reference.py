@@ -11,6 +11,17 @@ server and a forked client, paired over the same requests and seeds, in ABBA ord
 - ``rows``: aostore's transport (T13) with vLLM's rows, for reference;
 - ``reference``: aostore's transport with delivery by reference.
 
+T15 (``--t15``; root, Mooncake installed) reads the references on another node: a Mooncake
+master on loopback, the frontend publishing each reference to it (``AOSTORE_VLLM_R3_MOONCAKE``,
+its own client's segment), and a client in a mount namespace of its own with an empty
+``/dev/shm`` and another boot id, which reads through Mooncake (``AOSTORE_R3_MOONCAKE``):
+
+- ``offnode``: the server's timed window ends once the publication is in Mooncake (its thread's
+  CPU counted); the client's full read is set against Mooncake's own ``batch_get_into`` of the
+  same objects into a buffer registered beforehand;
+- ``stalled``: the master stopped (SIGSTOP) for the whole run: what the finish costs while
+  publication cannot proceed (the client reads nothing).
+
 The server is the API server's part of a finish with vLLM's own classes: the request's outputs
 go through vLLM's ``OutputProcessor`` (untimed: the rows arrive as fresh arrays, as the
 decoders give them), then, timed, the output that finishes it (its rows joined, or written into
@@ -50,6 +61,7 @@ floor.
     python benches/r3_reference.py                 # one ABBA block
     python benches/r3_reference.py --quick         # tiny sizes, a smoke run
     python benches/r3_reference.py --reps 3 --out t14.json
+    python benches/r3_reference.py --t15 --reps 2  # T15, as root
 
 Run it with vLLM 0.33.0 or 0.34.0 and aostore installed (``.venv-vllm/bin/python``).
 """
@@ -58,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -67,13 +80,14 @@ import json
 import multiprocessing
 import os
 import resource
+import signal
 import socket
 import statistics
 import struct
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -106,6 +120,16 @@ def _reference(process: str) -> None:
     hops.ARMS["aostore"].install(process)
 
 
+def _offnode(process: str) -> None:
+    """By reference, published to the bench's Mooncake master for readers on other nodes
+    (``AOSTORE_VLLM_R3_MOONCAKE``: the frontend's client mounts a segment sized from the
+    budget)."""
+    from aostore.vllm.settings import ENV_R3_MOONCAKE
+
+    os.environ[ENV_R3_MOONCAKE] = os.environ[MOONCAKE]
+    _reference(process)
+
+
 ARMS: dict[str, hops.Arm] = {
     "vllm": dataclasses.replace(hops.ARMS["vllm"], label="vLLM's rows"),
     "rows": dataclasses.replace(
@@ -114,7 +138,18 @@ ARMS: dict[str, hops.Arm] = {
     "reference": hops.Arm(
         "reference", "aostore's transport, by reference", r3=True, install=_reference
     ),
+    "offnode": hops.Arm("offnode", "by reference, read on another node", r3=True, install=_offnode),
+    "stalled": hops.Arm("stalled", "by reference, the master stalled", r3=True, install=_offnode),
 }
+T14_ARMS = ("vllm", "rows", "reference")
+T15_ARMS = ("vllm", "offnode", "stalled")
+OFF_NODE = ("offnode", "stalled")
+"""Arms whose client runs as on another node (T15): its own mount namespace, an empty
+``/dev/shm`` and another boot id, reading through Mooncake (``stalled``: the master is stopped
+while the server finishes, and the client reads nothing)."""
+MOONCAKE = "AOSTORE_BENCH_R3_MOONCAKE"
+"""The bench's client config file (its master on loopback), for the off-node arms."""
+MASTER_PID = "AOSTORE_BENCH_MASTER_PID"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +226,15 @@ def server(arm: hops.Arm, job: Job, port_out: Connection) -> dict[str, Any]:
     processor = op_module.OutputProcessor(None, log_stats=False)  # the arena starts here
     from aostore.vllm.transport import delivery
 
+    held = delivery.installed()
+    publisher = held.publisher if held is not None else None
+    if arm.name in OFF_NODE:
+        held.start()  # the arena and its publisher, connected while the master answers
+        publisher = held.publisher
+        assert publisher is not None, "the off-node arms publish"
+    stalled = arm.name == "stalled"
+    if stalled:
+        os.kill(int(os.environ[MASTER_PID]), signal.SIGSTOP)
     freeze_gc_heap()
     clock = time.thread_time_ns
     figures: list[dict[str, Any]] = []
@@ -212,6 +256,9 @@ def server(arm: hops.Arm, job: Job, port_out: Connection) -> dict[str, Any]:
             body = hops.completion_body(completion, field, prompt_len, out_len)
             t2 = clock()
             conn.sendall(struct.pack("<Q", len(body)) + body)
+            if publisher is not None and not stalled:
+                # Its publication's CPU (the publisher's thread) counts in the server's.
+                publisher.flush()
             t3, cpu1 = clock(), _cpu_ns()
             figures.append(
                 {
@@ -227,9 +274,12 @@ def server(arm: hops.Arm, job: Job, port_out: Connection) -> dict[str, Any]:
             del finished, completion, field, body
             if conn.recv(1) != b"k":
                 raise ConnectionError("the client did not ack")
-    held = delivery.installed()
+    if stalled:
+        os.kill(int(os.environ[MASTER_PID]), signal.SIGCONT)
     arena = held.stats() if held is not None else None
     conn.recv(1)  # the client is done reading: the arena may go
+    if publisher is not None:
+        publisher.close(timeout=10.0)
     if held is not None and held.arena is not None:
         held.arena.close()  # this process ends with os._exit: no finalizers
     conn.close()
@@ -277,10 +327,12 @@ def client(arm: hops.Arm, job: Job, port: int) -> dict[str, Any]:
     # The bench's own imports (vLLM, torch: ~630k tracked objects) frozen, as the server's are:
     # else the first arm to allocate after them pays a full collection of that heap (0.4 s,
     # most of a batch's fetch), wherever the collector's count happens to fall.
+    if arm.name in OFF_NODE:
+        elsewhere()
     gc.collect()
     gc.freeze()
     sock = socket.create_connection(("127.0.0.1", port))
-    by_reference = arm.name == "reference"
+    by_reference = arm.name in ("reference", "offnode")
     passes: list[dict[str, Any]] = []
     read: dict[str, float] = {}
     held_strings: list[int] = []
@@ -296,8 +348,8 @@ def client(arm: hops.Arm, job: Job, port: int) -> dict[str, Any]:
             answer = json.loads(_recv_exact(sock, size))
             field = answer["choices"][0]["routed_experts"]
             del answer
-            if by_reference:
-                fields.append(field)  # read in one batch below
+            if by_reference or arm.name == "stalled":
+                fields.append(field)  # read in one batch below (stalled: not read)
             else:
                 got.append(np.load(io.BytesIO(base64.b64decode(field)), allow_pickle=False))
             if number == 0:
@@ -313,9 +365,12 @@ def client(arm: hops.Arm, job: Job, port: int) -> dict[str, Any]:
             figures["peak_bytes"] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
         passes.append(figures)
-        check(arm, job, got)
+        if arm.name != "stalled":
+            check(arm, job, got)
         if batch is not None and traced:
             read = full_read(got, fields, r3)
+            if arm.name == "offnode":
+                read |= mooncake_read(fields)
         del got
         if batch is not None:
             batch.release()
@@ -360,6 +415,55 @@ def full_read(views: list[np.ndarray], fields: list[str], r3: Any) -> dict[str, 
         for name, ns in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             timings[name].append(ns)
     return {"bytes": int(out.nbytes)} | {f"{k}_ms": min(v) / 1e6 for k, v in timings.items()}
+
+
+def elsewhere() -> None:
+    """This process as a reader on another node (``tests/support/other_node.py``)."""
+    sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+    import other_node
+
+    missing = other_node.missing_reason()
+    if missing:
+        raise RuntimeError(f"the off-node arms: {missing}")
+    other_node.become_another_node()
+
+
+def mooncake_read(fields: list[str]) -> dict[str, float]:
+    """Mooncake's own read of the batch's objects (the same keys and bytes the reader reads)
+    into one buffer registered beforehand, best of three: the off-node read's floor."""
+    from aostore.mooncake.client import connect
+    from aostore.mooncake.config import MooncakeConfig
+    from aostore.r3 import format as fmt
+    from aostore.r3 import offnode
+
+    config = MooncakeConfig.from_file(os.environ[offnode.SETTING])
+    names, sizes = [], []
+    for field in fields:
+        item = fmt.parse(field)
+        dtype, shape = fmt.rows_of(item)
+        ident = fmt.ident(item["arena"])
+        names.append(
+            offnode.key(config.key_prefix, ident, int(item["slot"]), int(item["generation"]))
+        )
+        sizes.append(offnode.HEADER.itemsize + dtype.itemsize * int(np.prod(shape)))
+    offsets = np.cumsum([0, *(-(-size // 64) * 64 for size in sizes)])
+    staging = np.zeros(int(offsets[-1]), np.uint8)
+    client = connect(config)
+    base = staging.ctypes.data
+    if client.register_buffer(base, staging.nbytes) != 0:
+        raise RuntimeError("Mooncake did not register the floor's buffer")
+    timings = []
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter_ns()
+            codes = client.batch_get_into(names, [base + int(o) for o in offsets[:-1]], sizes)
+            timings.append(time.perf_counter_ns() - t0)
+            if list(codes) != sizes:
+                raise RuntimeError(f"Mooncake's own read failed: {set(codes) - set(sizes)}")
+    finally:
+        client.unregister_buffer(base)
+        client.close()
+    return {"mooncake_ms": min(timings) / 1e6}
 
 
 # -- One run ------------------------------------------------------------------------------------
@@ -490,7 +594,64 @@ def table(job: Job, arms: dict[str, Any]) -> str:
             f"{read['views_ms'] / pieces:.2f}x the same copies between ordinary buffers, "
             f"{pieces:.2f} ms)"
         )
+    read = arms.get("offnode", {}).get("read")
+    if read:
+        floor = read["mooncake_ms"]
+        lines.append(
+            f"off-node read of {read['bytes'] / 1e6:,.1f} MB: fetch(out=) {read['out_ms']:.2f} "
+            f"ms ({read['out_ms'] / floor:.2f}x Mooncake's own batch_get_into of the same "
+            f"objects into a registered buffer, {floor:.2f} ms)"
+        )
     return "\n".join(lines)
+
+
+def t15(jobs: dict[str, Any]) -> dict[str, Any]:
+    """The targets: the server's CPU a sample with publication at most 1/10 of vLLM's rows; an
+    off-node batch read at most 1.25x Mooncake's own; the finish with the master stalled at
+    most 1.1x the healthy one; the field at most 1 KB."""
+    figures: dict[str, Any] = {}
+    for name, arms in jobs.items():
+        if "vllm" not in arms or "offnode" not in arms:
+            continue
+        ours, theirs = arms["offnode"], arms["vllm"]
+        f = {
+            "field_bytes": ours["field_bytes_max"],
+            "server_ratio": ours["server_ms"] / theirs["server_ms"],
+            "client_ratio": ours["client_ms"] / theirs["client_ms"],
+        }
+        read = ours.get("read")
+        if read:
+            f["read_ratio"] = read["out_ms"] / read["mooncake_ms"]
+        if "stalled" in arms:
+            f["stall_ratio"] = arms["stalled"]["finish_ms"] / ours["finish_ms"]
+        figures[name] = f
+    return figures
+
+
+def t15_lines(figures: dict[str, Any]) -> list[str]:
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    lines = []
+    for name, f in figures.items():
+        line = (
+            f"T15 {name}: field {f['field_bytes']} B (<= 1,024: {met(f['field_bytes'] <= 1024)})"
+            f"; server CPU with publication {f['server_ratio']:.3f} of vLLM's rows (<= 1/10: "
+            f"{met(f['server_ratio'] <= 0.1)}); the off-node client's CPU "
+            f"{f['client_ratio']:.3f} of vLLM's"
+        )
+        if "read_ratio" in f:
+            line += (
+                f"; off-node read {f['read_ratio']:.2f}x Mooncake's own (<= 1.25x: "
+                f"{met(f['read_ratio'] <= 1.25)})"
+            )
+        if "stall_ratio" in f:
+            line += (
+                f"; the finish with the master stalled {f['stall_ratio']:.2f}x healthy "
+                f"(<= 1.1x: {met(f['stall_ratio'] <= 1.1)})"
+            )
+        lines.append(line)
+    return lines
 
 
 def t14(jobs: dict[str, Any]) -> dict[str, Any]:
@@ -582,7 +743,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--reps", type=int, default=1, help="ABBA blocks (each: every arm x2)")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(T14_ARMS), choices=list(ARMS))
+    parser.add_argument(
+        "--t15",
+        action="store_true",
+        help="T15: the arms " + ", ".join(T15_ARMS) + " (a Mooncake master on loopback; root)",
+    )
     parser.add_argument("--sample-reps", type=int, default=3, help="timed passes a run")
     parser.add_argument("--sample-only", action="store_true", help="the 16k sample alone")
     parser.add_argument("--seed", type=int, default=0)
@@ -590,7 +756,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    if args.t15:
+        args.arms = list(T15_ARMS)
     return args
+
+
+@contextlib.contextmanager
+def mooncake_cluster(arms: list[str]) -> Iterator[None]:
+    """For the off-node arms: a Mooncake master on loopback (no segment holder: the
+    frontend's client holds the only segment), the frontend's and the reader's config files
+    in the environment the runs are forked with."""
+    if not set(arms) & set(OFF_NODE):
+        yield
+        return
+    import tempfile
+
+    sys.path.insert(0, str(HERE.parent / "tests" / "support"))
+    import mooncake_util
+    from aostore.r3 import offnode
+
+    missing = mooncake_util.missing_reason()
+    if missing:
+        raise SystemExit(f"the off-node arms need Mooncake: {missing}")
+    with (
+        tempfile.TemporaryDirectory(prefix="aostore-t15-") as where,
+        mooncake_util.cluster(Path(where), holder_segment=None) as cluster,
+    ):
+        config = Path(where) / "mooncake.json"
+        config.write_text(json.dumps(cluster.config(key_prefix="t15/")))
+        os.environ[MOONCAKE] = os.environ[offnode.SETTING] = str(config)
+        os.environ[MASTER_PID] = str(cluster.master.pid)
+        try:
+            yield
+        finally:
+            for name in (MOONCAKE, offnode.SETTING, MASTER_PID):
+                os.environ.pop(name, None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -604,31 +804,45 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     total = len(jobs) * args.reps * len(order)
     done = 0
-    for job in jobs:
-        runs: list[dict[str, Any]] = []
-        for block in range(args.reps):
-            for position, name in enumerate(order):
-                done += 1
-                print(
-                    f"[{done}/{total}] {job.name} {name} (block {block + 1}, "
-                    f"{time.perf_counter() - started:.0f} s)",
-                    flush=True,
-                )
-                runs.append(run_arm(ARMS[name], job, block * len(order) + position))
-        summary[job.name] = summarize(job, runs)
-        raw[job.name] = runs
-        print(table(job, summary[job.name]), flush=True)
+    with mooncake_cluster(args.arms):
+        for job in jobs:
+            runs = run_job(job, args, order, started, done, total)
+            done += args.reps * len(order)
+            summary[job.name] = summarize(job, runs)
+            raw[job.name] = runs
+            print(table(job, summary[job.name]), flush=True)
     figures = t14(summary)
     print("\n".join(orchestrator_lines(summary)))
     for line in t14_lines(figures):
         print(line)
+    late = t15(summary)
+    for line in t15_lines(late):
+        print(line)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
-            json.dumps({"summary": summary, "t14": figures, "runs": raw}, indent=1) + "\n"
+            json.dumps({"summary": summary, "t14": figures, "t15": late, "runs": raw}, indent=1)
+            + "\n"
         )
     print(f"r3_reference.py: done in {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def run_job(
+    job: Job, args: argparse.Namespace, order: list[str], started: float, done: int, total: int
+) -> list[dict[str, Any]]:
+    """Every block of ``job``, its arms in ABBA order."""
+    runs: list[dict[str, Any]] = []
+    for block in range(args.reps):
+        for position, name in enumerate(order):
+            done += 1
+            print(
+                f"[{done}/{total}] {job.name} {name} (block {block + 1}, "
+                f"{time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
+            runs.append(run_arm(ARMS[name], job, block * len(order) + position))
+    return runs
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ GAUGES: dict[str, str] = {
     "slots_held": "R3 arena: references whose rows are held (references).",
     "leases": "R3 arena: held rows a reader leases now (references).",
     "offnode_pending": "R3 across nodes: puts and removals waiting for Mooncake (entries).",
+    "offnode_segment_committed": "R3 across nodes: Mooncake segment committed at start (bytes).",
 }
 """``stats()`` keys exported as gauges, with their help text (unit in parentheses)."""
 

@@ -348,9 +348,10 @@ def test_the_mooncake_calls_r3_uses_release_the_gil_while_they_wait(tmp_path) ->
                 "batch_put_from_multi_buffers": lambda: client.batch_put_from_multi_buffers(
                     ["gil-2"], [[data.ctypes.data]], [[data.nbytes]], config
                 ),
-                "batch_get_into": lambda: client.batch_get_into(
-                    ["gil"], [into.ctypes.data], [into.nbytes]
+                "batch_get_into_multi_buffers": lambda: client.batch_get_into_multi_buffers(
+                    ["gil"], [[into.ctypes.data]], [[into.nbytes]]
                 ),
+                "get_size": lambda: client.get_size("gil"),
                 "register_buffer": lambda: client.register_buffer(into.ctypes.data, into.nbytes),
                 "batch_remove": lambda: client.batch_remove(["gil"], False),
             }
@@ -456,6 +457,9 @@ def test_vllms_delivery_publishes_with_its_setting_and_an_unreachable_master_sto
     arena = delivery.start()
     try:
         assert delivery.publisher is not None and arena.offnode is delivery.publisher
+        # Its segment (the budget x 1.1, at least 16 MiB) is committed at start, as the arena
+        # is: a put copies into pages already there.
+        assert delivery.publisher.stats.segment_committed >= 16 << 20
         want = rows(12, 13)
         reference = delivery.deliver(want)
         assert delivery.publisher.flush() and delivery.publisher.stats.published == 1
@@ -469,6 +473,7 @@ def test_vllms_delivery_publishes_with_its_setting_and_an_unreachable_master_sto
         register_store(lambda: delivery.stats() or {}, registry=registry, prefix="aostore_r3_")
         assert registry.get_sample_value("aostore_r3_offnode_published_total") == 1.0
         assert registry.get_sample_value("aostore_r3_offnode_pending") == 0.0
+        assert registry.get_sample_value("aostore_r3_offnode_segment_committed") >= 16 << 20
     finally:
         delivery.publisher.close()
         arena.close()
@@ -576,6 +581,65 @@ def test_a_frontend_that_exits_takes_its_objects_with_it_in_bounded_time(
     assert frontend_client.is_exist(name) == 0
 
 
+READER_ELSEWHERE = """
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[2])
+import other_node
+other_node.become_another_node()
+from aostore import r3
+from aostore.r3 import format as fmt
+config, fields = json.loads(sys.argv[1])
+reader = r3.Reader(mooncake=config)
+import os
+assert not os.path.exists(fmt.path(fmt.ident(fmt.parse(fields[0])["arena"])))  # not its /dev/shm
+batch = reader.fetch(fields)
+print(json.dumps([hashlib.sha256(rows.tobytes()).hexdigest() for rows in batch]))
+batch.release()
+try:
+    r3.fetch(fields[:1])  # no Mooncake setting: another node's reference names it
+except r3.OtherNode as error:
+    print(json.dumps(str(error)))
+"""
+
+
+@pytest.mark.mooncake
+def test_a_reader_in_another_nodes_view_reads_through_mooncake(cluster, frontend) -> None:
+    """The other-node path with nothing rewritten: the reader runs in a mount namespace of its
+    own, with an empty /dev/shm and another boot id (tests/support/other_node.py), and reads
+    the frontend's answers' strings as a trainer on another node gets them."""
+    import base64
+    import hashlib
+
+    import other_node
+
+    missing = other_node.missing_reason()
+    if missing:
+        pytest.skip(missing)
+    arena, publisher = frontend
+    wanted = [rows(40, 41), rows(1, 42), rows(700, 43)]
+    references = [arena.deliver(want) for want in wanted]
+    assert publisher.flush()
+    fields = [base64.b64encode(fmt.npy_of(ref)).decode() for ref in references]
+    support = os.path.dirname(other_node.__file__)
+    argv = json.dumps([cluster.config(key_prefix=PREFIX), [fields[2], fields[0], fields[1]]])
+    done = subprocess.run(
+        [sys.executable, "-c", READER_ELSEWHERE, argv, support],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != offnode.SETTING},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    digests, refused = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert digests == [hashlib.sha256(w.tobytes()).hexdigest() for w in wanted[2:] + wanted[:2]]
+    assert offnode.SETTING in refused
+    # The read channel: the frontend learns of the reads with its next poll.
+    deadline = time.monotonic() + 10.0
+    while publisher.stats.read_offnode < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert publisher.stats.read_offnode == 3
+
+
 class Late:
     """The frontend's client, whose puts take ``delay`` seconds more (a publication in
     flight when the trainer asks)."""
@@ -632,8 +696,10 @@ class NotReady:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
-    def batch_get_into(self, names: list[str], buffers: list[int], sizes: list[int]) -> Any:
-        codes = list(self._client.batch_get_into(names, buffers, sizes))
+    def batch_get_into_multi_buffers(
+        self, names: list[str], buffers: list[list[int]], sizes: list[list[int]]
+    ) -> Any:
+        codes = list(self._client.batch_get_into_multi_buffers(names, buffers, sizes))
         for i, name in enumerate(names):
             seen = self.answered.get(name, 0)
             self.answered[name] = seen + 1

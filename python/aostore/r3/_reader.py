@@ -491,7 +491,8 @@ class Reader:
         the rows of the reference as vLLM sent them: row 0 is vLLM's first row, the token
         ``routed_experts_prompt_start`` of the sequence where vLLM sets that above 0. With
         ``out``, copied into it (every row of the batch in order, its shape and dtype exactly)
-        and not leased."""
+        and not leased; a batch that fails leaves ``out``'s contents undefined (other nodes'
+        rows are read straight into it)."""
         if isinstance(references, (str, np.ndarray)):
             raise TypeError("references is a sequence of references (a list of one for one)")
         items = [fmt.parse(value) for value in references]
@@ -537,7 +538,7 @@ class Reader:
                 raise ValueError("this reader is closed")
             # Before any lease here: a failure there leaves nothing taken.
             assert self._offnode is not None  # _plan refused them otherwise
-            got = self._offnode.read(remote)
+            got = self._offnode.read(remote, _places(out, plans, keys, remote))
             self.stats.offnode_references += len(got)
             self.stats.offnode_bytes += sum(offnode.HEADER.itemsize + k[3] for k in got)
         with self._lock:
@@ -737,7 +738,8 @@ class Reader:
                 if remote:  # another node's, read through Mooncake
                     rows = got[key][first * row : key[3]].view(dtype).reshape(shape)
                     if out is not None:
-                        out[at : at + shape[0]] = rows
+                        if rows.ctypes.data != out[at:].ctypes.data:  # not read in place
+                            out[at : at + shape[0]] = rows
                         rows = out[at : at + shape[0]]
                     else:
                         rows.flags.writeable = False
@@ -848,6 +850,25 @@ os.register_at_fork(
     after_in_parent=_after_fork_in_parent,
     after_in_child=_after_fork_in_child,
 )
+
+
+def _places(
+    out: np.ndarray | None,
+    plans: list[tuple[np.dtype[Any], tuple[int, ...], int]],
+    keys: list[_Key | None],
+    remote: dict[_Key, int],
+) -> dict[_Key, np.ndarray]:
+    """Where in ``out`` each reference read through Mooncake may land as it is read: at its
+    first place, when that place wants all its rows (a later ``start`` is copied after)."""
+    if out is None:
+        return {}
+    places: dict[_Key, np.ndarray] = {}
+    at = 0
+    for index, ((_, shape, first), key) in enumerate(zip(plans, keys, strict=True)):
+        if key is not None and remote.get(key) == index and first == 0:
+            places[key] = out[at : at + shape[0]].reshape(-1).view(np.uint8)
+        at += shape[0]
+    return places
 
 
 def _check_out(out: Any, plans: list[tuple[np.dtype[Any], tuple[int, ...], int]]) -> None:

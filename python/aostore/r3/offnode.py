@@ -10,7 +10,8 @@ so another output's bytes, a truncated object or a key the master no longer has 
   given up; its thread puts the slot's bytes (header and page runs, no copy in Python) into the
   frontend's own segment (``preferred_segment``) and removes the object when the slot goes.
   Failures are counted and retried, never raised into the engine.
-- :class:`OffNodeReader`, the trainer's: one ``batch_get_into`` a batch into a buffer it owns.
+- :class:`OffNodeReader`, the trainer's: one ``batch_get_into_multi_buffers`` a batch, the rows
+  straight into ``out=`` (else into a buffer of the batch's), the headers apart.
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
 INVALID_PARAMS = -600
+TRANSFER_FAIL = -800
 _NOT_YET = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY)
 
 MAX_WAITING = 1 << 17
 """The most puts and removals a publisher keeps for a retry (the oldest go first)."""
 
-READER_CALLS = ("batch_get_into", "register_buffer", "unregister_buffer")
+READER_CALLS = ("batch_get_into_multi_buffers", "get_size", "register_buffer", "unregister_buffer")
 PUBLISHER_CALLS = (
     "batch_put_from_multi_buffers",
     "batch_remove",
@@ -222,27 +224,41 @@ class OffNodeReader:
             self._client = client
         return self._client
 
-    def read(self, wanted: Mapping[tuple[bytes, int, int, int], int]) -> dict[Any, np.ndarray]:
+    def read(
+        self,
+        wanted: Mapping[tuple[bytes, int, int, int], int],
+        places: Mapping[tuple[bytes, int, int, int], np.ndarray] | None = None,
+    ) -> dict[Any, np.ndarray]:
         """The rows of each ``(arena, slot, generation, nbytes)`` (an index in its batch with
-        each, for errors), as ``uint8`` arrays of one buffer; ``ReferenceGone`` naming the
-        first whose object is gone or not its own."""
+        each, for errors), as ``uint8`` arrays; ``ReferenceGone`` naming the first whose object
+        is gone or not its own. A key with a place (a C-contiguous ``uint8`` array of its
+        ``nbytes``: the caller's ``out=``) is read straight into it, its header apart; the
+        others into one buffer of the batch's."""
         if not wanted:
             return {}
+        places = places or {}
         items = list(wanted.items())
-        sizes = [HEADER.itemsize + nbytes for (_, _, _, nbytes), _ in items]
-        offsets = []
-        total = 0
-        for size in sizes:
-            offsets.append(total)
-            total += -(-size // 64) * 64
-        staging = np.empty(total, np.uint8)
-        base = staging.ctypes.data
         client = self._connected()
         names = [key(self.prefix, arena, slot, gen) for (arena, slot, gen, _), _ in items]
-        registered = client.register_buffer(base, total) == 0
+        headers = np.empty((len(items), HEADER.itemsize), np.uint8)
+        staged = [k for k, _ in items if k not in places]
+        offsets = np.cumsum([0, *(-(-k[3] // 64) * 64 for k in staged)])
+        staging = np.empty(int(offsets[-1]), np.uint8)
+        rows: dict[Any, np.ndarray] = {
+            k: staging[o : o + k[3]] for k, o in zip(staged, offsets[:-1], strict=True)
+        }
+        rows.update(places)
+        # One call reads each object's header into `headers` and its rows where they go (an
+        # object of no rows is its header).
+        buffers = [
+            [headers[i].ctypes.data, rows[k].ctypes.data][: 2 if k[3] else 1]
+            for i, (k, _) in enumerate(items)
+        ]
+        sizes = [[HEADER.itemsize, k[3]][: 2 if k[3] else 1] for k, _ in items]
+        registered = self._register(client, [headers, staging, *places.values()])
         waited = False
         try:
-            codes = client.batch_get_into(names, [base + o for o in offsets], sizes)
+            codes = list(client.batch_get_into_multi_buffers(names, buffers, sizes))
             missing = [i for i, code in enumerate(codes) if code in _NOT_YET]
             if missing and self.wait > 0:
                 # Objects whose arena's marker is there may be in flight: read them again
@@ -260,55 +276,23 @@ class OffNodeReader:
                 while missing and time.monotonic() < deadline:
                     waited = True
                     time.sleep(0.01)
-                    again = client.batch_get_into(
+                    again = client.batch_get_into_multi_buffers(
                         [names[i] for i in missing],
-                        [base + offsets[i] for i in missing],
+                        [buffers[i] for i in missing],
                         [sizes[i] for i in missing],
                     )
                     for i, code in zip(missing, again, strict=True):
                         codes[i] = code
                     missing = [i for i in missing if codes[i] in _NOT_YET]
         finally:
-            if registered:
+            for base in registered:
                 client.unregister_buffer(base)
         got: dict[Any, np.ndarray] = {}
-        for ((arena, slot, generation, nbytes), index), at, size, code, name in zip(
-            items, offsets, sizes, codes, names, strict=True
+        for i, (((arena, slot, generation, nbytes), index), code, name) in enumerate(
+            zip(items, codes, names, strict=True)
         ):
-            if code == OBJECT_NOT_FOUND:
-                marker = marker_key(self.prefix, arena)
-                if client.batch_is_exist([marker])[0] == 0:
-                    raise errors.ReferenceGone(
-                        f"its rows are not in this Mooncake: it has no {marker} (the frontend "
-                        f"is gone or does not publish, or {SETTING} names another cluster "
-                        "than the frontend's, or another key_prefix)",
-                        index,
-                    )
-                late = f", nor within {self.wait:g} s" if waited else ""
-                raise errors.ReferenceGone(
-                    f"its rows are gone: Mooncake has no {name}{late} (the frontend gave them "
-                    "up, the master evicted them, or they are not published yet)",
-                    index,
-                )
-            if code == REPLICA_IS_NOT_READY:
-                late = f" after {self.wait:g} s" if waited else ""
-                raise errors.ReferenceGone(
-                    f"its rows are not readable yet: Mooncake's put of {name} is still in "
-                    f"flight{late} (read again later, or give the reader a longer wait)",
-                    index,
-                )
-            if code == INVALID_PARAMS or (code >= 0 and code != size):
-                raise errors.ReferenceGone(
-                    f"{name} in Mooncake is not its rows: an object of another size", index
-                )
-            if code < 0:
-                from aostore.mooncake.client import describe_code
-
-                raise errors.OffNodeError(
-                    f"reference {index} of the batch: Mooncake's read of {name} failed with "
-                    f"{describe_code(code)}"
-                )
-            found = staging[at : at + HEADER.itemsize].view(HEADER)[0]
+            self._check(client, arena, name, index, code, HEADER.itemsize + nbytes, waited)
+            found = headers[i].view(HEADER)[0]
             if (
                 bytes(found["magic"]) != MAGIC
                 or int(found["version"]) != OBJECT_VERSION
@@ -320,10 +304,62 @@ class OffNodeReader:
                 raise errors.ReferenceGone(
                     f"{name} in Mooncake is not its rows: another output's object", index
                 )
-            got[(arena, slot, generation, nbytes)] = staging[
-                at + HEADER.itemsize : at + HEADER.itemsize + nbytes
-            ]
+            got[(arena, slot, generation, nbytes)] = rows[items[i][0]]
         return got
+
+    def _register(self, client: Any, buffers: list[np.ndarray]) -> list[int]:
+        """Registers the read's destinations where the transport needs it (RDMA; TCP reads
+        into any memory, and registering costs about as much as a 6 MB copy): the bases
+        registered, to unregister."""
+        if self.config.protocol == "tcp":
+            return []
+        done = []
+        for buffer in buffers:
+            if buffer.nbytes and client.register_buffer(buffer.ctypes.data, buffer.nbytes) == 0:
+                done.append(buffer.ctypes.data)
+        return done
+
+    def _check(
+        self, client: Any, arena: bytes, name: str, index: int, code: int, size: int, waited: bool
+    ) -> None:
+        """``ReferenceGone`` (or ``OffNodeError`` for a failed read) unless ``code`` says the
+        whole object of ``size`` bytes was read."""
+        if code == size:
+            return
+        if code == OBJECT_NOT_FOUND:
+            marker = marker_key(self.prefix, arena)
+            if client.batch_is_exist([marker])[0] == 0:
+                raise errors.ReferenceGone(
+                    f"its rows are not in this Mooncake: it has no {marker} (the frontend "
+                    f"is gone or does not publish, or {SETTING} names another cluster "
+                    "than the frontend's, or another key_prefix)",
+                    index,
+                )
+            late = f", nor within {self.wait:g} s" if waited else ""
+            raise errors.ReferenceGone(
+                f"its rows are gone: Mooncake has no {name}{late} (the frontend gave them "
+                "up, the master evicted them, or they are not published yet)",
+                index,
+            )
+        if code == REPLICA_IS_NOT_READY:
+            late = f" after {self.wait:g} s" if waited else ""
+            raise errors.ReferenceGone(
+                f"its rows are not readable yet: Mooncake's put of {name} is still in "
+                f"flight{late} (read again later, or give the reader a longer wait)",
+                index,
+            )
+        # A buffer of another size than the object: shorter is INVALID_PARAMS, longer a
+        # failed transfer; ask the object's size before calling it an outage.
+        if code >= 0 or (code in (INVALID_PARAMS, TRANSFER_FAIL) and client.get_size(name) != size):
+            raise errors.ReferenceGone(
+                f"{name} in Mooncake is not its rows: an object of another size", index
+            )
+        from aostore.mooncake.client import describe_code
+
+        raise errors.OffNodeError(
+            f"reference {index} of the batch: Mooncake's read of {name} failed with "
+            f"{describe_code(code)}"
+        )
 
     def renew(self, wanted: Mapping[tuple[bytes, int, int], int], seconds: float) -> None:
         """Ask the frontends to keep these unread references ``seconds`` more: ``ReferenceGone``
@@ -399,6 +435,8 @@ class PublisherStats:
     preference: a segment the master does not know, or none, sends objects elsewhere)."""
     republished: int = 0
     """References put again after a restart."""
+    segment_committed: int = 0
+    """Bytes of the publisher's Mooncake segment committed at start (0: left to fault in)."""
     remove_retries: int = 0
     """Removals put off: the object was under a reader's Mooncake lease, or the call failed."""
     pending: int = 0
@@ -443,10 +481,53 @@ def connect_publisher(arena: Arena, config: MooncakeConfig, *, setting: str) -> 
         with contextlib.suppress(Exception):
             client.close()
         raise
+    publisher.stats.segment_committed = commit_segment(
+        client, publisher._config, key(config.key_prefix, arena.id, 0, 0) + "/probe", segment
+    )
     # At exit, bounded: the thread stopped, the client closed (its segment and the objects in
     # it go with it, as the arena's rows do).
     atexit.register(_close_at_exit, weakref.ref(publisher))
     return publisher
+
+
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14: fault pages in writable without changing what they hold."""
+
+
+def commit_segment(client: Any, replicate: Any, probe: str, nbytes: int) -> int:
+    """Commits the pages of ``client``'s segment at start, as the arena's are, so that no put
+    faults them in one at a time (a put of a 6 MB sample into fresh segment pages cost 5 ms of
+    CPU, one into committed pages a memcpy: docs/performance.md). Mooncake does not say where
+    the segment lies: a probe object put in it (a fresh segment places it at its start) names
+    the address, and the pages from there to the segment's end, within that mapping, are
+    committed. Best effort: the bytes committed, 0 where any step is refused."""
+    import ctypes
+
+    mark = np.zeros(fmt.PAGE, np.uint8)
+    try:
+        if client.put_from(probe, mark.ctypes.data, mark.nbytes, replicate) != 0:
+            return 0
+        try:
+            replicas = client.get_replica_desc(probe)
+            start = int(replicas[0].get_memory_descriptor().buffer_descriptor.buffer_address)
+        finally:
+            client.remove(probe)
+        start -= start % fmt.PAGE
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                low, high = (int(bound, 16) for bound in line.split()[0].split("-"))
+                if low <= start < high and line.split()[1].startswith("rw"):
+                    break
+            else:
+                return 0
+        length = min(high, start + nbytes) - start
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(start, length, MADV_POPULATE_WRITE) != 0:
+            return 0
+        return length
+    except Exception:  # a client without these calls, an older kernel: pages fault as before
+        return 0
 
 
 def _close_at_exit(ref: weakref.ref[Publisher]) -> None:
