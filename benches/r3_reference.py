@@ -508,7 +508,9 @@ def run_arm(arm: hops.Arm, job: Job, number: int) -> dict[str, Any]:
             path.unlink(missing_ok=True)
     errors = [f"{side}: {r['error']}" for side, r in results.items() if "error" in r]
     if errors:
-        raise RuntimeError(f"{arm.name} {job.name}: " + "\n".join(errors))
+        held = results["server"].get("arena")
+        said = f"\nthe server's arena and publisher: {held}" if held else ""
+        raise RuntimeError(f"{arm.name} {job.name}: " + "\n".join(errors) + said)
     arena = results["server"]["arena"]
     if arena is not None and arena["fallbacks"]:
         raise RuntimeError(f"{arm.name} {job.name}: {arena['fallbacks']} rows fell back")

@@ -443,6 +443,39 @@ def test_this_nodes_reference_whose_arena_is_not_seen_here_reads_through_mooncak
 
 
 @pytest.mark.mooncake
+def test_a_full_arena_of_unread_rows_is_read_off_node_whole(tmp_path) -> None:
+    """The master evicts objects once its memory passes a watermark (0.9 by default; a full
+    arena's segment, the budget x 1.1, reaches it: T15's batch of 512 lost its oldest rows).
+    The rows' objects are hard-pinned: the master evicts none, the arena's life decides.
+    Here a master whose watermark is 0.5 and whose leases last 0.1 s evicts at once."""
+    from aostore.mooncake import MooncakeConfig
+
+    require_mooncake()
+    flags = ("--default_kv_lease_ttl=100", "--eviction_high_watermark_ratio=0.5")
+    with mooncake_util.cluster(tmp_path, holder_segment=None, master_flags=flags) as eager:
+        budget = 16 << 20
+        arena = Arena(budget, ttl=600.0)
+        config = MooncakeConfig.from_dict(eager.config(key_prefix=PREFIX))
+        publisher = offnode.connect_publisher(arena, config, setting="TEST")
+        made = []
+        try:
+            while (reference := arena.deliver(rows(2_000, len(made)))) is not None:
+                made.append(reference)
+            assert len(made) * 2_000 * 46 * 8 > 0.8 * budget
+            assert publisher.flush() and publisher.stats.published == len(made)
+            time.sleep(1.0)  # leases over, the master's eviction has run
+            reader = r3.Reader(mooncake=eager.config(key_prefix=PREFIX))
+            try:
+                got = reader.fetch([elsewhere(reference) for reference in made])
+                assert all(np.array_equal(g, rows(2_000, i)) for i, g in enumerate(got))
+            finally:
+                reader.close()
+        finally:
+            publisher.close()
+            arena.close()
+
+
+@pytest.mark.mooncake
 def test_vllms_delivery_publishes_with_its_setting_and_an_unreachable_master_stops_it(
     cluster, reader
 ) -> None:

@@ -144,7 +144,13 @@ class Server:
 class Cluster:
     """A master and optionally a segment holder, on loopback."""
 
-    def __init__(self, log_dir: Path, *, holder_segment: str | None = "64MB") -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        holder_segment: str | None = "64MB",
+        master_flags: tuple[str, ...] = (),
+    ) -> None:
         where = package_dir()
         assert where is not None, INSTALL_HINT
         self.rpc_port = free_port()
@@ -163,6 +169,7 @@ class Cluster:
                 f"--metrics_host={LOOPBACK}",
                 f"--metrics_port={self.metrics_port}",
                 "--rpc_thread_num=2",
+                *master_flags,
             ],
             log_dir / f"master-{self.rpc_port}.log",
             self.rpc_port,

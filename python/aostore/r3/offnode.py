@@ -453,7 +453,8 @@ MIN_SEGMENT = 16 << 20
 """Mooncake 0.3.13.post1's ``setup`` refuses a segment under 16 MiB (-600, INVALID_PARAMS)."""
 SEGMENT_MARGIN = 1.1
 """The frontend's segment is the arena's budget times this (each object is its rows and a
-64-byte header, in the master's allocation granularity)."""
+64-byte header, in the master's allocation granularity). A full arena fills it to the
+master's eviction watermark (0.9): the rows' objects are hard-pinned, so that none is evicted."""
 
 
 def connect_publisher(arena: Arena, config: MooncakeConfig, *, setting: str) -> Publisher:
@@ -571,6 +572,10 @@ class Publisher:
         self._config = replicate_config()
         self._config.replica_num = 1
         self._config.preferred_segment = self.segment
+        # Hard-pinned: the master never evicts them (at its high watermark, 0.9 of the
+        # segment in 0.3.13.post1, it would drop the oldest unread rows of a full arena);
+        # the publisher removes each once the arena gives its slot up.
+        self._config.with_hard_pin = True
         self._retry = retry
         self._close_client = close_client
         self._pid = os.getpid()
