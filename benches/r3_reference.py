@@ -630,10 +630,11 @@ def t15(jobs: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
-def t15_lines(figures: dict[str, Any]) -> list[str]:
-    def met(ok: bool) -> str:
-        return "met" if ok else "NOT met"
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
+
+def t15_lines(figures: dict[str, Any]) -> list[str]:
     lines = []
     for name, f in figures.items():
         line = (
@@ -682,15 +683,15 @@ def t14_lines(figures: dict[str, Any]) -> list[str]:
     lines = []
     for name, f in figures.items():
         line = (
-            f"T14 {name}: field {f['field_bytes']} B (<= 1,024: "
-            f"{'met' if f['field_bytes'] <= 1024 else 'NOT met'}); server CPU "
-            f"{f['server_ratio']:.3f} of vLLM's, client CPU {f['client_ratio']:.3f} (<= 1/20: "
-            f"{'met' if max(f['server_ratio'], f['client_ratio']) <= 0.05 else 'NOT met'})"
+            f"T14 {name}: field {f['field_bytes']} B (<= 1,024: {met(f['field_bytes'] <= 1024)})"
+            f"; server CPU {f['server_ratio']:.3f} of vLLM's, client CPU "
+            f"{f['client_ratio']:.3f} (<= 1/20: "
+            f"{met(max(f['server_ratio'], f['client_ratio']) <= 0.05)})"
         )
         if "read_out" in f:
             line += (
                 f"; a full read with out= {f['read_out']:.2f}x the memcpy floor (<= 1.5x: "
-                f"{'met' if f['read_out'] <= 1.5 else 'NOT met'}; views copied one by one "
+                f"{met(f['read_out'] <= 1.5)}; views copied one by one "
                 f"{f['read_views']:.2f}x, {f['read_views_pieces']:.2f}x the same copies)"
             )
         lines.append(line)
