@@ -435,9 +435,14 @@ impl<W: Work, K: Keep> Writer<W, K> {
 
     /// For tests: waits for the queue when puts are synchronous.
     pub fn settle_if_synchronous(&self) {
-        if self.synchronous.load(Ordering::Relaxed) {
+        if self.is_synchronous() {
             self.wait_idle();
         }
+    }
+
+    /// For tests: whether each put returns once its job is applied.
+    pub fn is_synchronous(&self) -> bool {
+        self.synchronous.load(Ordering::Relaxed)
     }
 
     /// Waits until every queued job is applied.

@@ -293,8 +293,12 @@ impl NativeWriter {
         self.raise_if_failed(py).expect_err("just latched")
     }
 
+    /// For tests (`_synchronous`): waits for the queue with the GIL released; a plain put
+    /// keeps the GIL (releasing it costs every put, and getting it back can cost 5 ms).
     fn settle_if_synchronous(&self, py: Python<'_>) {
-        detach(py, |_| self.shared.writer.settle_if_synchronous());
+        if self.shared.writer.is_synchronous() {
+            detach(py, |_| self.shared.writer.wait_idle());
+        }
     }
 
     /// Waits until every queued job is applied, with the GIL released.
