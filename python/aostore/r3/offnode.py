@@ -491,6 +491,11 @@ def connect_publisher(arena: Arena, config: MooncakeConfig, *, setting: str) -> 
     return publisher
 
 
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14: fault pages in writable without changing what they hold (``layouts`` has its
+own: it imports the reader, which imports this module)."""
+
+
 def commit_segment(client: Any, replicate: Any, probe: str, nbytes: int) -> int:
     """Commits the pages of ``client``'s segment at start, as the arena's are, so that no put
     faults them in one at a time (a put of a 6 MB sample into fresh segment pages cost 5 ms of
@@ -499,8 +504,6 @@ def commit_segment(client: Any, replicate: Any, probe: str, nbytes: int) -> int:
     the address, and the pages from there to the segment's end, within that mapping, are
     committed. Best effort: the bytes committed, 0 where any step is refused."""
     import ctypes
-
-    from .layouts import MADV_POPULATE_WRITE  # here: layouts imports the reader, which imports us
 
     mark = np.zeros(fmt.PAGE, np.uint8)
     try:
