@@ -15,7 +15,7 @@ The requests (seeded sampling, token prompts, no tokenizer): ``n`` = 2; a one-to
 conversation whose second turn re-sends the first turn's prompt and answer (a prefix-cache
 hit: its rows are read back from vLLM's store); a request aborted by its caller after four
 tokens, and its resumption from those tokens (verl's partial rollout). Each entry: what, the
-choice's index, its token ids, whether it finished, the prompt's
+choice's index, its prompt's length, its token ids, whether it finished, the prompt's
 tokens found in the prefix cache, its field (None where vLLM gave none).
 """
 
@@ -102,6 +102,7 @@ async def run(model: Path, out: Path) -> None:
                 {
                     "what": what,
                     "index": index,
+                    "prompt_tokens": len(prompt),
                     "token_ids": list(choice.token_ids),
                     "finished": choice.finished(),
                     "cached_tokens": cached,

@@ -366,8 +366,9 @@ other_node.become_another_node()  # first: it needs a process of one thread
 """
 
 
-def client(script: str, references: list[str], mooncake: Path | None = None) -> Any:
-    """What ``script``, run in a process of its own, prints as JSON for ``references``; with
+def client(script: str, references: Any, mooncake: Path | None = None) -> Any:
+    """What ``script``, run in a process of its own, prints as JSON for ``references`` (JSON on
+    its stdin: a list of references, or what the script reads); with
     ``mooncake`` (a reader's config file, ``AOSTORE_R3_MOONCAKE``), in another node's view
     (``tests/support/other_node.py``: no arena of this node's ``/dev/shm``, another boot id),
     so every reference is read through Mooncake."""

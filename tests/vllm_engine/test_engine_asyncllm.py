@@ -14,6 +14,7 @@ the engine's environment; otherwise skips and says why.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -39,11 +40,13 @@ import numpy as np  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import tiny_moe  # noqa: E402
-from serve import SUPPORT, decoded_rows, fetch_elsewhere  # noqa: E402
+from serve import SUPPORT, client, decoded_rows, fetch_elsewhere  # noqa: E402
 
 sys.path.insert(0, str(SUPPORT))
+import frameworks  # noqa: E402
 import mooncake_util  # noqa: E402
 import other_node  # noqa: E402
+import torch  # noqa: E402
 
 for _missing in (mooncake_util.missing_reason(), other_node.missing_reason()):
     if _missing is not None:
@@ -120,6 +123,7 @@ def runs(served_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
             got["reference"] = ours.outputs
             fields = [o["routed_experts"] for o in ours.outputs if o["routed_experts"]]
             got["fetched"] = fetch_elsewhere(fields, reader)
+            got["layouts"] = client(LAYOUTS, layout_calls(ours.outputs), reader)
         finally:
             got["reference.log"] = ours.end()
     return got
@@ -160,3 +164,141 @@ def test_asyncllm_in_process_hands_references_another_node_reads_as_vllms_rows(
         ran = runs[f"{arm}.log"].split("\nwritten\n")[0]
         assert "Traceback" not in ran, ran[-3000:]
     assert "R3 by reference on (default reference" in runs["reference.log"]
+
+
+# Issue 50 item 4: the trainers' layouts from the real engine's outputs. aostore's one call,
+# made in the process on "another node" from the references, against each framework's own code
+# (tests/support/frameworks.py) run here on vLLM's rows.
+
+SAMPLES = [("n=2", 0), ("n=2", 1), ("one token", 0), ("turn 2", 0), ("resumed", 0)]
+VERL_PROMPT_WIDTH, VERL_RESPONSE_WIDTH = 40, 32
+NEMO_EXTRA_TOKENS = [1, 3, 0, 1, 1]  # tokens past the rows: 1 complete, 3 two missing, 0 surplus
+NEMO_PADDED = 64
+SKYRL_MOE_LAYERS = [1]  # the tiny model's layer 0 stands for a dense one
+SKYRL_SUFFIX = [0, 3, 0, 0, 5]  # tokens past the rows the engine did not route (packed)
+
+LAYOUTS = """
+import base64, json, sys
+import numpy as np
+from aostore import r3
+
+calls = json.load(sys.stdin)
+
+
+def samples(items):
+    return [[tuple(s) for s in item] if isinstance(item, list) else item for item in items]
+
+
+made = {}
+for name, call in calls.items():
+    kind = call.pop("kind")
+    call["samples"] = samples(call["samples"])
+    call["dtype"] = np.dtype(call["dtype"])
+    routes = (r3.padded if kind == "padded" else r3.packed)(**call)
+    made[name] = [str(routes.routes.dtype), list(routes.routes.shape),
+                  base64.b64encode(routes.routes.tobytes()).decode()]
+    if kind == "packed":
+        made[name + " cu_seqlens"] = [int(x) for x in routes.cu_seqlens]
+json.dump(made, sys.stdout)
+"""
+
+
+def layout_calls(outputs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The ``aostore.r3`` calls, as JSON, for the references in ``outputs``."""
+    by = by_choice(outputs)
+    fields = [by[key]["routed_experts"] for key in SAMPLES]
+    prompts = [by[key]["prompt_tokens"] for key in SAMPLES]
+    # vLLM's rows: one per token of the sequence but the last.
+    lengths = [by[key]["prompt_tokens"] + len(by[key]["token_ids"]) - 1 for key in SAMPLES]
+    first = by[("turn 1", 0)]
+    first_rows = first["prompt_tokens"] + len(first["token_ids"]) - 1
+    verl = list(fields)
+    verl[3] = [[first["routed_experts"], 0, None], [fields[3], first_rows, None]]
+    tokens = [n + extra for n, extra in zip(lengths, NEMO_EXTRA_TOKENS, strict=True)]
+    return {
+        "verl": {
+            "kind": "padded",
+            "samples": verl,
+            "length": VERL_PROMPT_WIDTH + VERL_RESPONSE_WIDTH,
+            "offsets": [
+                VERL_PROMPT_WIDTH - p for p in [*prompts[:3], first["prompt_tokens"], prompts[4]]
+            ],
+            "dtype": "int16",
+        },
+        "nemo-rl": {
+            "kind": "padded",
+            "samples": fields,
+            "length": NEMO_PADDED,
+            "valid_lengths": [min(max(v - 1, 0), NEMO_PADDED) for v in tokens],
+            "drop_surplus": 1,
+            "dtype": "int8",
+            "missing_route": frameworks.MISSING_ROUTE,
+            "pad": "arange",
+        },
+        "skyrl padded": {
+            "kind": "padded",
+            "samples": fields,
+            "length": max(lengths),
+            "offsets": [max(lengths) - n for n in lengths],
+            "dtype": "int32",
+            "layers": SKYRL_MOE_LAYERS,
+            "pad": "arange",
+        },
+        "skyrl packed": {
+            "kind": "packed",
+            "samples": fields,
+            "lengths": [n + extra for n, extra in zip(lengths, SKYRL_SUFFIX, strict=True)],
+            "dtype": "int32",
+            "layers": SKYRL_MOE_LAYERS,
+            "fill": "arange",
+        },
+    }
+
+
+def made(runs: dict[str, Any], name: str) -> np.ndarray:
+    dtype, shape, data = runs["layouts"][name]
+    return np.frombuffer(base64.b64decode(data), np.dtype(dtype)).reshape(shape)
+
+
+def vllms_rows(runs: dict[str, Any], key: tuple[str, int]) -> np.ndarray:
+    return decoded_rows(by_choice(runs["vllm"])[key]["routed_experts"])
+
+
+def test_verls_padded_int16_with_a_stitched_rollout_from_a_real_engine(runs) -> None:
+    """verl's layout; the second turn stands for a resumed rollout (its prompt is the first
+    turn's prompt and answer): the first segment's rows, then the resumed one's past them."""
+    by = by_choice(runs["vllm"])
+    rows = [vllms_rows(runs, key) for key in SAMPLES]
+    rows[3] = frameworks.verl_stitch(vllms_rows(runs, ("turn 1", 0)), rows[3])
+    prompts = [by[key]["prompt_tokens"] for key in SAMPLES]
+    prompts[3] = by[("turn 1", 0)]["prompt_tokens"]
+    want = frameworks.verl_way(rows, prompts, VERL_PROMPT_WIDTH, VERL_RESPONSE_WIDTH)
+    got = made(runs, "verl")
+    assert got.dtype == np.int16 and got.shape == tuple(want.shape)
+    assert got.tobytes() == want.numpy().tobytes()
+
+
+def test_nemo_rls_three_regions_from_a_real_engine(runs) -> None:
+    rows = [vllms_rows(runs, key) for key in SAMPLES]
+    want = torch.stack(
+        [
+            frameworks.nemo_rl_way(
+                None, r, len(r) + extra, NEMO_PADDED, torch.int8, require_complete=True
+            )
+            for r, extra in zip(rows, NEMO_EXTRA_TOKENS, strict=True)
+        ]
+    )
+    got = made(runs, "nemo-rl")
+    assert got.dtype == np.int8 and got.shape == tuple(want.shape)
+    assert got.tobytes() == want.numpy().tobytes()
+    assert (got == frameworks.MISSING_ROUTE).any()  # the sample with routes missing
+
+
+def test_skyrls_padded_and_packed_from_a_real_engine(runs) -> None:
+    rows = [vllms_rows(runs, key) for key in SAMPLES]
+    want = frameworks.skyrl_padded_way(rows, SKYRL_MOE_LAYERS)
+    assert made(runs, "skyrl padded").tobytes() == want.numpy().tobytes()
+    lengths = [len(r) + extra for r, extra in zip(rows, SKYRL_SUFFIX, strict=True)]
+    packed, cu_seqlens = frameworks.skyrl_packed_way(rows, lengths, SKYRL_MOE_LAYERS)
+    assert made(runs, "skyrl packed").tobytes() == packed.numpy().tobytes()
+    assert runs["layouts"]["skyrl packed cu_seqlens"] == cu_seqlens.tolist()

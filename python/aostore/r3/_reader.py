@@ -629,6 +629,11 @@ class Reader:
                     if slot not in arena.leased:
                         leases.lock(arena.lock_fd, slot, leases.UNLOCK)
 
+    @property
+    def reads_other_nodes(self) -> bool:
+        """Whether this reader has a Mooncake client for other nodes' references."""
+        return self._offnode is not None
+
     def close(self) -> None:
         """Close every arena this reader opened; fetching again is an error. Views still alive
         keep their leases until they go."""

@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 
 from .._native import widen_routes
-from . import errors, leases
+from . import errors, leases, offnode
 from . import format as fmt
 from ._reader import STREAM_FROM, Reader, process_reader
 
@@ -224,12 +224,12 @@ def packed(
 class _Plan:
     """A batch's segments, row shape and each sample's place in the output."""
 
-    def __init__(self, samples: Sequence[Any], report: bool) -> None:
+    def __init__(self, samples: Sequence[Any], report: bool, other_nodes: bool) -> None:
         self.segments: list[_Segment] = []
         self.missing: dict[int, errors.R3Error] = {}
         for i, sample in enumerate(samples):
             try:
-                self.segments.extend(_segments_of(i, sample))
+                self.segments.extend(_segments_of(i, sample, other_nodes))
             except errors.R3Error as error:
                 if not report or isinstance(error, errors.BadLayout):
                     raise
@@ -303,8 +303,9 @@ def _per_sample(name: str, value: int | Sequence[int], n: int) -> list[int]:
     return values
 
 
-def _segments_of(i: int, sample: Any) -> list[_Segment]:
-    """A sample as its segments, each source parsed (a reference's node checked)."""
+def _segments_of(i: int, sample: Any, other_nodes: bool) -> list[_Segment]:
+    """A sample as its segments, each source parsed (a reference's node checked where the
+    reader cannot read other nodes': ``other_nodes`` false)."""
     if isinstance(sample, (list, tuple)):
         parts = []
         for part in sample:
@@ -324,10 +325,15 @@ def _segments_of(i: int, sample: Any) -> list[_Segment]:
             item = fmt.parse(source)
         except TypeError as error:
             raise errors.BadLayout(str(error), i) from None
-        if item.dtype.names is not None and fmt.ident(item["boot"]) != leases.boot_id():
+        if (
+            not other_nodes
+            and item.dtype.names is not None
+            and fmt.ident(item["boot"]) != leases.boot_id()
+        ):
             raise errors.OtherNode(
                 f"sample {i}: a reference from another node (or an earlier boot of this one): "
-                "its rows are in that node's shared memory"
+                f"its rows are in that node's shared memory; set {offnode.SETTING} (a Mooncake "
+                "client config) to read them through Mooncake"
             )
         # start and stop count rows as fetch's start does: as vLLM sent them (a later turn's
         # reference holds its rows from its token_start on).
@@ -445,7 +451,8 @@ def _make(
         raise errors.BadLayout(f"a dtype of {', '.join(DTYPES)}, not {target}")
     if num_experts is not None and num_experts <= 0:
         raise errors.BadLayout(f"num_experts {num_experts}")
-    plan = _Plan(samples, missing == "report")
+    reader = reader or process_reader()
+    plan = _Plan(samples, missing == "report", reader.reads_other_nodes)
     if plan.row is None:
         raise errors.BadLayout("no sample has rows: the row shape is unknown")
     layer_count, top_k = plan.row
@@ -462,7 +469,7 @@ def _make(
 
     fetched = contextlib.ExitStack()  # the batches' leases, ended when the layout is made
     try:
-        _read(plan, reader or process_reader(), missing == "report", fetched)
+        _read(plan, reader, missing == "report", fetched)
         for segment in plan.segments:
             if segment.sample in plan.missing:
                 continue
@@ -521,13 +528,19 @@ def _check_each_layer(
 
 def _read(plan: _Plan, reader: Reader, report: bool, fetched: contextlib.ExitStack) -> None:
     """Give each segment its rows: vLLM's where they are, references' as views of one fetch
-    per arena (kept leased in ``fetched`` until the layout is written)."""
+    per arena of this node (kept leased in ``fetched`` until the layout is written), and
+    other nodes' in one fetch, one Mooncake batch (``OtherNode`` where the reader has no
+    Mooncake client)."""
+    here = leases.boot_id()
     by_arena: dict[bytes, list[_Segment]] = {}
     for segment in plan.segments:
-        if segment.source.dtype.names is None:
-            segment.rows = segment.source
+        source = segment.source
+        if source.dtype.names is None:
+            segment.rows = source
         else:
-            by_arena.setdefault(fmt.ident(segment.source["arena"]), []).append(segment)
+            elsewhere = fmt.ident(source["boot"]) != here
+            key = b"other nodes" if elsewhere else fmt.ident(source["arena"])
+            by_arena.setdefault(key, []).append(segment)
     for group in by_arena.values():
         while group:
             try:
