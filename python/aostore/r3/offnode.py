@@ -108,6 +108,13 @@ def marker_key(prefix: str, arena: bytes) -> str:
     return f"{prefix}aostore-r3/{arena.hex()}/marker"
 
 
+def settled_key(prefix: str, arena: bytes) -> str:
+    """The arena's settled generation (8 bytes, little-endian): every reference of this arena
+    whose generation is at most it has been put, or will never be (its slot went first). A
+    reader waits for a missing object only above it: below, the object is gone."""
+    return f"{prefix}aostore-r3/{arena.hex()}/settled"
+
+
 def read_key(prefix: str, arena: bytes, slot: int, generation: int) -> str:
     """The key an off-node reader puts once it has read a reference's rows: the read channel
     (Mooncake tells no one of reads), which the frontend's publisher polls."""
@@ -267,10 +274,12 @@ class OffNodeReader:
                 arenas = sorted({items[i][0][0] for i in missing})
                 markers = client.batch_is_exist([marker_key(self.prefix, a) for a in arenas])
                 known = {a for a, code in zip(arenas, markers, strict=True) if code == 1}
+                settled = self._settled(client, sorted(known))
                 missing = [
                     i
                     for i in missing
-                    if items[i][0][0] in known or codes[i] == REPLICA_IS_NOT_READY
+                    if codes[i] == REPLICA_IS_NOT_READY
+                    or (items[i][0][0] in known and items[i][0][2] > settled.get(items[i][0][0], 0))
                 ]
                 deadline = time.monotonic() + self.wait
                 while missing and time.monotonic() < deadline:
@@ -306,6 +315,20 @@ class OffNodeReader:
                 )
             got[(arena, slot, generation, nbytes)] = rows[items[i][0]]
         return got
+
+    def _settled(self, client: Any, arenas: list[bytes]) -> dict[bytes, int]:
+        """Each arena's settled generation where its publisher announced one: a missing object
+        at or below it is gone, not in flight (an arena without one: any may be in flight)."""
+        get = getattr(client, "get", None)
+        found: dict[bytes, int] = {}
+        if get is None:
+            return found
+        for arena in arenas:
+            with contextlib.suppress(Exception):
+                raw = get(settled_key(self.prefix, arena))
+                if len(raw) == 8:
+                    found[arena] = int(np.frombuffer(raw, "<u8")[0])
+        return found
 
     def _register(self, client: Any, buffers: list[np.ndarray]) -> list[int]:
         """Registers the read's destinations where the transport needs it (RDMA; TCP reads
@@ -587,6 +610,11 @@ class Publisher:
         self._again_put: set[tuple[int, int]] = set()  # republications under way
         self._dropping: set[tuple[str, tuple[int, int]]] = set()  # read/renewal objects
         self._marked = False  # the marker is in Mooncake (as far as this publisher knows)
+        # The generations handed over and not settled (put, or never to be: the slot went
+        # first), and the highest handed over: what the settled object announces.
+        self._open: set[int] = set()
+        self._handed = 0
+        self._announced: int | None = None  # the settled value Mooncake has, as far as known
         self._marker_config = replicate_config()
         self._marker_config.with_hard_pin = True
         self._marker_config.replica_num = 1
@@ -610,6 +638,8 @@ class Publisher:
     def published(self, slot: int, generation: int, nbytes: int) -> None:
         with self._cond:
             self._puts.append((slot, generation, nbytes))
+            self._open.add(generation)
+            self._handed = max(self._handed, generation)
             self._cond.notify()
 
     def given_up(self, slot: int, generation: int) -> None:
@@ -720,8 +750,10 @@ class Publisher:
         with self._cond:
             self._later.append((time.monotonic() + self._retry, what, args))
             while len(self._later) > MAX_WAITING:
-                self._later.popleft()
+                _, dropped, entry = self._later.popleft()
                 self.stats.dropped += 1
+                if dropped == "put":
+                    self._open.discard(entry[1])  # never to be put: settled
 
     def _failed(self, what: str, detail: str) -> None:
         """One WARNING per outage: from the first failure to the next success."""
@@ -761,11 +793,13 @@ class Publisher:
                         self._again("put", (slot, generation, nbytes))
                     else:
                         self.stats.gone_before_put += 1
+                        self._settle(generation)
                     continue
                 held.append(slot)
                 record = arena._slots[slot]
                 if int(record["generation"]) != generation:
                     self.stats.gone_before_put += 1
+                    self._settle(generation)
                     continue
                 made = header(arena.id, slot, generation, nbytes)
                 headers.append(made)
@@ -794,6 +828,7 @@ class Publisher:
         for entry, code in zip(entries, codes, strict=True):
             if code in (0, OBJECT_ALREADY_EXISTS):
                 self.stats.published += 1
+                self._settle(entry[1])
                 if entry[:2] in self._again_put:
                     self._again_put.discard(entry[:2])
                     self.stats.republished += 1
@@ -854,10 +889,14 @@ class Publisher:
                 for (slot, generation), nbytes in self._held.items():
                     self._puts.append((slot, generation, nbytes))
                     self._again_put.add((slot, generation))
+                    self._open.add(generation)  # not settled until put again
             self._held.clear()
             self._unread.clear()
             self._marked = False
+            self._announced = None  # the restarted master has no settled object either
             return
+        if found[0] == 1:
+            self._announce()
         if found[0] == 0 and not self._marked:
             self._mark()
         if renewed:
@@ -883,6 +922,28 @@ class Publisher:
         # the rows making way (counting first let a deliver race the log).
         self.stats.read_offnode += len(read)
         self._unmark(read)
+
+    def _settle(self, generation: int) -> None:
+        with self._cond:
+            self._open.discard(generation)
+
+    def _announce(self) -> None:
+        """Upsert the settled generation where it moved (once a poll, with the marker seen in
+        the same poll: a value put on a master that restarted since would vouch for
+        republications not yet made). The value only grows between restarts, so one Mooncake
+        refused (an object under a reader's lease) is a value behind: readers wait longer,
+        never shorter."""
+        upsert = getattr(self._client, "upsert", None)
+        if upsert is None:
+            return  # readers wait by the marker alone
+        with self._cond:
+            settled = min(self._open) - 1 if self._open else self._handed
+        if settled == self._announced:
+            return
+        value = np.array([settled], "<u8").tobytes()
+        name = settled_key(self.prefix, self._arena.id)
+        if upsert(name, value, self._marker_config) == 0:
+            self._announced = settled
 
     def _mark(self) -> None:
         """Put the arena's marker (hard-pinned: the master never evicts it)."""
@@ -947,6 +1008,7 @@ class Publisher:
             self._unread.pop(entry, None)
             self._held.pop(entry, None)
             self._again_put.discard(entry)
+            self._settle(entry[1])
         if not removes:
             return
         names = [key(self.prefix, self._arena.id, slot, gen) for slot, gen in removes]
