@@ -29,6 +29,7 @@ from aostore.r3 import format as fmt
 from aostore.r3 import leases, offnode
 from aostore.r3.arena import Arena
 from mooncake_fakes import require_mooncake
+from other_node import elsewhere
 
 ROW = (46, 8)
 PREFIX = "r3-test/"  # the publisher's and the reader's key_prefix (each arena's keys are its own)
@@ -36,21 +37,6 @@ PREFIX = "r3-test/"  # the publisher's and the reader's key_prefix (each arena's
 
 def rows(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 128, (n, *ROW)).astype(np.uint8)
-
-
-def elsewhere(reference: np.ndarray) -> np.ndarray:
-    """The reference as a reader on another node holds it (another boot id)."""
-    moved = reference.copy()
-    moved["boot"] = np.frombuffer(b"another-node-id!", np.uint8)
-    return moved
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mooncake_util.Cluster]:
-    """A master and no segment holder: the frontend's client holds the only segment."""
-    require_mooncake()
-    with mooncake_util.cluster(tmp_path_factory.mktemp("r3"), holder_segment=None) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")
