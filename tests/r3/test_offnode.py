@@ -40,6 +40,14 @@ def rows(n: int, seed: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mooncake_util.Cluster]:
+    """A master and no segment holder: the frontend's client holds the only segment."""
+    require_mooncake()
+    with mooncake_util.cluster(tmp_path_factory.mktemp("r3"), holder_segment=None) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
 def frontend_client(cluster: mooncake_util.Cluster) -> Iterator[Any]:
     client = connect(cluster.config(global_segment_size="32MB"))
     yield client

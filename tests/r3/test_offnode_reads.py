@@ -30,6 +30,14 @@ def rows(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 128, (n, 6, 4)).astype(np.uint8)
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mooncake_util.Cluster]:
+    """A master and no segment holder: the frontend's client holds the only segment."""
+    require_mooncake()
+    with mooncake_util.cluster(tmp_path_factory.mktemp("r3"), holder_segment=None) as started:
+        yield started
+
+
 @pytest.fixture
 def frontend(cluster: mooncake_util.Cluster) -> Iterator[tuple[Arena, Any]]:
     client = connect(cluster.config(global_segment_size="16MB"))

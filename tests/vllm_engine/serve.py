@@ -4,7 +4,9 @@ node's view through Mooncake).
 
 The tests: ``test_engine_serve.py`` (aostore's transport and delivery by reference against
 vLLM's) and ``test_engine_serve_offnode.py`` (references read on "another node" through a
-Mooncake master on loopback). ``conftest.py`` runs vLLM's own arm once for both.
+Mooncake master on loopback). :func:`shared_model` and :func:`vllm_arm` build the model and run
+vLLM's own arm once a session for every module that asks (a module-level cache, not a
+``conftest.py``: the suites import ``conftest`` by name, and a second one would shadow it).
 """
 
 from __future__ import annotations
@@ -418,3 +420,34 @@ for reference in json.load(sys.stdin):
         outcomes.append(f"gone: {error}")
 json.dump(outcomes, sys.stdout)
 """
+
+
+_shared: dict[str, Any] = {}
+
+
+def shared_model(factory: Any) -> Path:
+    """The model, built once a session (``factory``: pytest's ``tmp_path_factory``)."""
+    if "model" not in _shared:
+        model = factory.mktemp("served") / "model"
+        build_model(model)
+        _shared["model"] = model
+    path: Path = _shared["model"]
+    return path
+
+
+def vllm_arm(factory: Any) -> dict[str, Any]:
+    """vLLM's arm (plugin off), once a session: ``exchange``'s bodies and the log up to its
+    end."""
+    if "vllm" not in _shared:
+        model = shared_model(factory)
+        log = factory.mktemp("vllm-arm") / "vllm.log"
+        server = Server(model, log, "0")
+        try:
+            _shared["vllm"] = {
+                "bodies": exchange(server),
+                "log": log.read_text(errors="replace"),
+            }
+        finally:
+            server.stop()
+    arm: dict[str, Any] = _shared["vllm"]
+    return arm

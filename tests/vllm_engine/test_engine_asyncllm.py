@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import tiny_moe  # noqa: E402
-from serve import SUPPORT, client, decoded_rows, fetch_elsewhere  # noqa: E402
+from serve import SUPPORT, client, decoded_rows, fetch_elsewhere, shared_model  # noqa: E402
 
 sys.path.insert(0, str(SUPPORT))
 import frameworks  # noqa: E402
@@ -100,7 +100,8 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def runs(served_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    served_model = shared_model(tmp_path_factory)
     work = tmp_path_factory.mktemp("asyncllm")
     got: dict[str, Any] = {}
     vllms = Run(served_model, work / "vllm.json", {"AOSTORE_VLLM_PLUGIN": "0"})

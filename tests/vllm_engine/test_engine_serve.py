@@ -63,6 +63,8 @@ from serve import (  # noqa: E402
     fetch_elsewhere,
     r3_metrics,
     references_in,
+    shared_model,
+    vllm_arm,
 )
 
 ARENA_PAGES = 48  # the reference arm's arena: its budget in 4 KiB pages
@@ -90,9 +92,8 @@ TRANSPORT_ON = _transport_on()
 
 
 @pytest.fixture(scope="module")
-def answers(
-    served_model: Path, vllm_answers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Any]]:
+def answers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    served_model, vllm_answers = shared_model(tmp_path_factory), vllm_arm(tmp_path_factory)
     work = tmp_path_factory.mktemp("serve")
     results: dict[str, Any] = {"vllm": vllm_answers["bodies"], "vllm.log": vllm_answers["log"]}
     # Room for the exchange's references and not many more (each takes a page), and unread

@@ -57,6 +57,8 @@ from serve import (  # noqa: E402
     fetch_elsewhere,
     r3_metrics,
     references_in,
+    shared_model,
+    vllm_arm,
 )
 
 sys.path.insert(0, str(SUPPORT))
@@ -107,9 +109,8 @@ def gone_everywhere(references: list[str], mooncake: Path) -> dict[str, list[str
 
 
 @pytest.fixture(scope="module")
-def run(
-    served_model: Path, vllm_answers: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Any]]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    served_model, vllm_answers = shared_model(tmp_path_factory), vllm_arm(tmp_path_factory)
     work = tmp_path_factory.mktemp("serve-offnode")
     got: dict[str, Any] = {"vllm": vllm_answers["bodies"]}
     flags = (f"--default_kv_lease_ttl={LEASE_MS}",)
